@@ -1,0 +1,226 @@
+/*
+ * kvconnect._native: the data-path loops that must not hold the GIL.
+ *
+ * sendv/recvv move a whole frame (many buffers) through a socket in one call: the GIL is released
+ * for the entire scatter/gather loop, so several stream threads overlap their I/O instead of taking
+ * turns on the interpreter for every syscall. copy is memcpy with the GIL released.
+ *
+ * Timeouts are stall timeouts: the call fails with TimeoutError when no byte moves for `timeout`
+ * seconds. Sockets may be blocking or non-blocking; EAGAIN waits in poll().
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <limits.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#define MAX_IOV 1024
+
+enum io_result { IO_OK = 0, IO_ERRNO = 1, IO_TIMEOUT = 2, IO_EOF = 3 };
+
+typedef struct {
+    Py_buffer *views;
+    struct iovec *iov;
+    Py_ssize_t count;
+} iov_set;
+
+static void iov_set_free(iov_set *set) {
+    if (set->views != NULL) {
+        for (Py_ssize_t i = 0; i < set->count; i++) {
+            PyBuffer_Release(&set->views[i]);
+        }
+    }
+    PyMem_Free(set->views);
+    PyMem_Free(set->iov);
+    set->views = NULL;
+    set->iov = NULL;
+    set->count = 0;
+}
+
+/* Acquire every buffer of `seq` (contiguous, writable when asked) and build the iovec array. */
+static int iov_set_init(iov_set *set, PyObject *seq, int writable) {
+    PyObject *fast = PySequence_Fast(seq, "buffers must be a sequence");
+    if (fast == NULL) {
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    set->count = 0;
+    set->views = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_buffer));
+    set->iov = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(struct iovec));
+    if (set->views == NULL || set->iov == NULL) {
+        Py_DECREF(fast);
+        iov_set_free(set);
+        PyErr_NoMemory();
+        return -1;
+    }
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, i), &set->views[i], flags) < 0) {
+            Py_DECREF(fast);
+            iov_set_free(set);
+            return -1;
+        }
+        set->count = i + 1;
+        set->iov[i].iov_base = set->views[i].buf;
+        set->iov[i].iov_len = (size_t)set->views[i].len;
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+static int wait_ready(int fd, short events, int timeout_ms) {
+    struct pollfd pfd = {.fd = fd, .events = events, .revents = 0};
+    for (;;) {
+        int rc = poll(&pfd, 1, timeout_ms);
+        if (rc > 0) {
+            return IO_OK;
+        }
+        if (rc == 0) {
+            return IO_TIMEOUT;
+        }
+        if (errno != EINTR) {
+            return IO_ERRNO;
+        }
+    }
+}
+
+/* Move every byte of iov[0..count) through fd; runs without the GIL. */
+static int vector_io(int fd, struct iovec *iov, Py_ssize_t count, int sending, int timeout_ms,
+                     int *err) {
+    Py_ssize_t first = 0;
+    while (first < count && iov[first].iov_len == 0) {
+        first++;
+    }
+    while (first < count) {
+        struct msghdr msg;
+        memset(&msg, 0, sizeof(msg));
+        msg.msg_iov = &iov[first];
+        msg.msg_iovlen = (size_t)((count - first) < MAX_IOV ? (count - first) : MAX_IOV);
+        ssize_t done = sending ? sendmsg(fd, &msg, MSG_NOSIGNAL) : recvmsg(fd, &msg, 0);
+        if (done < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                int rc = wait_ready(fd, sending ? POLLOUT : POLLIN, timeout_ms);
+                if (rc != IO_OK) {
+                    *err = errno;
+                    return rc;
+                }
+                continue;
+            }
+            *err = errno;
+            return IO_ERRNO;
+        }
+        if (done == 0 && !sending) {
+            return IO_EOF;
+        }
+        size_t left = (size_t)done;
+        while (first < count && left >= iov[first].iov_len) {
+            left -= iov[first].iov_len;
+            first++;
+        }
+        if (left > 0) {
+            iov[first].iov_base = (char *)iov[first].iov_base + left;
+            iov[first].iov_len -= left;
+        }
+        while (first < count && iov[first].iov_len == 0) {
+            first++;
+        }
+    }
+    return IO_OK;
+}
+
+static int timeout_to_ms(double timeout) {
+    if (timeout < 0) {
+        return -1;
+    }
+    double ms = timeout * 1000.0;
+    return ms > (double)INT_MAX ? INT_MAX : (int)ms;
+}
+
+static PyObject *vector_call(PyObject *args, int sending) {
+    int fd;
+    PyObject *buffers;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "iOd", &fd, &buffers, &timeout)) {
+        return NULL;
+    }
+    iov_set set;
+    if (iov_set_init(&set, buffers, !sending) < 0) {
+        return NULL;
+    }
+    int err = 0;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = vector_io(fd, set.iov, set.count, sending, timeout_to_ms(timeout), &err);
+    Py_END_ALLOW_THREADS
+    iov_set_free(&set);
+    switch (rc) {
+    case IO_OK:
+        Py_RETURN_NONE;
+    case IO_TIMEOUT:
+        PyErr_SetString(PyExc_TimeoutError, sending ? "send stalled" : "receive stalled");
+        return NULL;
+    case IO_EOF:
+        PyErr_SetString(PyExc_ConnectionResetError, "peer closed the connection");
+        return NULL;
+    default:
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+}
+
+static PyObject *native_sendv(PyObject *self, PyObject *args) {
+    (void)self;
+    return vector_call(args, 1);
+}
+
+static PyObject *native_recvv(PyObject *self, PyObject *args) {
+    (void)self;
+    return vector_call(args, 0);
+}
+
+static PyObject *native_copy(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*", &dst, &src)) {
+        return NULL;
+    }
+    if (dst.len != src.len) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        PyErr_Format(PyExc_ValueError, "copy: length mismatch (%zd != %zd)", dst.len, src.len);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    memmove(dst.buf, src.buf, (size_t)dst.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef native_methods[] = {
+    {"sendv", native_sendv, METH_VARARGS,
+     "sendv(fd, buffers, timeout) -> None\n\nSend every byte of every buffer; GIL released."},
+    {"recvv", native_recvv, METH_VARARGS,
+     "recvv(fd, buffers, timeout) -> None\n\nFill every buffer from the socket; GIL released."},
+    {"copy", native_copy, METH_VARARGS,
+     "copy(dst, src) -> None\n\nmemmove between equal-length buffers; GIL released."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "kvconnect._native",
+    .m_doc = "kvconnect's optional native data path.",
+    .m_size = -1,
+    .m_methods = native_methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }

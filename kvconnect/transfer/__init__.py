@@ -1,0 +1,49 @@
+"""The transfer engine: registered memory, segments, batched one-sided READ/WRITE.
+
+Typical use::
+
+    with TransferEngine(TransferConfig()) as engine:
+        region = engine.register(buffer)
+        batch = engine.submit(TransferOp.READ, [TransferRequest(region, 0, peer, 1, 0, n)])
+        statuses = batch.wait(timeout=5)
+"""
+
+from kvconnect.transfer.batch import TransferBatch
+from kvconnect.transfer.engine import TransferEngine
+from kvconnect.transfer.memory import MemoryKind, MemoryRegion
+from kvconnect.transfer.metadata import (
+    EmbeddedMetadata,
+    MetadataBackend,
+    P2PMetadata,
+    SegmentRegistry,
+)
+from kvconnect.transfer.segment import RegionInfo, SegmentDescriptor
+from kvconnect.transfer.stats import EngineStats, ListenerStats, TransportStats
+from kvconnect.transfer.transport import (
+    Capabilities,
+    TransferOp,
+    TransferRequest,
+    TransferStatus,
+    Transport,
+)
+
+__all__ = [
+    "Capabilities",
+    "EmbeddedMetadata",
+    "EngineStats",
+    "ListenerStats",
+    "MemoryKind",
+    "MemoryRegion",
+    "MetadataBackend",
+    "P2PMetadata",
+    "RegionInfo",
+    "SegmentDescriptor",
+    "SegmentRegistry",
+    "TransferBatch",
+    "TransferEngine",
+    "TransferOp",
+    "TransferRequest",
+    "TransferStatus",
+    "Transport",
+    "TransportStats",
+]

@@ -1,0 +1,303 @@
+"""Batches: per-request state, slices, deadlines.
+
+Threads: the submitting thread creates a batch; transport threads complete its slices; any thread
+may ``wait``. A request is *final* once it has a status other than PENDING and *settled* once,
+in addition, no transport thread touches its local memory any more ("pins"). ``wait`` returns
+only settled requests as final, so after it reports FAILED or TIMEOUT the caller may reuse the
+buffer: late bytes never land in it (a pinned stream is aborted at the deadline).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvconnect.errors import KVConnectError, TransferError, TransferTimeout
+from kvconnect.transfer.memory import MemoryRegion
+from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
+
+log = logging.getLogger(__name__)
+
+_SETTLE_GRACE = 5.0  # longest wait for pinned slices to let go after a deadline
+
+
+@dataclass(slots=True, eq=False)
+class Slice:
+    """A contiguous piece of one request, the unit transports move."""
+
+    batch: TransferBatch
+    index: int
+    local: MemoryRegion
+    local_offset: int
+    remote_region: int
+    remote_offset: int
+    length: int
+
+    def done(self, error: KVConnectError | None = None) -> None:
+        """Report this slice finished (``error`` None) or failed."""
+        self.batch._slice_done(self.index, error)
+
+    def pending(self) -> bool:
+        """Whether the request still waits for this slice (not yet final)."""
+        return self.batch._pending(self.index)
+
+    def pin(self, abort: Callable[[], None] | None = None) -> bool:
+        """Announce access to the local memory; False if the request is already final.
+
+        ``abort`` interrupts the access (e.g. shuts a socket) if the request's deadline passes.
+        """
+        return self.batch._pin(self.index, abort)
+
+    def unpin(self, abort: Callable[[], None] | None = None) -> None:
+        """End the access announced by :meth:`pin`."""
+        self.batch._unpin(self.index, abort)
+
+
+def make_slices(
+    batch: TransferBatch, index: int, request: TransferRequest, slice_bytes: int
+) -> list[Slice]:
+    """Cut ``request`` into slices of at most ``slice_bytes``."""
+    return [
+        Slice(
+            batch,
+            index,
+            request.local,
+            request.local_offset + start,
+            request.remote_region,
+            request.remote_offset + start,
+            min(slice_bytes, request.length - start),
+        )
+        for start in range(0, request.length, slice_bytes)
+    ]
+
+
+class TransferBatch:
+    """Handle of submitted requests; see the module docstring for threads and guarantees."""
+
+    def __init__(
+        self,
+        op: TransferOp,
+        requests: Sequence[TransferRequest],
+        deadline: float,
+        on_settle: Callable[[TransferRequest], None],
+    ) -> None:
+        count = len(requests)
+        self.op = op
+        self.requests = tuple(requests)
+        self.deadline = deadline
+        self._on_settle = on_settle
+        self._cond = threading.Condition()
+        self._status = [TransferStatus.PENDING] * count
+        self._errors: list[KVConnectError | None] = [None] * count
+        self._remaining = [0] * count
+        self._pins = [0] * count
+        self._aborts: dict[int, list[Callable[[], None]]] = {}
+        self._settled = [False] * count
+        self._unsettled = count
+
+    # ------------------------------------------------------------------------- caller side
+
+    def wait(self, timeout: float | None = None) -> tuple[TransferStatus, ...]:
+        """Block until every request settles or ``timeout`` passes; return the statuses.
+
+        Requests still PENDING when the batch deadline passes become TIMEOUT.
+        """
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                if self._unsettled == 0 or (end is not None and now >= end):
+                    return tuple(self._status)
+                pending = TransferStatus.PENDING in self._status
+                if not pending and now >= self.deadline + _SETTLE_GRACE:
+                    log.warning("batch settled late: transport threads still hold its memory")
+                    return tuple(self._status)
+                if not pending or now < self.deadline:
+                    wake = self.deadline if pending else self.deadline + _SETTLE_GRACE
+                    wake = max(wake, now + 0.001)
+                    self._cond.wait((wake if end is None else min(wake, end)) - now)
+                    continue
+            self._expire(now)
+
+    def done(self) -> bool:
+        """Whether every request has settled."""
+        with self._cond:
+            return self._unsettled == 0
+
+    @property
+    def statuses(self) -> tuple[TransferStatus, ...]:
+        """Current per-request statuses (without waiting)."""
+        with self._cond:
+            return tuple(self._status)
+
+    @property
+    def errors(self) -> tuple[KVConnectError | None, ...]:
+        """Per-request errors (None where the request did not fail)."""
+        with self._cond:
+            return tuple(self._errors)
+
+    def raise_for_status(self) -> None:
+        """Raise TransferError (TransferTimeout if any request timed out) unless all completed."""
+        statuses, errors = self.statuses, self.errors
+        bad = [i for i, s in enumerate(statuses) if s is not TransferStatus.COMPLETED]
+        if not bad:
+            return
+        first = bad[0]
+        kind = (
+            TransferTimeout
+            if any(statuses[i] is TransferStatus.TIMEOUT for i in bad)
+            else TransferError
+        )
+        raise kind(
+            f"{len(bad)} of {len(statuses)} {self.op.value} request(s) did not complete; "
+            f"request {first}: {statuses[first].value}: {errors[first]}",
+            statuses=statuses,
+            errors=errors,
+        ) from errors[first]
+
+    def cancel(self) -> None:
+        """Mark every pending request CANCELED and stop touching its memory."""
+        self._finalize(TransferStatus.CANCELED, lambda: None)
+
+    # ----------------------------------------------------------------------- transport side
+
+    def _expect(self, index: int, slices: int) -> None:
+        with self._cond:
+            self._remaining[index] = slices
+
+    def _slice_done(self, index: int, error: KVConnectError | None) -> None:
+        with self._cond:
+            if self._status[index] is TransferStatus.PENDING:
+                if error is not None:
+                    self._status[index] = TransferStatus.FAILED
+                    self._errors[index] = error
+                else:
+                    self._remaining[index] -= 1
+                    if self._remaining[index] == 0:
+                        self._status[index] = TransferStatus.COMPLETED
+            settled = self._settle_locked(index)
+        if settled:
+            self._on_settle(self.requests[index])
+
+    def _fail(self, index: int, error: KVConnectError) -> None:
+        self._slice_done(index, error)
+
+    def _pending(self, index: int) -> bool:
+        with self._cond:
+            return self._status[index] is TransferStatus.PENDING
+
+    def _pin(self, index: int, abort: Callable[[], None] | None) -> bool:
+        with self._cond:
+            if self._status[index] is not TransferStatus.PENDING:
+                return False
+            self._pins[index] += 1
+            if abort is not None:
+                self._aborts.setdefault(index, []).append(abort)
+            return True
+
+    def _unpin(self, index: int, abort: Callable[[], None] | None) -> None:
+        with self._cond:
+            self._pins[index] -= 1
+            if abort is not None:
+                self._aborts[index].remove(abort)
+            settled = self._settle_locked(index)
+        if settled:
+            self._on_settle(self.requests[index])
+
+    def _expire(self, now: float) -> None:
+        if now >= self.deadline:
+            self._finalize(
+                TransferStatus.TIMEOUT,
+                lambda: TransferTimeout(f"{self.op.value} request missed its deadline"),
+            )
+
+    def _finalize(self, status: TransferStatus, error: Callable[[], KVConnectError | None]) -> None:
+        aborts: list[Callable[[], None]] = []
+        settled: list[int] = []
+        with self._cond:
+            for index, current in enumerate(self._status):
+                if current is not TransferStatus.PENDING:
+                    continue
+                self._status[index] = status
+                self._errors[index] = error()
+                aborts.extend(self._aborts.get(index, ()))
+                if self._settle_locked(index):
+                    settled.append(index)
+            self._cond.notify_all()
+        for abort in aborts:
+            abort()
+        for index in settled:
+            self._on_settle(self.requests[index])
+
+    def _settle_locked(self, index: int) -> bool:
+        if (
+            self._settled[index]
+            or self._status[index] is TransferStatus.PENDING
+            or self._pins[index]
+        ):
+            return False
+        self._settled[index] = True
+        self._unsettled -= 1
+        if self._unsettled == 0:
+            self._cond.notify_all()
+        return True
+
+    def __repr__(self) -> str:
+        statuses = self.statuses
+        counts = {s.value: statuses.count(s) for s in TransferStatus if s in statuses}
+        return f"TransferBatch({self.op.value}, {len(statuses)} requests, {counts})"
+
+
+class DeadlineWatch:
+    """One thread that times out batches nobody is waiting on, so their resources are freed."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, weakref.ref[TransferBatch]]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the watch thread."""
+        self._thread = threading.Thread(target=self._run, name="kvconnect-deadlines", daemon=True)
+        self._thread.start()
+
+    def add(self, batch: TransferBatch) -> None:
+        """Watch ``batch`` until its deadline."""
+        with self._cond:
+            heapq.heappush(self._heap, (batch.deadline, next(self._seq), weakref.ref(batch)))
+            if self._heap[0][2]() is batch:
+                self._cond.notify()
+
+    def close(self) -> None:
+        """Stop the thread. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                due: list[TransferBatch] = []
+                while self._heap and self._heap[0][0] <= now:
+                    batch = heapq.heappop(self._heap)[2]()
+                    if batch is not None:
+                        due.append(batch)
+                if not due:
+                    self._cond.wait(self._heap[0][0] - now if self._heap else None)
+                    continue
+            for batch in due:
+                batch._expire(now)

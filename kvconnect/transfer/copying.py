@@ -1,0 +1,105 @@
+"""Copy workers shared by the memcpy transports (same process, same host).
+
+Copies run on a small pool of threads so ``submit`` never blocks; each job moves a group of
+slices. Host-to-host copies go through the data path (GIL released with the native extension);
+anything touching device memory goes through the CUDA copier.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from kvconnect.errors import BrokenError, ClosedError, KVConnectError
+from kvconnect.transfer.batch import Slice
+from kvconnect.transfer.cuda import DeviceCopier
+from kvconnect.transfer.iov import DataPath
+from kvconnect.transfer.memory import MemoryKind, host_address
+from kvconnect.transfer.transport import TransferOp
+
+log = logging.getLogger(__name__)
+
+
+class CopyWorkers:
+    """A fixed pool of copy threads."""
+
+    def __init__(self, threads: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvconnect-copy")
+        self._closed = False
+
+    def run(self, job: Callable[[], None], slices: Sequence[Slice]) -> None:
+        """Run ``job`` on a worker; if that is impossible, fail ``slices`` with ClosedError."""
+        if not self._closed:
+            try:
+                self._pool.submit(_guarded, job, slices)
+                return
+            except RuntimeError:
+                pass
+        for piece in slices:
+            piece.done(ClosedError("engine closed"))
+
+    def close(self) -> None:
+        """Finish running jobs and stop. Idempotent."""
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=False)
+
+
+def _guarded(job: Callable[[], None], slices: Sequence[Slice]) -> None:
+    try:
+        job()
+    except Exception as exc:  # a worker must never die silently; fail what it was doing
+        log.exception("copy job failed")
+        error = exc if isinstance(exc, KVConnectError) else BrokenError(f"copy failed: {exc}")
+        for piece in slices:
+            piece.done(error)
+
+
+def group_slices(slices: Sequence[Slice], max_bytes: int) -> Iterator[list[Slice]]:
+    """Consecutive groups of about ``max_bytes`` (at least one slice each)."""
+    group: list[Slice] = []
+    size = 0
+    for piece in slices:
+        if group and size + piece.length > max_bytes:
+            yield group
+            group, size = [], 0
+        group.append(piece)
+        size += piece.length
+    if group:
+        yield group
+
+
+class Copier:
+    """Copies one slice between its local region and a remote host view or device address."""
+
+    def __init__(self, datapath: DataPath, device: Callable[[], DeviceCopier]) -> None:
+        self._datapath = datapath
+        self._device = device
+
+    def copy(
+        self,
+        op: TransferOp,
+        piece: Slice,
+        remote_view: memoryview | None,
+        remote_address: int,
+    ) -> None:
+        """Move ``piece`` (READ: remote → local, WRITE: local → remote).
+
+        ``remote_view`` is the remote bytes when they are host memory, else None and
+        ``remote_address`` is a device address.
+        """
+        local = piece.local
+        start, end = piece.local_offset, piece.local_offset + piece.length
+        if local.kind is MemoryKind.HOST and remote_view is not None:
+            if op is TransferOp.READ:
+                self._datapath.copy(local.view[start:end], remote_view)
+            else:
+                self._datapath.copy(remote_view, local.view[start:end])
+            return
+        local_address = local.address + start
+        if remote_view is not None:
+            remote_address = host_address(remote_view)
+        if op is TransferOp.READ:
+            self._device().copy(local_address, remote_address, piece.length)
+        else:
+            self._device().copy(remote_address, local_address, piece.length)

@@ -1,0 +1,461 @@
+"""TransferEngine: registered memory, a published segment, and batched one-sided READ/WRITE.
+
+Lifecycle: construct (no threads), ``register``/``allocate`` memory (before or after start),
+``start()`` (listener, transports and metadata come up), ``submit`` batches, ``close()``.
+
+Threads: ``submit`` never blocks on I/O: it validates, slices and queues; descriptor lookups of
+unknown segments run on resolver threads; bytes move on transport threads. Every method is
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+
+from kvconnect.config import TransferConfig
+from kvconnect.errors import (
+    AccessDenied,
+    ClosedError,
+    ConfigError,
+    InvalidRequest,
+    KVConnectError,
+    PeerUnreachable,
+)
+from kvconnect.transfer import local as local_registry
+from kvconnect.transfer.batch import DeadlineWatch, Slice, TransferBatch, make_slices
+from kvconnect.transfer.copying import Copier, CopyWorkers
+from kvconnect.transfer.cuda import DeviceCopier, default_copier
+from kvconnect.transfer.iov import select_datapath
+from kvconnect.transfer.listener import Listener
+from kvconnect.transfer.local import LocalTransport
+from kvconnect.transfer.memory import MemoryRegion, MemoryRegistry
+from kvconnect.transfer.metadata import (
+    EmbeddedMetadata,
+    MetadataBackend,
+    P2PMetadata,
+    SegmentDirectory,
+)
+from kvconnect.transfer.routing import choose_transport
+from kvconnect.transfer.segment import (
+    RegionInfo,
+    SegmentDescriptor,
+    host_identity,
+    process_identity,
+)
+from kvconnect.transfer.shm import ShmTransport
+from kvconnect.transfer.staging import StagingPool
+from kvconnect.transfer.stats import EngineStats, ListenerStats
+from kvconnect.transfer.tcp import TcpTransport
+from kvconnect.transfer.transport import TransferOp, TransferRequest, Transport
+
+log = logging.getLogger(__name__)
+
+_RESOLVER_THREADS = 4
+_COPY_JOB_SLICES = 4  # slices per copy job: amortizes hand-off cost, keeps threads busy
+
+
+class TransferEngine:
+    """Moves bytes between registered memory of this engine and peers' segments."""
+
+    def __init__(
+        self,
+        config: TransferConfig | None = None,
+        *,
+        metadata: MetadataBackend | None = None,
+        device_copier: DeviceCopier | None = None,
+    ) -> None:
+        """Create an engine (no threads, no sockets until :meth:`start`).
+
+        ``metadata`` overrides the backend chosen by ``config.metadata``; ``device_copier``
+        overrides the CUDA runtime used for device memory (tests inject a host-memory one).
+        """
+        self.config = config = config or TransferConfig()
+        if config.metadata == "p2p" and config.name is not None:
+            raise ConfigError("with p2p metadata the segment name is the listener's host:port")
+        self._metadata = metadata or (
+            P2PMetadata(config.token) if config.metadata == "p2p" else EmbeddedMetadata()
+        )
+        self._engine_id = uuid.uuid4().bytes
+        self._registry = MemoryRegistry()
+        self._directory = SegmentDirectory(self._metadata, config.connect_timeout)
+        self._device_copier = device_copier
+        self._lock = threading.Lock()
+        self._state = "new"
+        self._name = config.name or ""
+        self._listener: Listener | None = None
+        self._transports: dict[str, Transport] = {}
+        self._workers: CopyWorkers | None = None
+        self._resolver: ThreadPoolExecutor | None = None
+        self._watch = DeadlineWatch()
+        self._staging: StagingPool | None = None
+
+    # --------------------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Bind the listener, start transports and publish the segment. Idempotent."""
+        with self._lock:
+            if self._state == "started":
+                return
+            if self._state == "closed":
+                raise ClosedError("engine is closed")
+            self._state = "started"
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        log.info("transfer engine %s started (%s)", self._name, ", ".join(self._transports))
+
+    def _start(self) -> None:
+        cfg = self.config
+        datapath = select_datapath(cfg.native)
+        self._watch.start()
+        self._listener = Listener(
+            cfg, self._registry, self._describe, self._engine_id, datapath, self._staging_pool
+        )
+        self._listener.start()
+        if not self._name:
+            self._name = (
+                self._listener.endpoints["tcp"]
+                if cfg.metadata == "p2p"
+                else f"engine-{self._engine_id.hex()[:12]}"
+            )
+        self._workers = CopyWorkers(cfg.copy_threads)
+        copier = Copier(datapath, self._device)
+        job_bytes = cfg.slice_bytes * _COPY_JOB_SLICES
+        self._transports = {
+            "local": LocalTransport(copier, self._workers, job_bytes),
+            "shm": ShmTransport(cfg, copier, self._workers, job_bytes),
+            "tcp": TcpTransport(cfg, datapath, self._staging_pool, self._peer_lost),
+        }
+        self._resolver = ThreadPoolExecutor(_RESOLVER_THREADS, "kvconnect-resolve")
+        local_registry.publish(self._engine_id.hex(), self._registry)
+        self._metadata.start(self._directory.forget)
+        self._metadata.publish(self._describe())
+
+    def close(self) -> None:
+        """Withdraw the segment, fail queued work with ClosedError, stop threads. Idempotent."""
+        with self._lock:
+            previous, self._state = self._state, "closed"
+        if previous != "started":
+            return
+        local_registry.withdraw(self._engine_id.hex())
+        try:
+            self._metadata.withdraw(self._name)
+        finally:
+            self._metadata.close()
+        if self._listener is not None:
+            self._listener.close()
+        if self._resolver is not None:
+            self._resolver.shutdown(wait=True)
+        for transport in self._transports.values():
+            transport.close()
+        if self._workers is not None:
+            self._workers.close()
+        self._watch.close()
+        self._registry.close()
+        log.info("transfer engine %s closed", self._name)
+
+    def __enter__(self) -> TransferEngine:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_state", "closed") == "started":
+            warnings.warn(
+                f"TransferEngine {self._name} was not closed", ResourceWarning, stacklevel=1
+            )
+
+    # ------------------------------------------------------------------------------ segment
+
+    @property
+    def name(self) -> str:
+        """This engine's segment name (peers put it in their requests); set by start()."""
+        return self._name
+
+    @property
+    def segment(self) -> SegmentDescriptor:
+        """The descriptor peers see now."""
+        self._require_started()
+        return self._describe()
+
+    def _describe(self) -> SegmentDescriptor:
+        listener = self._listener
+        return SegmentDescriptor(
+            name=self._name,
+            engine_id=self._engine_id.hex(),
+            process_id=process_identity(),
+            host_id=host_identity(),
+            endpoints=dict(listener.endpoints) if listener is not None else {},
+            regions=tuple(
+                RegionInfo(r.id, r.length, r.kind.value, r.writable, r.shareable)
+                for r in self._registry.regions()
+            ),
+        )
+
+    # ------------------------------------------------------------------------------- memory
+
+    def register(self, buffer: object, *, writable: bool | None = None) -> MemoryRegion:
+        """Register memory for transfers and publish it in the segment.
+
+        ``buffer``: any C-contiguous buffer-protocol object (numpy, bytearray, mmap), a torch
+        CPU tensor, or CUDA memory exposing ``__cuda_array_interface__`` (torch, cupy). The
+        region keeps ``buffer`` alive until unregistered. ``writable=False`` refuses remote
+        WRITEs into it. Raises RegistrationError.
+        """
+        self._require_open()
+        region = self._registry.register(buffer, writable=writable)
+        self._republish()
+        return region
+
+    def allocate(self, nbytes: int) -> MemoryRegion:
+        """Allocate and register ``nbytes`` of pre-faulted shared memory (``region.view``).
+
+        Same-host peers reach such regions through shared memory (one copy, no involvement of
+        this engine); regions from :meth:`register` are reached over TCP from other processes.
+        """
+        self._require_open()
+        region = self._registry.allocate(nbytes)
+        self._republish()
+        return region
+
+    def unregister(self, region: MemoryRegion) -> None:
+        """Withdraw ``region``. RegionBusy while transfers use it; peers are refused after."""
+        self._registry.unregister(region)
+        self._republish()
+
+    def _republish(self) -> None:
+        if self._state == "started":
+            self._metadata.publish(self._describe())
+
+    # ---------------------------------------------------------------------------- transfers
+
+    def submit(
+        self,
+        op: TransferOp,
+        requests: Iterable[TransferRequest],
+        *,
+        timeout: float | None = None,
+    ) -> TransferBatch:
+        """Start a batch of READs or WRITEs; returns at once.
+
+        Every request must use a region registered with this engine as ``local``; the batch
+        holds it until the request settles. ``timeout`` (default ``request_timeout``) is the
+        deadline of every request. Raises InvalidRequest for malformed requests (nothing is
+        started then), ClosedError after close(). Remote refusals and failures are reported per
+        request by the batch.
+        """
+        self._require_started()
+        if not isinstance(op, TransferOp):
+            raise InvalidRequest(f"op must be a TransferOp, got {op!r}")
+        batch_requests = list(requests)
+        self._hold_local(op, batch_requests)
+        deadline = time.monotonic() + (self.config.request_timeout if timeout is None else timeout)
+        batch = TransferBatch(op, batch_requests, deadline, self._release_local)
+        self._watch.add(batch)
+        by_segment: dict[str, list[int]] = collections.defaultdict(list)
+        for index, request in enumerate(batch_requests):
+            by_segment[request.segment].append(index)
+        for segment, indices in by_segment.items():
+            descriptor = self._directory.cached(segment)
+            if descriptor is not None:
+                self._dispatch(descriptor, batch, indices, fresh=False)
+            else:
+                self._resolve_later(segment, batch, indices)
+        return batch
+
+    def transfer(
+        self,
+        op: TransferOp,
+        requests: Iterable[TransferRequest],
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Blocking :meth:`submit`: returns when all completed, else raises TransferError."""
+        batch = self.submit(op, requests, timeout=timeout)
+        batch.wait()
+        batch.raise_for_status()
+
+    def read(
+        self,
+        local: MemoryRegion,
+        local_offset: int,
+        segment: str,
+        remote_region: int,
+        remote_offset: int,
+        length: int,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Blocking READ of one range into ``local``; raises TransferError on failure."""
+        request = TransferRequest(
+            local, local_offset, segment, remote_region, remote_offset, length
+        )
+        self.transfer(TransferOp.READ, [request], timeout=timeout)
+
+    def write(
+        self,
+        local: MemoryRegion,
+        local_offset: int,
+        segment: str,
+        remote_region: int,
+        remote_offset: int,
+        length: int,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Blocking WRITE of one range from ``local``; raises TransferError on failure."""
+        request = TransferRequest(
+            local, local_offset, segment, remote_region, remote_offset, length
+        )
+        self.transfer(TransferOp.WRITE, [request], timeout=timeout)
+
+    def stats(self) -> EngineStats:
+        """Counters per transport and of the listener."""
+        listener = self._listener
+        return EngineStats(
+            transports={name: t.stats() for name, t in self._transports.items()},
+            listener=listener.stats() if listener is not None else ListenerStats(),
+        )
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _hold_local(self, op: TransferOp, requests: Sequence[TransferRequest]) -> None:
+        held: list[MemoryRegion] = []
+        try:
+            for request in requests:
+                _check_request(op, request)
+                if not self._registry.hold(request.local):
+                    raise InvalidRequest(
+                        f"local region {request.local.id} is not registered with this engine"
+                    )
+                held.append(request.local)
+        except BaseException:
+            for region in held:
+                self._registry.release(region)
+            raise
+
+    def _release_local(self, request: TransferRequest) -> None:
+        self._registry.release(request.local)
+
+    def _resolve_later(self, segment: str, batch: TransferBatch, indices: list[int]) -> None:
+        resolver = self._resolver
+        try:
+            if resolver is None or self._state != "started":
+                raise RuntimeError("closed")
+            resolver.submit(self._resolve_and_dispatch, segment, batch, indices)
+        except RuntimeError:
+            _fail(batch, indices, ClosedError("engine closed"))
+
+    def _resolve_and_dispatch(self, segment: str, batch: TransferBatch, indices: list[int]) -> None:
+        if self._state != "started":
+            _fail(batch, indices, ClosedError("engine closed"))
+            return
+        try:
+            descriptor = self._directory.resolve(segment)
+        except KVConnectError as exc:
+            _fail(batch, indices, exc)
+            return
+        except Exception as exc:  # any failure to look up is reported per request, not raised
+            _fail(batch, indices, PeerUnreachable(f"cannot resolve segment {segment}: {exc}"))
+            return
+        self._dispatch(descriptor, batch, indices, fresh=True)
+
+    def _dispatch(
+        self, peer: SegmentDescriptor, batch: TransferBatch, indices: list[int], *, fresh: bool
+    ) -> None:
+        me = self._describe()
+        routed: dict[str, list[Slice]] = collections.defaultdict(list)
+        unknown: list[int] = []
+        for index in indices:
+            request = batch.requests[index]
+            region = peer.region(request.remote_region)
+            if region is None:
+                unknown.append(index)
+                continue
+            try:
+                _check_remote(batch.op, request, region)
+                name = choose_transport(self.config.transport, me, peer, region)
+            except KVConnectError as exc:
+                batch._fail(index, exc)
+                continue
+            slices = make_slices(batch, index, request, self.config.slice_bytes)
+            batch._expect(index, len(slices))
+            routed[name].extend(slices)
+        if unknown and fresh:
+            _fail(batch, unknown, AccessDenied(f"segment {peer.name} has no such region"))
+        elif unknown:
+            # Regions registered after we cached the descriptor: look again once.
+            self._directory.forget(peer.name)
+            self._resolve_later(peer.name, batch, unknown)
+        for name, slices in routed.items():
+            self._transports[name].submit(peer, batch.op, slices)
+
+    def _peer_lost(self, peer: SegmentDescriptor) -> None:
+        self._directory.forget(peer.name)
+
+    def _device(self) -> DeviceCopier:
+        return self._device_copier or default_copier()
+
+    def _staging_pool(self) -> StagingPool:
+        with self._lock:
+            if self._staging is None:
+                self._staging = StagingPool(self._device(), self.config.slice_bytes)
+            return self._staging
+
+    def _require_open(self) -> None:
+        if self._state == "closed":
+            raise ClosedError("engine is closed")
+
+    def _require_started(self) -> None:
+        if self._state != "started":
+            raise ClosedError(
+                "engine is closed" if self._state == "closed" else "engine not started"
+            )
+
+
+def _fail(batch: TransferBatch, indices: Iterable[int], error: KVConnectError) -> None:
+    for index in indices:
+        batch._fail(index, error)
+
+
+def _check_request(op: TransferOp, request: TransferRequest) -> None:
+    if not isinstance(request, TransferRequest):
+        raise InvalidRequest(f"expected TransferRequest, got {type(request).__name__}")
+    if request.length <= 0:
+        raise InvalidRequest(f"length must be > 0, got {request.length}")
+    if request.local_offset < 0 or request.local_offset + request.length > request.local.length:
+        raise InvalidRequest(
+            f"local range [{request.local_offset}, {request.local_offset + request.length}) "
+            f"is outside region {request.local.id} of {request.local.length} bytes"
+        )
+    if request.remote_offset < 0:
+        raise InvalidRequest(f"remote_offset must be >= 0, got {request.remote_offset}")
+    if op is TransferOp.READ and not request.local.writable:
+        raise InvalidRequest(f"cannot READ into read-only region {request.local.id}")
+
+
+def _check_remote(op: TransferOp, request: TransferRequest, region: RegionInfo) -> None:
+    if request.remote_offset + request.length > region.length:
+        raise AccessDenied(
+            f"remote range [{request.remote_offset}, {request.remote_offset + request.length}) "
+            f"is outside region {region.id} of {region.length} bytes"
+        )
+    if op is TransferOp.WRITE and not region.writable:
+        raise AccessDenied(f"remote region {region.id} is read-only")

@@ -1,0 +1,326 @@
+"""The engine's listener: serves peers' READs and WRITEs into registered memory, and control calls.
+
+One TCP socket (the configured interface only) and, for same-host peers, one abstract Unix socket
+(which can also hand over shared-memory fds). One thread per connection; each request frame is
+validated against the registry before a byte moves, and a malformed frame closes only its own
+connection. Every blocking call has a timeout: ``idle_timeout`` between frames, ``io_timeout``
+within one.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+
+from kvconnect.config import TransferConfig
+from kvconnect.errors import AuthenticationError, KVConnectError, ProtocolError
+from kvconnect.transfer import wire
+from kvconnect.transfer.iov import DataPath
+from kvconnect.transfer.memory import MemoryKind, MemoryRegion, MemoryRegistry
+from kvconnect.transfer.segment import SegmentDescriptor, encode_descriptor
+from kvconnect.transfer.staging import HostWindow, StagingPool
+from kvconnect.transfer.stats import Counters, ListenerStats
+from kvconnect.transfer.wire import FrameKind, Status
+
+log = logging.getLogger(__name__)
+
+_DISCARD_CHUNK = 1 << 20
+
+
+class Listener:
+    """Accepts peers and serves them until :meth:`close`."""
+
+    def __init__(
+        self,
+        config: TransferConfig,
+        registry: MemoryRegistry,
+        describe: Callable[[], SegmentDescriptor],
+        engine_id: bytes,
+        datapath: DataPath,
+        staging: Callable[[], StagingPool],
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._describe = describe
+        self._engine_id = engine_id
+        self._datapath = datapath
+        self._staging = staging
+        self.counters = Counters(ListenerStats)
+        self._lock = threading.Lock()
+        self._servers: list[socket.socket] = []
+        self._connections: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        self._closed = False
+        self.endpoints: dict[str, str] = {}
+
+    def start(self) -> None:
+        """Bind and start accepting. Raises OSError if the address is taken."""
+        cfg = self._config
+        tcp = socket.create_server(
+            (cfg.listen_host, cfg.listen_port),
+            family=socket.AF_INET6 if ":" in cfg.listen_host else socket.AF_INET,
+            backlog=128,
+        )
+        self._servers.append(tcp)
+        port = tcp.getsockname()[1]
+        host = cfg.advertise_host or cfg.listen_host
+        self.endpoints["tcp"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if cfg.shm:
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            name = f"kvconnect-{self._engine_id.hex()}"
+            unix.bind("\0" + name)
+            unix.listen(128)
+            self._servers.append(unix)
+            self.endpoints["shm"] = "@" + name
+        for server in self._servers:
+            self._spawn(self._accept_loop, server, name="kvconnect-accept")
+
+    def close(self) -> None:
+        """Stop accepting, drop every connection, join threads. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            servers, self._servers = self._servers, []
+            connections = list(self._connections)
+        for sock in servers + connections:
+            wire.shutdown_quietly(sock)
+        for sock in servers:
+            sock.close()
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout=5)
+
+    def stats(self) -> ListenerStats:
+        """Counters since start."""
+        return self.counters.snapshot()
+
+    # ------------------------------------------------------------------------------ threads
+
+    def _spawn(self, target: Callable[..., None], *args: object, name: str) -> None:
+        thread = threading.Thread(target=self._run, args=(target, *args), name=name, daemon=True)
+        with self._lock:
+            if self._closed:
+                return
+            self._threads.add(thread)
+        thread.start()
+
+    def _run(self, target: Callable[..., None], *args: object) -> None:
+        try:
+            target(*args)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _accept_loop(self, server: socket.socket) -> None:
+        while True:
+            try:
+                conn, _addr = server.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._connections.add(conn)
+            self.counters.add(connections=1)
+            self._spawn(self._serve, conn, name="kvconnect-serve")
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire.server_handshake(
+                conn, self._config.token, self._engine_id, self._config.connect_timeout
+            )
+            _Session(self, conn).run()
+        except AuthenticationError as exc:
+            self.counters.add(auth_failures=1)
+            log.warning("refused a peer connection: %s", exc)
+        except KVConnectError as exc:
+            self.counters.add(protocol_errors=1)
+            log.debug("closing peer connection: %s", exc)
+        except (OSError, ValueError) as exc:
+            log.debug("peer connection ended: %s", exc)
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
+
+
+class _Session:
+    """One authenticated connection's request loop."""
+
+    def __init__(self, listener: Listener, conn: socket.socket) -> None:
+        self.listener = listener
+        self.conn = conn
+        self.config = listener._config
+        self.datapath = listener._datapath
+
+    def run(self) -> None:
+        header = bytearray(wire.HEADER.size)
+        while True:
+            if not _recv_header(self.conn, header, self.config):
+                return
+            kind, _status, count, aux, frame_id = wire.HEADER.unpack(header)
+            if kind in (FrameKind.READ, FrameKind.WRITE):
+                self._data_frame(FrameKind(kind), count, frame_id)
+            elif kind == FrameKind.CONTROL:
+                self._control(aux, frame_id)
+            else:
+                raise ProtocolError(f"unknown frame kind {kind}")
+            self.listener.counters.add(frames=1)
+
+    def _data_frame(self, kind: FrameKind, count: int, frame_id: int) -> None:
+        if not 0 < count <= wire.MAX_ENTRIES:
+            raise ProtocolError(f"frame with {count} entries")
+        flat = wire.unpack_entries(wire.recv_exact(self.conn, wire.ENTRY.size * count), count)
+        lengths = flat[2::3]
+        total = sum(lengths)
+        if total > self.config.max_frame_bytes:
+            raise ProtocolError(f"frame of {total} bytes exceeds max_frame_bytes")
+        status, regions = self._acquire(flat, write=kind == FrameKind.WRITE)
+        try:
+            if kind == FrameKind.WRITE:
+                self._serve_write(status, regions, flat, total, frame_id)
+            else:
+                self._serve_read(status, regions, flat, total, frame_id)
+        finally:
+            for region in regions:
+                self.listener._registry.release(region)
+
+    def _acquire(self, flat: tuple[int, ...], *, write: bool) -> tuple[Status, list[MemoryRegion]]:
+        registry = self.listener._registry
+        regions: list[MemoryRegion] = []
+        for i in range(0, len(flat), 3):
+            access, region = registry.acquire(flat[i], flat[i + 1], flat[i + 2], write=write)
+            if region is None:
+                self.listener.counters.add(refused=1)
+                log.debug("refused access to region %d: %s", flat[i], access.name)
+                return Status(access), regions
+            regions.append(region)
+        return Status.OK, regions
+
+    def _windows(self, regions: list[MemoryRegion], flat: tuple[int, ...]) -> list[HostWindow]:
+        staging = None
+        windows = []
+        for n, region in enumerate(regions):
+            if region.kind is not MemoryKind.HOST and staging is None:
+                staging = self.listener._staging()
+            windows.append(HostWindow(region, flat[3 * n + 1], flat[3 * n + 2], staging))
+        return windows
+
+    def _serve_write(
+        self,
+        status: Status,
+        regions: list[MemoryRegion],
+        flat: tuple[int, ...],
+        total: int,
+        frame_id: int,
+    ) -> None:
+        if status is not Status.OK:
+            self._discard(total)  # keep the stream in sync; nothing is written
+        else:
+            windows = self._windows(regions, flat)
+            try:
+                self.datapath.recvv(self.conn, [w.view for w in windows], self.config.io_timeout)
+                for window in windows:
+                    window.store()
+            finally:
+                for window in windows:
+                    window.close()
+            self.listener.counters.add(bytes_received=total)
+        self.conn.sendall(wire.HEADER.pack(FrameKind.RESPONSE, status, 0, 0, frame_id))
+
+    def _serve_read(
+        self,
+        status: Status,
+        regions: list[MemoryRegion],
+        flat: tuple[int, ...],
+        total: int,
+        frame_id: int,
+    ) -> None:
+        header = wire.HEADER.pack(FrameKind.RESPONSE, status, 0, 0, frame_id)
+        if status is not Status.OK:
+            self.conn.sendall(header)
+            return
+        windows = self._windows(regions, flat)
+        try:
+            for window in windows:
+                window.load()
+            views = [memoryview(header), *(w.view for w in windows)]
+            self.datapath.sendv(self.conn, views, self.config.io_timeout)
+        finally:
+            for window in windows:
+                window.close()
+        self.listener.counters.add(bytes_served=total)
+
+    def _discard(self, total: int) -> None:
+        scratch = memoryview(bytearray(min(total, _DISCARD_CHUNK)))
+        while total:
+            n = self.conn.recv_into(scratch[: min(total, scratch.nbytes)])
+            if n == 0:
+                raise ConnectionResetError("peer closed the connection")
+            total -= n
+
+    def _control(self, size: int, frame_id: int) -> None:
+        if size > wire.MAX_CONTROL_BYTES:
+            raise ProtocolError(f"control message of {size} bytes")
+        request = wire.decode_request(wire.recv_exact(self.conn, size))
+        fds: list[int] = []
+        held: MemoryRegion | None = None
+        if isinstance(request, wire.GetSegment):
+            reply: wire.ControlReply = wire.SegmentReply(
+                encode_descriptor(self.listener._describe())
+            )
+        else:
+            reply, held = self._region_fd(request.region_id)
+            if held is not None:
+                fds.append(held.shared_fd)
+        payload = wire.encode_control(reply)
+        data = wire.HEADER.pack(FrameKind.RESPONSE, 0, 0, len(payload), frame_id) + payload
+        try:
+            if fds:
+                socket.send_fds(self.conn, [data], fds)
+            else:
+                self.conn.sendall(data)
+        finally:
+            if held is not None:
+                self.listener._registry.release(held)
+
+    def _region_fd(self, region_id: int) -> tuple[wire.ControlReply, MemoryRegion | None]:
+        if self.conn.family != socket.AF_UNIX:
+            return wire.ErrorReply(Status.BAD_REQUEST, "fds only travel over the Unix socket"), None
+        access, region = self.listener._registry.acquire(region_id, 0, 1, write=False)
+        if region is None:
+            self.listener.counters.add(refused=1)
+            return wire.ErrorReply(Status(access), f"region {region_id}: {access.name}"), None
+        if not region.shareable:
+            self.listener._registry.release(region)
+            return wire.ErrorReply(Status.BAD_REQUEST, f"region {region_id} is not shared"), None
+        return wire.RegionFdReply(region_id, region.length), region
+
+
+def _recv_header(conn: socket.socket, header: bytearray, config: TransferConfig) -> bool:
+    """Read one frame header; False on a clean close or an idle timeout between frames.
+
+    Leaves the socket's timeout at ``io_timeout`` for the rest of the frame.
+    """
+    conn.settimeout(config.idle_timeout)
+    view = memoryview(header)
+    try:
+        got = conn.recv_into(view)
+    except TimeoutError:
+        return False
+    if got == 0:
+        return False
+    conn.settimeout(config.io_timeout)
+    while got < len(header):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionResetError("peer closed mid-header")
+        got += n
+    return True

@@ -1,0 +1,100 @@
+"""Same-process transport: memcpy between engines that live in one process.
+
+Engines publish their memory registry here at start; a copy acquires the peer's region through
+that registry (bounds, permissions and user counts checked exactly as the listener would), so a
+peer that unregisters or closes is refused, never read after free.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Sequence
+
+from kvconnect.errors import AccessDenied, PeerUnreachable
+from kvconnect.transfer.batch import Slice
+from kvconnect.transfer.copying import Copier, CopyWorkers, group_slices
+from kvconnect.transfer.memory import MemoryKind, MemoryRegistry
+from kvconnect.transfer.segment import SegmentDescriptor
+from kvconnect.transfer.stats import Counters, TransportStats
+from kvconnect.transfer.transport import Capabilities, TransferOp
+
+_engines: weakref.WeakValueDictionary[str, MemoryRegistry] = weakref.WeakValueDictionary()
+_engines_lock = threading.Lock()
+
+
+def publish(engine_id: str, registry: MemoryRegistry) -> None:
+    """Make an engine's registry reachable by engines of this process."""
+    with _engines_lock:
+        _engines[engine_id] = registry
+
+
+def withdraw(engine_id: str) -> None:
+    """Stop serving an engine (it is closing)."""
+    with _engines_lock:
+        _engines.pop(engine_id, None)
+
+
+def _lookup(engine_id: str) -> MemoryRegistry | None:
+    with _engines_lock:
+        return _engines.get(engine_id)
+
+
+class LocalTransport:
+    """memcpy to and from engines in this process."""
+
+    name = "local"
+    capabilities = Capabilities(device_memory=True, same_host_only=True, same_process_only=True)
+
+    def __init__(self, copier: Copier, workers: CopyWorkers, job_bytes: int) -> None:
+        self._copier = copier
+        self._workers = workers
+        self._job_bytes = job_bytes
+        self._counters = Counters(TransportStats)
+
+    def submit(self, peer: SegmentDescriptor, op: TransferOp, slices: Sequence[Slice]) -> None:
+        for group in group_slices(slices, self._job_bytes):
+            self._workers.run(functools.partial(self._run, peer, op, group), group)
+
+    def forget(self, engine_id: str) -> None:
+        """Nothing is cached per peer."""
+
+    def stats(self) -> TransportStats:
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        """The copy workers belong to the engine, which closes them."""
+
+    def _run(self, peer: SegmentDescriptor, op: TransferOp, group: list[Slice]) -> None:
+        registry = _lookup(peer.engine_id)
+        for piece in group:
+            if registry is None:
+                piece.done(PeerUnreachable(f"segment {peer.name} is closed"))
+                self._counters.add(errors=1)
+                continue
+            self._copy_one(registry, op, piece)
+
+    def _copy_one(self, registry: MemoryRegistry, op: TransferOp, piece: Slice) -> None:
+        access, region = registry.acquire(
+            piece.remote_region, piece.remote_offset, piece.length, write=op is TransferOp.WRITE
+        )
+        if region is None:
+            piece.done(AccessDenied(f"region {piece.remote_region}: {access.name}"))
+            self._counters.add(errors=1)
+            return
+        try:
+            if not piece.pin():
+                return
+            try:
+                start = piece.remote_offset
+                host = region.kind is MemoryKind.HOST
+                view = region.view[start : start + piece.length] if host else None
+                self._copier.copy(op, piece, view, region.address + start)
+            finally:
+                piece.unpin()
+        finally:
+            registry.release(region)
+        piece.done()
+        key = "bytes_read" if op is TransferOp.READ else "bytes_written"
+        self._counters.add(ops=1, **{key: piece.length})

@@ -1,0 +1,37 @@
+"""Which transport serves a request: pure logic, no I/O."""
+
+from __future__ import annotations
+
+from kvconnect.config import TransportName
+from kvconnect.errors import InvalidRequest
+from kvconnect.transfer.segment import RegionInfo, SegmentDescriptor
+
+
+def choose_transport(
+    mode: TransportName, me: SegmentDescriptor, peer: SegmentDescriptor, region: RegionInfo
+) -> str:
+    """Pick ``local``, ``shm`` or ``tcp`` for an access to ``region`` of ``peer``.
+
+    ``auto``: same process → local; same host and a shared region → shm; otherwise tcp. A forced
+    mode that cannot reach the region raises InvalidRequest naming the reason.
+    """
+    same_process = peer.process_id == me.process_id
+    shm_ok = peer.host_id == me.host_id and "shm" in peer.endpoints and region.shareable
+    if mode == "auto":
+        if same_process:
+            return "local"
+        return "shm" if shm_ok else "tcp"
+    if mode == "local" and not same_process:
+        raise InvalidRequest(f"transport 'local' is forced but {peer.name} is in another process")
+    if mode == "shm" and not shm_ok:
+        reason = (
+            "is on another host"
+            if peer.host_id != me.host_id
+            else "offers no shared-memory endpoint"
+            if "shm" not in peer.endpoints
+            else f"region {region.id} is not shared memory (allocate it with engine.allocate)"
+        )
+        raise InvalidRequest(f"transport 'shm' is forced but {peer.name} {reason}")
+    if mode == "tcp" and "tcp" not in peer.endpoints:
+        raise InvalidRequest(f"transport 'tcp' is forced but {peer.name} has no TCP endpoint")
+    return mode

@@ -1,0 +1,212 @@
+"""Same-host transport: map a peer's shared regions and copy once.
+
+Regions created with ``TransferEngine.allocate`` live in memfd shared memory. A peer on the same
+host asks the owner's Unix socket for the fd (SCM_RIGHTS, after the same handshake as TCP), maps
+it and then copies directly, with no involvement of the owner. Bounds are checked against the
+mapped length; the region's header word says whether the owner still has it registered (checked
+before and after each copy), and the control connection tells whether the owner is alive.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import os
+import select
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvconnect.config import TransferConfig
+from kvconnect.errors import AccessDenied, BrokenError, KVConnectError, PeerUnreachable
+from kvconnect.transfer import wire
+from kvconnect.transfer.batch import Slice
+from kvconnect.transfer.copying import Copier, CopyWorkers, group_slices
+from kvconnect.transfer.memory import SHM_HEADER, SHM_MAGIC, read_shm_header
+from kvconnect.transfer.segment import SegmentDescriptor
+from kvconnect.transfer.stats import Counters, TransportStats
+from kvconnect.transfer.transport import Capabilities, TransferOp
+
+
+@dataclass(slots=True)
+class _Mapping:
+    mapping: mmap.mmap
+    data: memoryview
+    length: int
+    writable: bool
+
+    def live(self, region_id: int) -> bool:
+        magic, mapped_id, _length, state = read_shm_header(self.mapping)
+        return magic == SHM_MAGIC and mapped_id == region_id and state == 1
+
+
+class ShmTransport:
+    """Copies through shared memory mapped from same-host peers."""
+
+    name = "shm"
+    capabilities = Capabilities(device_memory=True, same_host_only=True, same_process_only=False)
+
+    def __init__(
+        self, config: TransferConfig, copier: Copier, workers: CopyWorkers, job_bytes: int
+    ) -> None:
+        self._config = config
+        self._copier = copier
+        self._workers = workers
+        self._job_bytes = job_bytes
+        self._counters = Counters(TransportStats)
+        self._lock = threading.Lock()
+        self._peers: dict[str, _ShmPeer] = {}
+
+    def submit(self, peer: SegmentDescriptor, op: TransferOp, slices: Sequence[Slice]) -> None:
+        with self._lock:
+            state = self._peers.get(peer.engine_id)
+            if state is None:
+                state = self._peers[peer.engine_id] = _ShmPeer(peer, self._config)
+        for group in group_slices(slices, self._job_bytes):
+            self._workers.run(functools.partial(self._run, state, op, group), group)
+
+    def forget(self, engine_id: str) -> None:
+        with self._lock:
+            state = self._peers.pop(engine_id, None)
+        if state is not None:
+            state.close()
+
+    def stats(self) -> TransportStats:
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for state in peers:
+            state.close()
+
+    def _run(self, state: _ShmPeer, op: TransferOp, group: list[Slice]) -> None:
+        for piece in group:
+            try:
+                done = self._copy_one(state, op, piece)
+            except KVConnectError as exc:
+                piece.done(exc)
+                self._counters.add(errors=1)
+                continue
+            except OSError as exc:
+                piece.done(BrokenError(f"shared-memory copy from {state.peer.name}: {exc}"))
+                self._counters.add(errors=1)
+                continue
+            if done:
+                piece.done()
+                key = "bytes_read" if op is TransferOp.READ else "bytes_written"
+                self._counters.add(ops=1, **{key: piece.length})
+
+    def _copy_one(self, state: _ShmPeer, op: TransferOp, piece: Slice) -> bool:
+        mapped = state.mapping(piece.remote_region)
+        start, end = piece.remote_offset, piece.remote_offset + piece.length
+        if start < 0 or end > mapped.length:
+            raise AccessDenied(f"region {piece.remote_region}: OUT_OF_BOUNDS")
+        if op is TransferOp.WRITE and not mapped.writable:
+            raise AccessDenied(f"region {piece.remote_region}: READ_ONLY")
+        if not piece.pin():
+            return False
+        try:
+            if not mapped.live(piece.remote_region):
+                raise AccessDenied(f"region {piece.remote_region}: UNKNOWN_REGION")
+            self._copier.copy(op, piece, mapped.data[start:end], 0)
+            # The owner may have unregistered the region or died during the copy: then the
+            # bytes are not trustworthy (READ) or not kept (WRITE).
+            if not mapped.live(piece.remote_region):
+                raise AccessDenied(f"region {piece.remote_region} was withdrawn during the copy")
+            state.check_alive()
+        finally:
+            piece.unpin()
+        return True
+
+
+class _ShmPeer:
+    """Control connection and mappings of one same-host peer engine."""
+
+    def __init__(self, peer: SegmentDescriptor, config: TransferConfig) -> None:
+        self.peer = peer
+        self._config = config
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._maps: dict[int, _Mapping] = {}
+        self._closed = False
+
+    def mapping(self, region_id: int) -> _Mapping:
+        """The mapped region (fetching its fd on first use)."""
+        with self._lock:
+            mapped = self._maps.get(region_id)
+            if mapped is None:
+                mapped = self._maps[region_id] = self._map(region_id)
+            return mapped
+
+    def check_alive(self) -> None:
+        """Raise PeerUnreachable if the owner closed its end and cannot be reached again."""
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                return
+            # The socket has a timeout, so recv would wait: ask poll whether anything is there.
+            if not select.select([sock], [], [], 0)[0]:
+                return
+            try:
+                data = sock.recv(1, socket.MSG_PEEK)
+            except OSError:
+                data = b""
+            if data:
+                return
+            # EOF: the owner died, or closed an idle connection. Only a fresh handshake tells.
+            sock.close()
+            self._sock = None
+            self._connect()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            self._maps.clear()
+
+    def _connect(self) -> socket.socket:
+        if self._closed:
+            raise PeerUnreachable(f"segment {self.peer.name}: transport closed")
+        endpoint = self.peer.endpoints.get("shm")
+        if endpoint is None:
+            raise PeerUnreachable(f"segment {self.peer.name} offers no shared-memory endpoint")
+        sock, engine_id = wire.open_connection(
+            endpoint, self._config.token, self._config.connect_timeout
+        )
+        if engine_id.hex() != self.peer.engine_id:
+            sock.close()
+            raise PeerUnreachable(f"segment {self.peer.name} restarted")
+        self._sock = sock
+        return sock
+
+    def _map(self, region_id: int) -> _Mapping:
+        info = self.peer.region(region_id)
+        if info is None:
+            raise AccessDenied(f"region {region_id}: UNKNOWN_REGION")
+        sock = self._sock or self._connect()
+        try:
+            reply, fds = wire.control_call(sock, wire.GetRegionFd(region_id))
+        except OSError as exc:
+            sock.close()
+            self._sock = None
+            raise PeerUnreachable(f"segment {self.peer.name}: {exc}") from exc
+        try:
+            if isinstance(reply, wire.ErrorReply):
+                raise AccessDenied(f"region {region_id}: {reply.message}")
+            if not isinstance(reply, wire.RegionFdReply) or len(fds) != 1:
+                raise BrokenError(f"segment {self.peer.name}: bad region fd reply")
+            size = SHM_HEADER + reply.length
+            mapping = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        mapped = _Mapping(
+            mapping, memoryview(mapping)[SHM_HEADER:size], reply.length, info.writable
+        )
+        if not mapped.live(region_id):
+            raise AccessDenied(f"region {region_id}: mapped memory is not the live region")
+        return mapped

@@ -1,0 +1,498 @@
+"""TCP transport: several pipelined streams per peer, bytes straight between sockets and memory.
+
+Per peer engine a *channel* holds a queue of frames and ``tcp_streams`` streams. Each stream has
+a sender thread (takes the next frame, sends header + payload with one vectored send from the
+registered memory) and, per connection, a receiver thread (reads responses in order, a READ's
+payload straight into registered memory with ``recv_into``). Up to ``stream_window`` frames are
+in flight per stream.
+
+Failures: a broken connection requeues its in-flight frames for the other streams (at most
+``max_retries`` times per frame) and reconnects; a peer that refuses connections or turned out
+to be another engine fails the channel's queued work at once with PeerUnreachable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvconnect.config import TransferConfig
+from kvconnect.errors import (
+    AccessDenied,
+    BrokenError,
+    ClosedError,
+    KVConnectError,
+    PeerUnreachable,
+    ProtocolError,
+    TransferError,
+)
+from kvconnect.transfer import wire
+from kvconnect.transfer.batch import Slice
+from kvconnect.transfer.iov import DataPath
+from kvconnect.transfer.memory import MemoryKind
+from kvconnect.transfer.segment import SegmentDescriptor
+from kvconnect.transfer.staging import HostWindow, StagingPool
+from kvconnect.transfer.stats import Counters, TransportStats
+from kvconnect.transfer.transport import Capabilities, TransferOp
+from kvconnect.transfer.wire import FrameKind, Status
+
+log = logging.getLogger(__name__)
+
+_ACCESS_STATUSES = {Status.UNKNOWN_REGION, Status.OUT_OF_BOUNDS, Status.READ_ONLY}
+_SCRATCH = memoryview(bytearray(1 << 20))  # sink for bytes of requests that already ended
+
+
+@dataclass(slots=True, eq=False)
+class Frame:
+    """Slices of one op sent as one request frame."""
+
+    op: TransferOp
+    slices: list[Slice]
+    attempts: int = 0
+    frame_id: int = 0
+    sent: list[Slice] = field(default_factory=list)
+
+
+def plan_frames(
+    op: TransferOp, slices: Sequence[Slice], frame_bytes: int, max_entries: int
+) -> list[Frame]:
+    """Coalesce consecutive slices into frames of at most ``frame_bytes`` and ``max_entries``."""
+    frames: list[Frame] = []
+    current: list[Slice] = []
+    size = 0
+    for piece in slices:
+        if current and (size + piece.length > frame_bytes or len(current) >= max_entries):
+            frames.append(Frame(op, current))
+            current, size = [], 0
+        current.append(piece)
+        size += piece.length
+    if current:
+        frames.append(Frame(op, current))
+    return frames
+
+
+class TcpTransport:
+    """Moves slices over TCP to any reachable peer."""
+
+    name = "tcp"
+    capabilities = Capabilities(device_memory=False, same_host_only=False, same_process_only=False)
+
+    def __init__(
+        self,
+        config: TransferConfig,
+        datapath: DataPath,
+        staging: Callable[[], StagingPool],
+        on_lost: Callable[[SegmentDescriptor], None],
+    ) -> None:
+        self.config = config
+        self.datapath = datapath
+        self.staging = staging
+        self._on_lost = on_lost
+        self.counters = Counters(TransportStats)
+        self._frame_ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._channels: dict[str, _Channel] = {}
+        self._closed = False
+
+    def submit(self, peer: SegmentDescriptor, op: TransferOp, slices: Sequence[Slice]) -> None:
+        frames = plan_frames(op, slices, self.config.slice_bytes, self.config.max_frame_entries)
+        with self._lock:
+            channel = None if self._closed else self._channels.get(peer.engine_id)
+            if channel is None and not self._closed:
+                channel = self._channels[peer.engine_id] = _Channel(self, peer)
+        if channel is None:
+            fail_frames(frames, ClosedError("engine closed"))
+            return
+        channel.enqueue(frames)
+
+    def forget(self, engine_id: str) -> None:
+        with self._lock:
+            channel = self._channels.pop(engine_id, None)
+        if channel is not None:
+            channel.close(BrokenError(f"segment {channel.peer.name} was withdrawn"))
+
+    def stats(self) -> TransportStats:
+        return self.counters.snapshot()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close(ClosedError("engine closed"))
+
+    def next_frame_id(self) -> int:
+        """A connection-unique id to match responses with requests."""
+        return next(self._frame_ids)
+
+    def channel_lost(self, channel: _Channel) -> None:
+        """``channel`` failed for good: drop it so the next submit re-resolves the peer."""
+        with self._lock:
+            if self._channels.get(channel.peer.engine_id) is channel:
+                del self._channels[channel.peer.engine_id]
+        self._on_lost(channel.peer)
+
+
+def fail_frames(frames: Sequence[Frame], error: KVConnectError) -> None:
+    """Fail every slice of ``frames``."""
+    for frame in frames:
+        for piece in frame.slices:
+            piece.done(error)
+
+
+class _Channel:
+    """The frame queue and streams of one peer engine."""
+
+    def __init__(self, transport: TcpTransport, peer: SegmentDescriptor) -> None:
+        self.transport = transport
+        self.peer = peer
+        self.config = transport.config
+        self._cond = threading.Condition()
+        self._queue: deque[Frame] = deque()
+        self._error: KVConnectError | None = None
+        self._streams = [_Stream(self, n) for n in range(self.config.tcp_streams)]
+        self._started = False
+
+    def enqueue(self, frames: list[Frame]) -> None:
+        with self._cond:
+            error = self._error
+            if error is None:
+                self._queue.extend(frames)
+                self._cond.notify_all()
+                start, self._started = not self._started, True
+        if error is not None:
+            fail_frames(frames, error)
+            return
+        if start:
+            for stream in self._streams:
+                stream.start()
+
+    def take(self) -> Frame | None:
+        """Next frame to send, or None once the channel is closed."""
+        with self._cond:
+            while not self._queue and self._error is None:
+                self._cond.wait()
+            return self._queue.popleft() if self._error is None else None
+
+    def requeue(self, frames: list[Frame], cause: BaseException) -> None:
+        """Give frames of a broken connection to the other streams, or fail them."""
+        retry: list[Frame] = []
+        failed: list[Frame] = []
+        for frame in frames:
+            frame.attempts += 1
+            (retry if frame.attempts <= self.config.max_retries else failed).append(frame)
+        with self._cond:
+            error = self._error
+            if error is None:
+                self._queue.extendleft(reversed(retry))
+                self._cond.notify_all()
+        self.transport.counters.add(retries=len(retry))
+        if error is not None:
+            failed += retry
+        broken = error or BrokenError(f"stream to {self.peer.name} broke: {cause}")
+        if failed:
+            self.transport.counters.add(errors=sum(len(f.slices) for f in failed))
+            fail_frames(failed, broken)
+
+    def fail(self, error: KVConnectError) -> None:
+        """The peer is gone: fail queued frames, stop streams, drop the channel."""
+        self.close(error)
+        self.transport.channel_lost(self)
+
+    def close(self, error: KVConnectError) -> None:
+        with self._cond:
+            if self._error is not None:
+                return
+            self._error = error
+            frames = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        fail_frames(frames, error)
+        for stream in self._streams:
+            stream.close()
+
+
+class _Stream:
+    """One sender thread; (re)connects on demand."""
+
+    def __init__(self, channel: _Channel, number: int) -> None:
+        self.channel = channel
+        self.number = number
+        self._conn: _Connection | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvconnect-tcp-send-{self.number}", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Interrupt the current connection and wait for the sender thread to finish."""
+        with self._lock:
+            conn = self._conn
+        if conn is not None:
+            conn.abort()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                frame = self.channel.take()
+                if frame is None:
+                    return
+                conn = self._conn
+                if conn is None or conn.broken:
+                    if conn is not None:
+                        conn.dispose()
+                    try:
+                        conn = self._connect()
+                    except KVConnectError as exc:
+                        self.channel.requeue([frame], exc)
+                        self.channel.fail(exc)
+                        return
+                conn.send(frame)
+        finally:
+            with self._lock:
+                conn, self._conn = self._conn, None
+            if conn is not None:
+                conn.close()
+                conn.dispose()
+
+    def _connect(self) -> _Connection:
+        channel = self.channel
+        endpoint = channel.peer.endpoints.get("tcp")
+        if endpoint is None:
+            raise PeerUnreachable(f"segment {channel.peer.name} has no TCP endpoint")
+        sock, engine_id = wire.open_connection(
+            endpoint, channel.config.token, channel.config.connect_timeout
+        )
+        if engine_id.hex() != channel.peer.engine_id:
+            sock.close()
+            raise PeerUnreachable(
+                f"segment {channel.peer.name} restarted (another engine answers at {endpoint})"
+            )
+        conn = _Connection(channel, sock)
+        with self._lock:
+            self._conn = conn
+        conn.start()
+        return conn
+
+
+class _Connection:
+    """One socket: the sender thread writes frames, a receiver thread reads responses."""
+
+    def __init__(self, channel: _Channel, sock: socket.socket) -> None:
+        self.channel = channel
+        self.transport = channel.transport
+        self.sock = sock
+        self.broken = False
+        self._cond = threading.Condition()
+        self._inflight: deque[Frame] = deque()
+        self._receiver = threading.Thread(
+            target=self._receive_loop, name="kvconnect-tcp-recv", daemon=True
+        )
+        sock.settimeout(channel.config.io_timeout)
+
+    def start(self) -> None:
+        self._receiver.start()
+
+    def dispose(self) -> None:
+        """Called by the sender thread once the connection is broken: reap it.
+
+        Only then is the socket closed, so no thread can use a recycled file descriptor.
+        """
+        if self._receiver.is_alive() and self._receiver is not threading.current_thread():
+            self._receiver.join(timeout=self.channel.config.io_timeout)
+        self.sock.close()
+
+    def abort(self) -> None:
+        """Interrupt any I/O (deadline passed, or closing); the loops then fail."""
+        wire.shutdown_quietly(self.sock)
+
+    def send(self, frame: Frame) -> None:
+        """Send ``frame`` (waits for window space). Failures requeue; never raises."""
+        with self._cond:
+            while len(self._inflight) >= self.channel.config.stream_window and not self.broken:
+                self._cond.wait()
+            broken = self.broken
+        if broken:
+            self.channel.requeue([frame], BrokenError("connection broke"))
+        elif frame.op is TransferOp.WRITE:
+            self._send_write(frame)
+        else:
+            self._send_read(frame)
+
+    def close(self) -> None:
+        """Stop using this connection; its in-flight frames go back to the channel."""
+        self._fail(ClosedError("stream closed"))
+
+    def _header(self, frame: Frame) -> memoryview:
+        frame.frame_id = self.transport.next_frame_id()
+        kind = FrameKind.WRITE if frame.op is TransferOp.WRITE else FrameKind.READ
+        flat: list[int] = []
+        for piece in frame.sent:
+            flat += (piece.remote_region, piece.remote_offset, piece.length)
+        head = wire.HEADER.pack(kind, 0, len(frame.sent), 0, frame.frame_id)
+        return memoryview(head + wire.pack_entries(flat))
+
+    def _send_read(self, frame: Frame) -> None:
+        frame.sent = [piece for piece in frame.slices if piece.pending()]
+        if not frame.sent:
+            return
+        header = self._header(frame)
+        with self._cond:
+            self._inflight.append(frame)
+            self._cond.notify_all()
+        try:
+            self.transport.datapath.sendv(self.sock, [header], self.channel.config.io_timeout)
+        except OSError as exc:
+            self._fail(exc)
+
+    def _send_write(self, frame: Frame) -> None:
+        pinned = [piece for piece in frame.slices if piece.pin(self.abort)]
+        frame.sent = pinned
+        if not pinned:
+            return
+        windows: list[HostWindow] = []
+        try:
+            windows = self._windows(pinned)
+            for window in windows:
+                window.load()
+            header = self._header(frame)
+            with self._cond:
+                self._inflight.append(frame)
+                self._cond.notify_all()
+            views = [header, *(w.view for w in windows)]
+            self.transport.datapath.sendv(self.sock, views, self.channel.config.io_timeout)
+        except OSError as exc:
+            self._fail(exc)
+        except KVConnectError as exc:  # staging failed: the frame cannot be sent at all
+            self._drop(frame)
+            fail_frames([frame], exc)
+        finally:
+            for window in windows:
+                window.close()
+            for piece in pinned:
+                piece.unpin(self.abort)
+
+    def _windows(self, pieces: list[Slice]) -> list[HostWindow]:
+        staging = None
+        windows = []
+        for piece in pieces:
+            if piece.local.kind is not MemoryKind.HOST and staging is None:
+                staging = self.transport.staging()
+            windows.append(HostWindow(piece.local, piece.local_offset, piece.length, staging))
+        return windows
+
+    def _drop(self, frame: Frame) -> None:
+        with self._cond:
+            if frame in self._inflight:
+                self._inflight.remove(frame)
+                self._cond.notify_all()
+
+    def _fail(self, cause: BaseException) -> None:
+        with self._cond:
+            if self.broken:
+                return
+            self.broken = True
+            frames = list(self._inflight)
+            self._inflight.clear()
+            self._cond.notify_all()
+        self.abort()
+        log.debug("TCP stream to %s broke: %s", self.channel.peer.name, cause)
+        self.channel.requeue(frames, cause)
+
+    # ------------------------------------------------------------------------ receive side
+
+    def _receive_loop(self) -> None:
+        header = bytearray(wire.HEADER.size)
+        while True:
+            with self._cond:
+                while not self._inflight and not self.broken:
+                    self._cond.wait()
+                if self.broken:
+                    return
+                frame = self._inflight[0]
+            try:
+                status = self._receive(frame, header)
+            except (OSError, ProtocolError) as exc:
+                self._fail(exc)
+                return
+            if not self._retire(frame):
+                return
+            self._complete(frame, status)
+
+    def _retire(self, frame: Frame) -> bool:
+        """Take ``frame`` off the in-flight queue; False if _fail already requeued it."""
+        with self._cond:
+            if self.broken or not self._inflight or self._inflight[0] is not frame:
+                return False
+            self._inflight.popleft()
+            self._cond.notify_all()
+            return True
+
+    def _receive(self, frame: Frame, header: bytearray) -> Status:
+        config = self.channel.config
+        self.transport.datapath.recvv(self.sock, [memoryview(header)], config.io_timeout)
+        kind, status, _count, _aux, frame_id = wire.HEADER.unpack(header)
+        if kind != FrameKind.RESPONSE or frame_id != frame.frame_id:
+            raise ProtocolError(f"unexpected response (kind {kind}, frame {frame_id})")
+        try:
+            result = Status(status)
+        except ValueError as exc:
+            raise ProtocolError(f"unknown status {status}") from exc
+        if result is Status.OK and frame.op is TransferOp.READ:
+            self._receive_payload(frame.sent)
+        return result
+
+    def _receive_payload(self, pieces: list[Slice]) -> None:
+        pinned = [piece for piece in pieces if piece.pin(self.abort)]
+        windows = dict(zip(map(id, pinned), self._windows(pinned), strict=True))
+        try:
+            views: list[memoryview] = []
+            for piece in pieces:
+                window = windows.get(id(piece))
+                views += [window.view] if window is not None else _scratch_views(piece.length)
+            self.transport.datapath.recvv(self.sock, views, self.channel.config.io_timeout)
+            for window in windows.values():
+                window.store()
+        finally:
+            for window in windows.values():
+                window.close()
+            for piece in pinned:
+                piece.unpin(self.abort)
+
+    def _complete(self, frame: Frame, status: Status) -> None:
+        if status is Status.OK:
+            for piece in frame.sent:
+                piece.done()
+            nbytes = sum(p.length for p in frame.sent)
+            key = "bytes_read" if frame.op is TransferOp.READ else "bytes_written"
+            self.transport.counters.add(ops=len(frame.sent), **{key: nbytes})
+            return
+        error: KVConnectError
+        if status in _ACCESS_STATUSES:
+            error = AccessDenied(f"{self.channel.peer.name} refused the access: {status.name}")
+        else:
+            error = TransferError(f"{self.channel.peer.name} failed the request: {status.name}")
+        self.transport.counters.add(errors=len(frame.sent))
+        for piece in frame.sent:
+            piece.done(error)
+
+
+def _scratch_views(length: int) -> list[memoryview]:
+    """Views of the shared sink, enough to swallow ``length`` bytes of an ended request.
+
+    Receivers may write it concurrently: the bytes are discarded either way.
+    """
+    full, rest = divmod(length, _SCRATCH.nbytes)
+    return [_SCRATCH] * full + ([_SCRATCH[:rest]] if rest else [])

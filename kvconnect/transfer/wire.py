@@ -1,0 +1,291 @@
+"""The peer protocol: connection handshake (version + optional HMAC proof), frames, control calls.
+
+Every connection to a listener starts with::
+
+    client -> HELLO        magic "KVCX", protocol version, flags, 16-byte client nonce
+    server -> SERVER_HELLO magic, version, flags (bit 0: token required), server nonce, engine id
+    [token] client -> HMAC(token, "client" | server nonce | client nonce)
+            server -> status byte (0 ok) + HMAC(token, "server" | client nonce | server nonce)
+
+so both sides prove the token without sending it. Then frames follow, each a 16-byte header
+(kind, status, entry count, aux, frame id). READ/WRITE frames carry ``count`` entries of
+(region id, offset, length) and, for WRITE, the payload; responses come back in order, a READ
+response followed by its payload. CONTROL frames carry a msgpack message of ``aux`` bytes.
+All integers are little-endian.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import hmac
+import os
+import socket
+import struct
+from typing import Final
+
+import msgspec
+
+from kvconnect.errors import AuthenticationError, PeerUnreachable, ProtocolError
+
+PROTOCOL_VERSION: Final = 1
+MAGIC: Final = b"KVCX"
+FLAG_TOKEN: Final = 1
+NONCE_LEN: Final = 16
+MAC_LEN: Final = 32
+MAX_ENTRIES: Final = 1024
+MAX_CONTROL_BYTES: Final = 1 << 20
+
+HELLO: Final = struct.Struct("<4sHH16s")
+SERVER_HELLO: Final = struct.Struct("<4sHH16s16s")
+HEADER: Final = struct.Struct("<BBHIQ")  # kind, status, count, aux, frame id
+ENTRY: Final = struct.Struct("<QQQ")  # region id, offset, length
+
+
+class FrameKind(enum.IntEnum):
+    """Frame types."""
+
+    READ = 1
+    WRITE = 2
+    CONTROL = 3
+    RESPONSE = 4
+
+
+class Status(enum.IntEnum):
+    """Response statuses; 1..3 equal :class:`~kvconnect.transfer.memory.Access` codes."""
+
+    OK = 0
+    UNKNOWN_REGION = 1
+    OUT_OF_BOUNDS = 2
+    READ_ONLY = 3
+    BAD_REQUEST = 4
+    INTERNAL = 5
+
+
+_ENTRY_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def _entries_struct(count: int) -> struct.Struct:
+    packer = _ENTRY_STRUCTS.get(count)
+    if packer is None:
+        packer = _ENTRY_STRUCTS.setdefault(count, struct.Struct(f"<{3 * count}Q"))
+    return packer
+
+
+def pack_entries(flat: list[int]) -> bytes:
+    """Pack (region, offset, length) triples given flat."""
+    return _entries_struct(len(flat) // 3).pack(*flat)
+
+
+def unpack_entries(data: bytes, count: int) -> tuple[int, ...]:
+    """Inverse of :func:`pack_entries`: a flat tuple of 3 * count integers."""
+    return _entries_struct(count).unpack(data)
+
+
+# ---------------------------------------------------------------------------------- control
+
+
+class GetSegment(msgspec.Struct, tag="get_segment"):
+    """Ask for the listener's segment descriptor."""
+
+
+class GetRegionFd(msgspec.Struct, tag="get_region_fd"):
+    """Ask for the memfd of a shared region (Unix-socket connections only)."""
+
+    region_id: int
+
+
+class SegmentReply(msgspec.Struct, tag="segment"):
+    """Encoded :class:`~kvconnect.transfer.segment.SegmentDescriptor`."""
+
+    descriptor: bytes
+
+
+class RegionFdReply(msgspec.Struct, tag="region_fd"):
+    """The region's fd travels with this message as SCM_RIGHTS ancillary data."""
+
+    region_id: int
+    length: int
+
+
+class ErrorReply(msgspec.Struct, tag="error"):
+    """A refused control request."""
+
+    status: int
+    message: str
+
+
+ControlRequest = GetSegment | GetRegionFd
+ControlReply = SegmentReply | RegionFdReply | ErrorReply
+
+_control_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(ControlRequest)
+_reply_decoder = msgspec.msgpack.Decoder(ControlReply)
+
+
+def encode_control(message: ControlRequest | ControlReply) -> bytes:
+    """msgpack bytes of a control message."""
+    return _control_encoder.encode(message)
+
+
+def decode_request(data: bytes) -> ControlRequest:
+    """Parse a control request; ProtocolError on anything else."""
+    try:
+        return _request_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed control request: {exc}") from exc
+
+
+def decode_reply(data: bytes) -> ControlReply:
+    """Parse a control reply; ProtocolError on anything else."""
+    try:
+        return _reply_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed control reply: {exc}") from exc
+
+
+# ------------------------------------------------------------------------------ byte helpers
+
+
+def recv_exact(sock: socket.socket, size: int) -> bytes:
+    """Read exactly ``size`` bytes (the socket's timeout applies per call)."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionResetError("peer closed the connection")
+        got += n
+    return bytes(buf)
+
+
+# --------------------------------------------------------------------------------- handshake
+
+
+def _mac(token: str, label: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(token.encode(), label + first + second, hashlib.sha256).digest()
+
+
+def client_handshake(sock: socket.socket, token: str | None, timeout: float) -> bytes:
+    """Run the client side of the handshake; returns the server's 16-byte engine id."""
+    sock.settimeout(timeout)
+    nonce = os.urandom(NONCE_LEN)
+    sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, FLAG_TOKEN if token else 0, nonce))
+    magic, version, flags, server_nonce, engine_id = SERVER_HELLO.unpack(
+        recv_exact(sock, SERVER_HELLO.size)
+    )
+    if magic != MAGIC:
+        raise ProtocolError("peer is not a kvconnect listener")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"peer speaks protocol {version}, this engine {PROTOCOL_VERSION}")
+    wants_token = bool(flags & FLAG_TOKEN)
+    if wants_token and not token:
+        raise AuthenticationError("peer requires a cluster token and none is configured")
+    if token and not wants_token:
+        raise AuthenticationError("a cluster token is configured but the peer does not use one")
+    if token:
+        sock.sendall(_mac(token, b"client", server_nonce, nonce))
+        reply = recv_exact(sock, 1)
+        if reply != b"\x00":
+            raise AuthenticationError("peer rejected our cluster token")
+        proof = recv_exact(sock, MAC_LEN)
+        if not hmac.compare_digest(proof, _mac(token, b"server", nonce, server_nonce)):
+            raise AuthenticationError("peer failed to prove the cluster token")
+    return bytes(engine_id)
+
+
+def server_handshake(
+    sock: socket.socket, token: str | None, engine_id: bytes, timeout: float
+) -> None:
+    """Run the server side; raises ProtocolError/AuthenticationError (caller closes)."""
+    sock.settimeout(timeout)
+    magic, version, _flags, client_nonce = HELLO.unpack(recv_exact(sock, HELLO.size))
+    if magic != MAGIC:
+        raise ProtocolError("not a kvconnect client")
+    nonce = os.urandom(NONCE_LEN)
+    sock.sendall(
+        SERVER_HELLO.pack(MAGIC, PROTOCOL_VERSION, FLAG_TOKEN if token else 0, nonce, engine_id)
+    )
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"client speaks protocol {version}, this engine {PROTOCOL_VERSION}")
+    if token:
+        proof = recv_exact(sock, MAC_LEN)
+        if not hmac.compare_digest(proof, _mac(token, b"client", nonce, client_nonce)):
+            sock.sendall(b"\x01")
+            raise AuthenticationError("client failed to prove the cluster token")
+        sock.sendall(b"\x00" + _mac(token, b"server", client_nonce, nonce))
+
+
+# ------------------------------------------------------------------------------ connections
+
+
+def shutdown_quietly(sock: socket.socket) -> None:
+    """Shut both directions down, waking threads blocked on ``sock``; errors are irrelevant."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def parse_tcp_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host:port`` (IPv6 as ``[addr]:port``) to a socket address."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ProtocolError(f"bad TCP endpoint {endpoint!r}; expected host:port")
+    return host.strip("[]"), int(port)
+
+
+def open_connection(
+    endpoint: str, token: str | None, timeout: float
+) -> tuple[socket.socket, bytes]:
+    """Connect to a listener endpoint (``host:port`` or ``@abstract-unix-name``) and handshake.
+
+    Returns the socket (timeout set to ``timeout``) and the server's engine id. Raises
+    PeerUnreachable when nothing answers, ProtocolError/AuthenticationError on a bad handshake.
+    """
+    try:
+        if endpoint.startswith("@"):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            address: str | tuple[str, int] = "\0" + endpoint[1:]
+        else:
+            address = parse_tcp_endpoint(endpoint)
+            sock = socket.create_connection(address, timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError as exc:
+        raise PeerUnreachable(f"cannot connect to {endpoint}: {exc}") from exc
+    try:
+        if sock.family == socket.AF_UNIX:
+            sock.settimeout(timeout)
+            sock.connect(address)
+        engine_id = client_handshake(sock, token, timeout)
+    except OSError as exc:
+        sock.close()
+        raise PeerUnreachable(f"handshake with {endpoint} failed: {exc}") from exc
+    except BaseException:
+        sock.close()
+        raise
+    return sock, engine_id
+
+
+def control_call(
+    sock: socket.socket, request: ControlRequest, frame_id: int = 0
+) -> tuple[ControlReply, list[int]]:
+    """Send one control request on a handshaken connection; returns the reply and passed fds."""
+    payload = encode_control(request)
+    sock.sendall(HEADER.pack(FrameKind.CONTROL, 0, 0, len(payload), frame_id) + payload)
+    fds: list[int] = []
+    if sock.family == socket.AF_UNIX:
+        data, fds, _flags, _addr = socket.recv_fds(sock, HEADER.size, 4)
+        if not data:
+            raise ConnectionResetError("peer closed the connection")
+        header = data + (
+            recv_exact(sock, HEADER.size - len(data)) if len(data) < HEADER.size else b""
+        )
+    else:
+        header = recv_exact(sock, HEADER.size)
+    kind, _status, _count, size, _frame = HEADER.unpack(header)
+    if kind != FrameKind.RESPONSE or size > MAX_CONTROL_BYTES:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError("malformed control response")
+    return decode_reply(recv_exact(sock, size)), fds
