@@ -133,7 +133,7 @@ class TransferEngine:
         job_bytes = cfg.slice_bytes * _COPY_JOB_SLICES
         self._transports = {
             "local": LocalTransport(copier, self._workers, job_bytes),
-            "shm": ShmTransport(cfg, copier, self._workers, job_bytes),
+            "shm": ShmTransport(cfg, copier, self._workers, job_bytes, self._peer_lost),
             "tcp": TcpTransport(cfg, datapath, self._staging_pool, self._peer_lost),
         }
         self._resolver = ThreadPoolExecutor(_RESOLVER_THREADS, "kvconnect-resolve")

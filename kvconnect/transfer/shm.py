@@ -15,7 +15,7 @@ import os
 import select
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvconnect.config import TransferConfig
@@ -48,9 +48,15 @@ class ShmTransport:
     capabilities = Capabilities(device_memory=True, same_host_only=True, same_process_only=False)
 
     def __init__(
-        self, config: TransferConfig, copier: Copier, workers: CopyWorkers, job_bytes: int
+        self,
+        config: TransferConfig,
+        copier: Copier,
+        workers: CopyWorkers,
+        job_bytes: int,
+        on_lost: Callable[[SegmentDescriptor], None],
     ) -> None:
         self._config = config
+        self._on_lost = on_lost
         self._copier = copier
         self._workers = workers
         self._job_bytes = job_bytes
@@ -85,6 +91,11 @@ class ShmTransport:
         for piece in group:
             try:
                 done = self._copy_one(state, op, piece)
+            except PeerUnreachable as exc:
+                self._lost(state)  # first, so a caller retrying after the failure starts afresh
+                piece.done(exc)
+                self._counters.add(errors=1)
+                continue
             except KVConnectError as exc:
                 piece.done(exc)
                 self._counters.add(errors=1)
@@ -97,6 +108,14 @@ class ShmTransport:
                 piece.done()
                 key = "bytes_read" if op is TransferOp.READ else "bytes_written"
                 self._counters.add(ops=1, **{key: piece.length})
+
+    def _lost(self, state: _ShmPeer) -> None:
+        with self._lock:
+            if self._peers.get(state.peer.engine_id) is not state:
+                return
+            del self._peers[state.peer.engine_id]
+        state.close()
+        self._on_lost(state.peer)
 
     def _copy_one(self, state: _ShmPeer, op: TransferOp, piece: Slice) -> bool:
         mapped = state.mapping(piece.remote_region)
@@ -130,11 +149,13 @@ class _ShmPeer:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._maps: dict[int, _Mapping] = {}
-        self._closed = False
+        self._error: PeerUnreachable | None = None
 
     def mapping(self, region_id: int) -> _Mapping:
         """The mapped region (fetching its fd on first use)."""
         with self._lock:
+            if self._error is not None:
+                raise self._error
             mapped = self._maps.get(region_id)
             if mapped is None:
                 mapped = self._maps[region_id] = self._map(region_id)
@@ -143,6 +164,8 @@ class _ShmPeer:
     def check_alive(self) -> None:
         """Raise PeerUnreachable if the owner closed its end and cannot be reached again."""
         with self._lock:
+            if self._error is not None:
+                raise self._error
             sock = self._sock
             if sock is None:
                 return
@@ -158,19 +181,22 @@ class _ShmPeer:
             # EOF: the owner died, or closed an idle connection. Only a fresh handshake tells.
             sock.close()
             self._sock = None
-            self._connect()
+            try:
+                self._connect()
+            except PeerUnreachable as exc:
+                self._error = exc
+                self._maps.clear()
+                raise
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
+            self._error = self._error or PeerUnreachable(f"segment {self.peer.name}: closed")
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
             self._maps.clear()
 
     def _connect(self) -> socket.socket:
-        if self._closed:
-            raise PeerUnreachable(f"segment {self.peer.name}: transport closed")
         endpoint = self.peer.endpoints.get("shm")
         if endpoint is None:
             raise PeerUnreachable(f"segment {self.peer.name} offers no shared-memory endpoint")

@@ -200,9 +200,12 @@ class _Channel:
             fail_frames(failed, broken)
 
     def fail(self, error: KVConnectError) -> None:
-        """The peer is gone: fail queued frames, stop streams, drop the channel."""
-        self.close(error)
+        """The peer is gone: drop the channel, then fail its queued frames and stop streams.
+
+        Dropping first means a caller that sees the failure and retries gets a fresh channel.
+        """
         self.transport.channel_lost(self)
+        self.close(error)
 
     def close(self, error: KVConnectError) -> None:
         with self._cond:

@@ -1,0 +1,105 @@
+"""Shared fixtures: engines, peer processes, hardware markers, a thread-leak check."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvconnect.config import TransferConfig
+from kvconnect.testing.conformance import TARGET_BYTES
+from kvconnect.testing.peer import PeerProcess, pattern
+from kvconnect.transfer import TransferEngine
+from kvconnect.transfer.cuda import cuda_device_count
+from kvconnect.transfer.iov import native_available
+
+DATAPATHS = ["native", "python"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip hardware tests cleanly where the hardware is absent."""
+    gpu = cuda_device_count() > 0
+    rdma = _rdma_present()
+    for item in items:
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(pytest.mark.skip(reason="no CUDA device"))
+        if "rdma" in item.keywords and not rdma:
+            item.add_marker(pytest.mark.skip(reason="no RDMA device"))
+
+
+def _rdma_present() -> bool:
+    import os
+
+    return os.path.isdir("/sys/class/infiniband") and bool(os.listdir("/sys/class/infiniband"))
+
+
+def native_mode(datapath: str) -> str:
+    """Config value for a data-path parameter; the native one must really be built."""
+    if datapath == "native" and not native_available():
+        pytest.fail("kvconnect._native is not built (pip install with a C compiler)")
+    return "on" if datapath == "native" else "off"
+
+
+def kvconnect_threads() -> list[threading.Thread]:
+    """Live threads started by kvconnect."""
+    return [t for t in threading.enumerate() if t.name.startswith("kvconnect-")]
+
+
+def wait_no_kvconnect_threads(timeout: float = 5.0) -> list[threading.Thread]:
+    """Wait for kvconnect threads to end; returns the ones still alive."""
+    end = time.monotonic() + timeout
+    while kvconnect_threads() and time.monotonic() < end:
+        time.sleep(0.02)
+    return kvconnect_threads()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_thread_leaks() -> Iterator[None]:
+    """Every module must close what it started: no kvconnect thread survives it."""
+    yield
+    leaked = wait_no_kvconnect_threads()
+    assert not leaked, f"threads leaked: {[t.name for t in leaked]}"
+
+
+class ProcessTarget:
+    """A conformance Target living in a child process (its shared region)."""
+
+    def __init__(self, peer: PeerProcess) -> None:
+        self.peer = peer
+        self.name = peer.name
+        self.region = peer.regions["shared"]
+
+    def sha256(self, offset: int, length: int) -> str:
+        return self.peer.sha256("shared", offset, length)
+
+    def fill(self, seed: int) -> None:
+        self.peer.fill("shared", seed)
+
+
+@pytest.fixture
+def engine() -> Iterator[TransferEngine]:
+    """A started engine with default configuration."""
+    with TransferEngine(TransferConfig()) as eng:
+        yield eng
+
+
+@pytest.fixture
+def peer() -> Iterator[PeerProcess]:
+    """A peer process with 4 MiB shared and 4 MiB private memory, seeded with 7."""
+    with PeerProcess(shared=4 << 20, private=4 << 20, seed=7) as proc:
+        yield proc
+
+
+@pytest.fixture
+def big_peer() -> Iterator[PeerProcess]:
+    """A peer process with a conformance-size shared region."""
+    with PeerProcess(shared=TARGET_BYTES, seed=11) as proc:
+        yield proc
+
+
+def seeded(seed: int, size: int) -> np.ndarray:
+    """A fresh writable copy of pattern(seed, size)."""
+    return pattern(seed, size).copy()

@@ -1,0 +1,272 @@
+"""Faults with real processes and sockets: killed and stopped peers, bad tokens, garbage."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import struct
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvconnect.config import TransferConfig
+from kvconnect.errors import (
+    AuthenticationError,
+    BrokenError,
+    ClosedError,
+    PeerUnreachable,
+    RegionBusy,
+)
+from kvconnect.testing.peer import PeerProcess, pattern
+from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
+from kvconnect.transfer import wire
+
+pytestmark = pytest.mark.integration
+
+MiB = 1 << 20
+
+
+def _stopped(peer: PeerProcess) -> Iterator[None]:
+    os.kill(peer.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize(("transport", "total"), [("tcp", 2048 * MiB), ("shm", 8192 * MiB)])
+def test_sigkill_mid_batch_fails_before_deadline_and_engine_serves_others(
+    transport: str, total: int
+) -> None:
+    config = TransferConfig(transport=transport)  # type: ignore[arg-type]
+    with TransferEngine(config) as engine:
+        served = engine.allocate(MiB)
+        served.view[:] = pattern(5, MiB).data
+        local = engine.register(np.zeros(64 * MiB, dtype=np.uint8))
+        with PeerProcess(config={"transport": transport}, shared=64 * MiB, seed=1) as victim:
+            requests = [
+                TransferRequest(local, 0, victim.name, victim.regions["shared"], 0, 4 * MiB)
+                for _ in range(total // (4 * MiB))
+            ]
+            deadline = 60.0
+            start = time.monotonic()
+            batch = engine.submit(TransferOp.READ, requests, timeout=deadline)
+            while engine.stats().transports[transport].bytes_read == 0:
+                time.sleep(0.001)
+            victim.kill()
+            statuses = batch.wait()
+            elapsed = time.monotonic() - start
+        assert elapsed < deadline / 2, f"batch took {elapsed:.1f}s to fail"
+        assert TransferStatus.FAILED in statuses, "the kill landed after the batch completed"
+        assert TransferStatus.TIMEOUT not in statuses
+        failures = [e for e in batch.errors if e is not None]
+        assert all(isinstance(e, BrokenError) for e in failures), failures
+        # The engine still serves: a third process reads from it.
+        with PeerProcess(config={"transport": transport}, private=MiB) as third:
+            assert third.transfer("read", engine.name, served.id, [(0, 0, MiB)]) == ["completed"]
+            want = hashlib.sha256(pattern(5, MiB)).hexdigest()
+            assert third.sha256("private", 0, MiB) == want
+        # and a new request to the dead segment fails fast, not at its deadline
+        start = time.monotonic()
+        batch = engine.submit(TransferOp.READ, requests[:1], timeout=deadline)
+        assert batch.wait() == (TransferStatus.FAILED,)
+        assert isinstance(batch.errors[0], PeerUnreachable)
+        assert time.monotonic() - start < deadline / 2
+
+
+def test_timed_out_read_never_writes_late(peer: PeerProcess) -> None:
+    with TransferEngine(TransferConfig(transport="tcp")) as engine:
+        local = engine.register(np.full(MiB, 0x5A, dtype=np.uint8))
+        engine.read(local, 0, peer.name, peer.regions["private"], 0, 16)  # connect first
+        local.view[:16] = b"\x5a" * 16
+        request = TransferRequest(local, 0, peer.name, peer.regions["private"], 0, MiB)
+        gen = _stopped(peer)
+        next(gen)
+        start = time.monotonic()
+        batch = engine.submit(TransferOp.READ, [request], timeout=0.5)
+        assert batch.wait() == (TransferStatus.TIMEOUT,)
+        assert time.monotonic() - start < 5
+        with pytest.raises(StopIteration):
+            next(gen)  # SIGCONT: the peer now answers the abandoned request
+        time.sleep(0.5)
+        assert bytes(local.view) == b"\x5a" * MiB, "bytes landed after the request timed out"
+        engine.read(local, 0, peer.name, peer.regions["private"], 0, MiB)  # engine still works
+        assert local.view == pattern(8, MiB).data
+
+
+def test_unregister_refused_while_in_use_and_allowed_after(peer: PeerProcess) -> None:
+    with TransferEngine(TransferConfig(transport="tcp")) as engine:
+        local = engine.register(np.zeros(MiB, dtype=np.uint8))
+        request = TransferRequest(local, 0, peer.name, peer.regions["private"], 0, MiB)
+        engine.transfer(TransferOp.READ, [request])
+        gen = _stopped(peer)
+        next(gen)
+        batch = engine.submit(TransferOp.READ, [request], timeout=30)
+        with pytest.raises(RegionBusy):
+            engine.unregister(local)
+        with pytest.raises(StopIteration):
+            next(gen)
+        assert batch.wait() == (TransferStatus.COMPLETED,)
+        engine.unregister(local)
+
+
+def test_close_fails_pending_work_promptly(peer: PeerProcess) -> None:
+    engine = TransferEngine(TransferConfig(transport="tcp"))
+    engine.start()
+    local = engine.register(np.zeros(MiB, dtype=np.uint8))
+    request = TransferRequest(local, 0, peer.name, peer.regions["private"], 0, MiB)
+    engine.transfer(TransferOp.READ, [request])
+    gen = _stopped(peer)
+    next(gen)
+    try:
+        batch = engine.submit(TransferOp.READ, [request] * 8, timeout=60)
+        start = time.monotonic()
+        engine.close()
+        assert batch.wait(timeout=10) == (TransferStatus.FAILED,) * 8
+        assert time.monotonic() - start < 10
+        assert all(isinstance(e, ClosedError) for e in batch.errors)
+    finally:
+        with pytest.raises(StopIteration):
+            next(gen)
+
+
+@pytest.mark.parametrize(("mine", "theirs"), [("wrong", "right"), (None, "right"), ("right", None)])
+def test_token_mismatch_is_refused(mine: str | None, theirs: str | None) -> None:
+    with (
+        PeerProcess(config={"token": theirs}, private=MiB, seed=1) as target,
+        TransferEngine(TransferConfig(token=mine)) as engine,
+    ):
+        local = engine.register(np.zeros(MiB, dtype=np.uint8))
+        request = TransferRequest(local, 0, target.name, target.regions["private"], 0, MiB)
+        batch = engine.submit(TransferOp.READ, [request], timeout=10)
+        assert batch.wait() == (TransferStatus.FAILED,)
+        assert isinstance(batch.errors[0], AuthenticationError), batch.errors
+        assert bytes(local.view) == bytes(MiB)
+        if theirs is not None and mine is not None:
+            assert target.call({"cmd": "stats"})["auth_failures"] >= 1
+
+
+def test_matching_token_moves_data() -> None:
+    with (
+        PeerProcess(config={"token": "s3cret"}, shared=MiB, seed=2) as target,
+        TransferEngine(TransferConfig(token="s3cret")) as engine,
+    ):
+        local = engine.register(np.zeros(MiB, dtype=np.uint8))
+        for transport_region in ("shared",):
+            engine.read(local, 0, target.name, target.regions[transport_region], 0, MiB)
+            assert local.view == pattern(2, MiB).data
+
+
+def _raw(endpoint: str) -> socket.socket:
+    return socket.create_connection(wire.parse_tcp_endpoint(endpoint), timeout=5)
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def _handshaken(endpoint: str) -> socket.socket:
+    sock = _raw(endpoint)
+    wire.client_handshake(sock, None, 5)
+    return sock
+
+
+MALFORMED = {
+    "random-bytes": lambda s: s.sendall(os.urandom(4096)),
+    "zero-entries": lambda s: s.sendall(wire.HEADER.pack(wire.FrameKind.READ, 0, 0, 0, 1)),
+    "too-many-entries": lambda s: s.sendall(wire.HEADER.pack(wire.FrameKind.READ, 0, 5000, 0, 1)),
+    "unknown-kind": lambda s: s.sendall(wire.HEADER.pack(99, 0, 1, 0, 1)),
+    "oversized-frame": lambda s: s.sendall(
+        wire.HEADER.pack(wire.FrameKind.WRITE, 0, 1, 0, 1) + struct.pack("<QQQ", 1, 0, 1 << 40)
+    ),
+    "huge-control": lambda s: s.sendall(wire.HEADER.pack(wire.FrameKind.CONTROL, 0, 0, 1 << 30, 1)),
+    "garbage-control": lambda s: s.sendall(
+        wire.HEADER.pack(wire.FrameKind.CONTROL, 0, 0, 8, 1) + b"\xc1" * 8
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED))
+def test_malformed_input_drops_only_that_connection(kind: str, peer: PeerProcess) -> None:
+    with TransferEngine(TransferConfig(transport="tcp")) as engine:
+        local = engine.register(np.zeros(MiB, dtype=np.uint8))
+        engine.read(local, 0, peer.name, peer.regions["private"], 0, MiB)  # a live stream
+        sock = _raw(peer.name) if kind == "random-bytes" else _handshaken(peer.name)
+        with sock:
+            MALFORMED[kind](sock)
+            assert _closed_by_peer(sock)
+        stats = peer.call({"cmd": "stats"})
+        assert stats["protocol_errors"] >= 1
+        local.view[:] = b"\0" * MiB
+        engine.read(local, 0, peer.name, peer.regions["private"], 0, MiB)  # listener still serves
+        assert local.view == pattern(8, MiB).data
+
+
+def test_refused_write_leaves_stream_usable(peer: PeerProcess) -> None:
+    """A WRITE the target refuses is drained, not obeyed; the same connection goes on."""
+    with TransferEngine(TransferConfig(transport="tcp", tcp_streams=1)) as engine:
+        local = engine.register(pattern(9, 2 * MiB).copy())
+        bad = TransferRequest(local, 0, peer.name, peer.regions["private"], 3 * MiB, 2 * MiB)
+        good = TransferRequest(local, 0, peer.name, peer.regions["private"], 0, MiB)
+        before = peer.sha256("private", 0, 4 * MiB)
+        batch = engine.submit(TransferOp.WRITE, [bad], timeout=10)
+        assert batch.wait() == (TransferStatus.FAILED,)
+        assert peer.sha256("private", 0, 4 * MiB) == before
+        engine.transfer(TransferOp.WRITE, [good])
+        assert peer.sha256("private", 0, MiB) == hashlib.sha256(pattern(9, MiB)).hexdigest()
+
+
+def test_broken_stream_is_retried_on_another_stream() -> None:
+    config = TransferConfig(transport="tcp", tcp_streams=2)
+    with TransferEngine(config) as target, TransferEngine(config) as engine:
+        remote = target.allocate(64 * MiB)
+        remote.view[:] = pattern(4, 64 * MiB).data
+        local = engine.register(np.zeros(64 * MiB, dtype=np.uint8))
+        requests = [
+            TransferRequest(local, i * MiB, target.name, remote.id, i * MiB, MiB) for i in range(64)
+        ]
+        for _ in range(20):
+            local.view[:] = b"\0" * (64 * MiB)
+            batch = engine.submit(TransferOp.READ, requests, timeout=30)
+            while engine.stats().transports["tcp"].bytes_read == 0:
+                time.sleep(0.0005)
+            # Real fault: the target drops one of its connections mid-batch.
+            connections = list(target._listener._connections)  # type: ignore[union-attr]
+            wire.shutdown_quietly(connections[0])
+            assert batch.wait() == (TransferStatus.COMPLETED,) * 64
+            assert local.view == remote.view
+            if engine.stats().transports["tcp"].retries:
+                break
+        assert engine.stats().transports["tcp"].retries > 0
+
+
+def test_restarted_peer_on_same_port_is_detected() -> None:
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    config = {"listen_port": port, "transport": "tcp"}
+    with TransferEngine(TransferConfig(transport="tcp")) as engine:
+        local = engine.register(np.zeros(MiB, dtype=np.uint8))
+        with PeerProcess(config=config, private=MiB, seed=1) as first:
+            region = first.regions["private"]
+            engine.read(local, 0, first.name, region, 0, MiB)
+            first.kill()
+        with PeerProcess(config=config, private=2 * MiB, seed=3) as second:
+            assert second.name == first.name
+            batch = engine.submit(
+                TransferOp.READ, [TransferRequest(local, 0, second.name, region, 0, MiB)]
+            )
+            assert batch.wait() == (TransferStatus.FAILED,)
+            assert isinstance(batch.errors[0], PeerUnreachable)
+            # the next request re-resolves the segment and reaches the new engine
+            engine.read(local, 0, second.name, second.regions["private"], 0, MiB)
+            assert local.view == pattern(4, 2 * MiB)[:MiB].data
