@@ -14,6 +14,7 @@ another segment), ``stats``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -129,11 +130,10 @@ class PeerProcess:
 
     def close(self) -> None:
         """Close stdin (the peer closes its engine and exits) and reap it."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        try:
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        with contextlib.suppress(OSError):  # a killed peer leaves nothing to flush
             self.proc.stdin.close()
-        except OSError:
-            pass  # the peer is already gone (e.g. killed): nothing to flush
         try:
             self.proc.wait(timeout=self._timeout)
         except subprocess.TimeoutExpired:

@@ -116,7 +116,7 @@ def _exercise(
     statuses = b.transfer("read", a.name, a.regions["shared"], ranges, timeout=timeout)
     assert statuses == ["completed"] * len(ranges)
     for local, remote, n in ranges:
-        expected = hashlib.sha256(shared[remote : remote + n]).hexdigest()
+        expected = hashlib.sha256(shared[remote : remote + n].data).hexdigest()
         assert b.sha256("private", local, n) == expected, (local, remote, n)
     assert a.call({"cmd": "stats"})["bytes_served"] >= total
 
@@ -127,7 +127,7 @@ def _exercise(
     statuses = b.transfer("write", a.name, a.regions["shared"], back, timeout=timeout)
     assert statuses == ["completed"] * len(back)
     for local, remote, n in back:
-        expected = hashlib.sha256(fresh[local : local + n]).hexdigest()
+        expected = hashlib.sha256(fresh[local : local + n].data).hexdigest()
         assert b.sha256("private", local, n) == expected
         assert a.sha256("shared", remote, n) == expected, (local, remote, n)
     assert a.call({"cmd": "stats"})["bytes_received"] >= total

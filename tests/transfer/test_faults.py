@@ -22,8 +22,7 @@ from kvconnect.errors import (
     RegionBusy,
 )
 from kvconnect.testing.peer import PeerProcess, pattern
-from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
-from kvconnect.transfer import wire
+from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus, wire
 
 pytestmark = pytest.mark.integration
 
