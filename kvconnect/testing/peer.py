@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -158,14 +160,18 @@ class PeerProcess:
     def _read_line(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         end = time.monotonic() + self._timeout
-        line = ""
-        while not line:
-            line = self.proc.stdout.readline()
-            if not line and (self.proc.poll() is not None or time.monotonic() > end):
+        while True:
+            remaining = end - time.monotonic()
+            ready = remaining > 0 and select.select([self.proc.stdout], [], [], remaining)[0]
+            if not ready:
                 self.proc.kill()
-                raise RuntimeError(f"peer exited or hung (status {self.proc.poll()})")
-        reply: dict[str, Any] = json.loads(line)
-        return reply
+                raise RuntimeError(f"peer did not answer within {self._timeout}s")
+            line = self.proc.stdout.readline()
+            if line:
+                reply: dict[str, Any] = json.loads(line)
+                return reply
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"peer exited with status {self.proc.returncode}")
 
 
 # ------------------------------------------------------------------------------ child side
@@ -202,8 +208,10 @@ def _handle(
         batch = engine.submit(TransferOp(command["op"]), requests, timeout=command["timeout"])
         return {"statuses": [s.value for s in batch.wait()]}
     if cmd == "stats":
-        listener = engine.stats().listener
-        return {f: getattr(listener, f) for f in listener.__slots__}
+        stats = engine.stats()
+        reply = dataclasses.asdict(stats.listener)
+        reply["transports"] = {k: dataclasses.asdict(v) for k, v in stats.transports.items()}
+        return reply
     raise ValueError(f"unknown command {cmd!r}")
 
 

@@ -73,19 +73,24 @@ def link() -> Iterator[Link]:
             subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
 
 
-def _peers(lk: Link, transport: str, size: int, **cfg: Any) -> tuple[PeerProcess, PeerProcess]:
+def _peers(
+    lk: Link, transport: str, size: int, timeout: float = 30.0, **cfg: Any
+) -> tuple[PeerProcess, PeerProcess]:
+    """Peer A (target: shared + private memory, seeded) and peer B (initiator: private only)."""
     a = PeerProcess(
         config={"listen_host": ADDR_A, "transport": transport, **cfg},
         shared=size,
         private=1 * MiB,
         seed=SEED,
         netns=lk.ns_a,
+        timeout=timeout,
     )
     try:
         b = PeerProcess(
             config={"listen_host": ADDR_B, "transport": transport, **cfg},
             private=size,
             netns=lk.ns_b,
+            timeout=timeout,
         )
     except BaseException:
         a.close()
@@ -180,6 +185,6 @@ def test_tcp_impaired_link(link: Link, record_property: Callable[[str, object], 
     size = 6 * MiB
     specs = [(5, 1), (4099, 64 * KiB + 3), (1 * MiB + 7, 3 * MiB + 17), (4 * MiB + 99, 1 * MiB)]
     # 4 MiB + 64 KiB each way. Generous timeouts: 2 % loss stalls streams in retransmits.
-    a, b = _peers(link, "tcp", size, connect_timeout=20.0, io_timeout=30.0)
+    a, b = _peers(link, "tcp", size, timeout=90.0, connect_timeout=20.0, io_timeout=30.0)
     with a, b:
         _exercise(a, b, size, specs, timeout=60.0)

@@ -1,0 +1,198 @@
+"""Pure logic: batch state machine, slicing, frame planning, transport routing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvconnect.errors import AccessDenied, InvalidRequest, TransferError, TransferTimeout
+from kvconnect.transfer.batch import DeadlineWatch, TransferBatch, make_slices
+from kvconnect.transfer.copying import group_slices
+from kvconnect.transfer.memory import MemoryRegistry
+from kvconnect.transfer.routing import choose_transport
+from kvconnect.transfer.segment import RegionInfo, SegmentDescriptor
+from kvconnect.transfer.tcp import plan_frames
+from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
+
+REGISTRY = MemoryRegistry()
+REGION = REGISTRY.register(bytearray(1 << 20))
+
+
+def _batch(count: int = 2, deadline: float = 60.0) -> tuple[TransferBatch, list[TransferRequest]]:
+    settled: list[TransferRequest] = []
+    requests = [TransferRequest(REGION, 0, "peer", 1, 0, 100) for _ in range(count)]
+    batch = TransferBatch(TransferOp.READ, requests, time.monotonic() + deadline, settled.append)
+    return batch, settled
+
+
+def test_request_completes_when_all_its_slices_do() -> None:
+    batch, settled = _batch(1)
+    batch._expect(0, 3)
+    batch._slice_done(0, None)
+    batch._slice_done(0, None)
+    assert batch.statuses == (TransferStatus.PENDING,)
+    batch._slice_done(0, None)
+    assert batch.wait(0) == (TransferStatus.COMPLETED,)
+    assert batch.done()
+    assert len(settled) == 1
+
+
+def test_first_failure_is_final_and_later_slices_are_ignored() -> None:
+    batch, settled = _batch(2)
+    batch._expect(0, 2)
+    batch._expect(1, 1)
+    error = AccessDenied("no")
+    batch._slice_done(0, error)
+    batch._slice_done(0, None)
+    batch._slice_done(1, None)
+    assert batch.wait(0) == (TransferStatus.FAILED, TransferStatus.COMPLETED)
+    assert batch.errors[0] is error
+    with pytest.raises(TransferError, match="1 of 2") as info:
+        batch.raise_for_status()
+    assert info.value.__cause__ is error
+    assert len(settled) == 2
+
+
+def test_deadline_turns_pending_into_timeout_and_aborts_pinned_access() -> None:
+    batch, settled = _batch(1, deadline=0.05)
+    batch._expect(0, 1)
+    aborted: list[bool] = []
+
+    def abort() -> None:
+        aborted.append(True)
+        batch._unpin(0, abort)  # the interrupted I/O lets go, as a shut-down socket makes it
+
+    assert batch._pin(0, abort)
+    start = time.monotonic()
+    assert batch.wait() == (TransferStatus.TIMEOUT,)
+    assert 0.04 < time.monotonic() - start < 2
+    assert aborted == [True]
+    assert isinstance(batch.errors[0], TransferTimeout)
+    assert not batch._pin(0, None), "a final request must refuse new access"
+    batch._slice_done(0, None)  # a late completion changes nothing
+    assert batch.statuses == (TransferStatus.TIMEOUT,)
+    assert len(settled) == 1
+    with pytest.raises(TransferTimeout):
+        batch.raise_for_status()
+
+
+def test_wait_with_short_timeout_returns_pending() -> None:
+    batch, _ = _batch(1)
+    batch._expect(0, 1)
+    assert batch.wait(0.01) == (TransferStatus.PENDING,)
+    batch.cancel()
+    assert batch.wait() == (TransferStatus.CANCELED,)
+
+
+def test_settling_waits_for_pins_even_after_failure() -> None:
+    batch, settled = _batch(1)
+    batch._expect(0, 2)
+    assert batch._pin(0, None)
+    batch._slice_done(0, AccessDenied("x"))
+    assert batch.statuses == (TransferStatus.FAILED,)
+    assert not batch.done()
+    assert settled == []
+    batch._unpin(0, None)
+    assert batch.done()
+    assert len(settled) == 1
+
+
+def test_deadline_watch_expires_unwatched_batches() -> None:
+    watch = DeadlineWatch()
+    watch.start()
+    try:
+        batch, settled = _batch(1, deadline=0.05)
+        batch._expect(0, 1)
+        watch.add(batch)
+        end = time.monotonic() + 5
+        while not batch.done() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert batch.statuses == (TransferStatus.TIMEOUT,)
+        assert len(settled) == 1
+    finally:
+        watch.close()
+
+
+@given(
+    lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=40),
+    slice_bytes=st.integers(1, 3000),
+    max_entries=st.integers(1, 8),
+)
+def test_slices_cover_requests_and_frames_respect_limits(
+    lengths: list[int], slice_bytes: int, max_entries: int
+) -> None:
+    requests = [TransferRequest(REGION, 7, "peer", 1, 11, n) for n in lengths]
+    batch = TransferBatch(TransferOp.WRITE, requests, time.monotonic() + 60, lambda r: None)
+    slices = []
+    for index, request in enumerate(requests):
+        pieces = make_slices(batch, index, request, slice_bytes)
+        assert sum(p.length for p in pieces) == request.length
+        assert all(0 < p.length <= slice_bytes for p in pieces)
+        # contiguous, same displacement locally and remotely
+        offset = 0
+        for p in pieces:
+            assert (p.local_offset, p.remote_offset) == (7 + offset, 11 + offset)
+            offset += p.length
+        slices += pieces
+    frames = plan_frames(TransferOp.WRITE, slices, slice_bytes, max_entries)
+    assert [p for f in frames for p in f.slices] == slices
+    for frame in frames:
+        assert 1 <= len(frame.slices) <= max_entries
+        assert len(frame.slices) == 1 or sum(p.length for p in frame.slices) <= slice_bytes
+    groups = list(group_slices(slices, 4 * slice_bytes))
+    assert [p for g in groups for p in g] == slices
+
+
+def _segment(host: str, process: str, endpoints: dict[str, str]) -> SegmentDescriptor:
+    return SegmentDescriptor(
+        name=f"{host}-{process}",
+        engine_id=f"{host}{process}",
+        process_id=process,
+        host_id=host,
+        endpoints=endpoints,
+    )
+
+
+SHARED = RegionInfo(1, 100, "host", True, True)
+PRIVATE = RegionInfo(2, 100, "host", True, False)
+ME = _segment("h1", "p1", {"tcp": "a:1", "shm": "@a"})
+SAME_PROCESS = _segment("h1", "p1", {"tcp": "a:2", "shm": "@b"})
+SAME_HOST = _segment("h1", "p2", {"tcp": "a:3", "shm": "@c"})
+NO_SHM = _segment("h1", "p3", {"tcp": "a:4"})
+OTHER_HOST = _segment("h2", "p9", {"tcp": "b:1", "shm": "@d"})
+
+
+@pytest.mark.parametrize(
+    ("mode", "peer", "region", "expected"),
+    [
+        ("auto", SAME_PROCESS, PRIVATE, "local"),
+        ("auto", SAME_HOST, SHARED, "shm"),
+        ("auto", SAME_HOST, PRIVATE, "tcp"),
+        ("auto", NO_SHM, SHARED, "tcp"),
+        ("auto", OTHER_HOST, SHARED, "tcp"),
+        ("tcp", SAME_PROCESS, SHARED, "tcp"),
+        ("shm", SAME_PROCESS, SHARED, "shm"),
+        ("local", SAME_PROCESS, PRIVATE, "local"),
+    ],
+)
+def test_routing(mode: str, peer: SegmentDescriptor, region: RegionInfo, expected: str) -> None:
+    assert choose_transport(mode, ME, peer, region) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("mode", "peer", "region", "reason"),
+    [
+        ("local", SAME_HOST, SHARED, "another process"),
+        ("shm", OTHER_HOST, SHARED, "another host"),
+        ("shm", NO_SHM, SHARED, "no shared-memory endpoint"),
+        ("shm", SAME_HOST, PRIVATE, "allocate it with engine.allocate"),
+    ],
+)
+def test_forced_routing_that_cannot_work_says_why(
+    mode: str, peer: SegmentDescriptor, region: RegionInfo, reason: str
+) -> None:
+    with pytest.raises(InvalidRequest, match=reason):
+        choose_transport(mode, ME, peer, region)  # type: ignore[arg-type]
