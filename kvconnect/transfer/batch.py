@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvconnect.errors import KVConnectError, TransferError, TransferTimeout
@@ -41,22 +41,47 @@ class Slice:
 
     def done(self, error: KVConnectError | None = None) -> None:
         """Report this slice finished (``error`` None) or failed."""
-        self.batch._slice_done(self.index, error)
+        self.batch._done([self.index], error)
 
-    def pending(self) -> bool:
-        """Whether the request still waits for this slice (not yet final)."""
-        return self.batch._pending(self.index)
 
-    def pin(self, abort: Callable[[], None] | None = None) -> bool:
-        """Announce access to the local memory; False if the request is already final.
+def pending_slices(slices: Sequence[Slice]) -> list[Slice]:
+    """The slices whose requests still wait for them (not final yet)."""
+    return [s for s in slices if s.batch._pending(s.index)]
 
-        ``abort`` interrupts the access (e.g. shuts a socket) if the request's deadline passes.
-        """
-        return self.batch._pin(self.index, abort)
 
-    def unpin(self, abort: Callable[[], None] | None = None) -> None:
-        """End the access announced by :meth:`pin`."""
-        self.batch._unpin(self.index, abort)
+def pin_slices(slices: Sequence[Slice], abort: Callable[[], None] | None = None) -> list[Slice]:
+    """Announce access to the slices' local memory; returns those whose request is not final.
+
+    ``abort`` interrupts the access (e.g. shuts a socket) if a request's deadline passes.
+    Transports call this (and the two below) with slices of one batch: one lock per call.
+    """
+    return _by_batch(slices, lambda batch, group: batch._pin(group, abort))
+
+
+def unpin_slices(slices: Sequence[Slice], abort: Callable[[], None] | None = None) -> None:
+    """End the access announced by :func:`pin_slices`."""
+    _by_batch(slices, lambda batch, group: batch._unpin(group, abort))
+
+
+def complete_slices(slices: Sequence[Slice], error: KVConnectError | None = None) -> None:
+    """Report slices finished (``error`` None) or failed."""
+    _by_batch(slices, lambda batch, group: batch._done([s.index for s in group], error))
+
+
+def _by_batch(
+    slices: Sequence[Slice],
+    action: Callable[[TransferBatch, list[Slice]], list[Slice] | None],
+) -> list[Slice]:
+    out: list[Slice] = []
+    start = 0
+    while start < len(slices):
+        batch = slices[start].batch
+        end = start + 1
+        while end < len(slices) and slices[end].batch is batch:
+            end += 1
+        out += action(batch, list(slices[start:end])) or []
+        start = end
+    return out
 
 
 def make_slices(
@@ -85,17 +110,19 @@ class TransferBatch:
         op: TransferOp,
         requests: Sequence[TransferRequest],
         deadline: float,
-        on_settle: Callable[[TransferRequest], None],
+        slice_bytes: int,
+        on_settled: Callable[[], None],
     ) -> None:
+        """``on_settled`` runs once, on the thread that settles the last request."""
         count = len(requests)
         self.op = op
         self.requests = tuple(requests)
         self.deadline = deadline
-        self._on_settle = on_settle
+        self._on_settled = on_settled
         self._cond = threading.Condition()
         self._status = [TransferStatus.PENDING] * count
         self._errors: list[KVConnectError | None] = [None] * count
-        self._remaining = [0] * count
+        self._remaining = [-(-r.length // slice_bytes) for r in requests]  # slices per request
         self._pins = [0] * count
         self._aborts: dict[int, list[Callable[[], None]]] = {}
         self._settled = [False] * count
@@ -167,13 +194,11 @@ class TransferBatch:
 
     # ----------------------------------------------------------------------- transport side
 
-    def _expect(self, index: int, slices: int) -> None:
+    def _done(self, indices: Sequence[int], error: KVConnectError | None) -> None:
         with self._cond:
-            self._remaining[index] = slices
-
-    def _slice_done(self, index: int, error: KVConnectError | None) -> None:
-        with self._cond:
-            if self._status[index] is TransferStatus.PENDING:
+            for index in indices:
+                if self._status[index] is not TransferStatus.PENDING:
+                    continue
                 if error is not None:
                     self._status[index] = TransferStatus.FAILED
                     self._errors[index] = error
@@ -181,34 +206,37 @@ class TransferBatch:
                     self._remaining[index] -= 1
                     if self._remaining[index] == 0:
                         self._status[index] = TransferStatus.COMPLETED
-            settled = self._settle_locked(index)
+            settled = self._settle_locked(indices)
         if settled:
-            self._on_settle(self.requests[index])
+            self._on_settled()
 
     def _fail(self, index: int, error: KVConnectError) -> None:
-        self._slice_done(index, error)
+        self._done([index], error)
 
     def _pending(self, index: int) -> bool:
         with self._cond:
             return self._status[index] is TransferStatus.PENDING
 
-    def _pin(self, index: int, abort: Callable[[], None] | None) -> bool:
+    def _pin(self, slices: list[Slice], abort: Callable[[], None] | None) -> list[Slice]:
+        pinned = []
         with self._cond:
-            if self._status[index] is not TransferStatus.PENDING:
-                return False
-            self._pins[index] += 1
-            if abort is not None:
-                self._aborts.setdefault(index, []).append(abort)
-            return True
+            for piece in slices:
+                if self._status[piece.index] is TransferStatus.PENDING:
+                    self._pins[piece.index] += 1
+                    if abort is not None:
+                        self._aborts.setdefault(piece.index, []).append(abort)
+                    pinned.append(piece)
+        return pinned
 
-    def _unpin(self, index: int, abort: Callable[[], None] | None) -> None:
+    def _unpin(self, slices: list[Slice], abort: Callable[[], None] | None) -> None:
         with self._cond:
-            self._pins[index] -= 1
-            if abort is not None:
-                self._aborts[index].remove(abort)
-            settled = self._settle_locked(index)
+            for piece in slices:
+                self._pins[piece.index] -= 1
+                if abort is not None:
+                    self._aborts[piece.index].remove(abort)
+            settled = self._settle_locked([piece.index for piece in slices])
         if settled:
-            self._on_settle(self.requests[index])
+            self._on_settled()
 
     def _expire(self, now: float) -> None:
         if now >= self.deadline:
@@ -219,34 +247,39 @@ class TransferBatch:
 
     def _finalize(self, status: TransferStatus, error: Callable[[], KVConnectError | None]) -> None:
         aborts: list[Callable[[], None]] = []
-        settled: list[int] = []
         with self._cond:
+            changed = []
             for index, current in enumerate(self._status):
                 if current is not TransferStatus.PENDING:
                     continue
                 self._status[index] = status
                 self._errors[index] = error()
                 aborts.extend(self._aborts.get(index, ()))
-                if self._settle_locked(index):
-                    settled.append(index)
+                changed.append(index)
+            settled = self._settle_locked(changed)
             self._cond.notify_all()
         for abort in aborts:
             abort()
-        for index in settled:
-            self._on_settle(self.requests[index])
+        if settled:
+            self._on_settled()
 
-    def _settle_locked(self, index: int) -> bool:
-        if (
-            self._settled[index]
-            or self._status[index] is TransferStatus.PENDING
-            or self._pins[index]
-        ):
+    def _settle_locked(self, indices: Iterable[int]) -> bool:
+        """Settle what can be; True when this settled the batch's last request."""
+        if self._unsettled == 0:
             return False
-        self._settled[index] = True
-        self._unsettled -= 1
+        for index in indices:
+            if (
+                self._settled[index]
+                or self._status[index] is TransferStatus.PENDING
+                or self._pins[index]
+            ):
+                continue
+            self._settled[index] = True
+            self._unsettled -= 1
         if self._unsettled == 0:
             self._cond.notify_all()
-        return True
+            return True
+        return False
 
     def __repr__(self) -> str:
         statuses = self.statuses

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvconnect.errors import BrokenError, ClosedError, KVConnectError
-from kvconnect.transfer.batch import Slice
+from kvconnect.transfer.batch import Slice, complete_slices
 from kvconnect.transfer.cuda import DeviceCopier
 from kvconnect.transfer.iov import DataPath
 from kvconnect.transfer.memory import MemoryKind, host_address
@@ -36,8 +36,7 @@ class CopyWorkers:
                 return
             except RuntimeError:
                 pass
-        for piece in slices:
-            piece.done(ClosedError("engine closed"))
+        complete_slices(slices, ClosedError("engine closed"))
 
     def close(self) -> None:
         """Finish running jobs and stop. Idempotent."""
@@ -51,8 +50,7 @@ def _guarded(job: Callable[[], None], slices: Sequence[Slice]) -> None:
     except Exception as exc:  # a worker must never die silently; fail what it was doing
         log.exception("copy job failed")
         error = exc if isinstance(exc, KVConnectError) else BrokenError(f"copy failed: {exc}")
-        for piece in slices:
-            piece.done(error)
+        complete_slices(slices, error)
 
 
 def group_slices(slices: Sequence[Slice], max_bytes: int) -> Iterator[list[Slice]]:

@@ -96,6 +96,7 @@ class TransferEngine:
         self._resolver: ThreadPoolExecutor | None = None
         self._watch = DeadlineWatch()
         self._staging: StagingPool | None = None
+        self._identity: SegmentDescriptor | None = None
 
     # --------------------------------------------------------------------------- lifecycle
 
@@ -136,6 +137,7 @@ class TransferEngine:
             "shm": ShmTransport(cfg, copier, self._workers, job_bytes, self._peer_lost),
             "tcp": TcpTransport(cfg, datapath, self._staging_pool, self._peer_lost),
         }
+        self._identity = self._describe()  # routing needs only its host and process identity
         self._resolver = ThreadPoolExecutor(_RESOLVER_THREADS, "kvconnect-resolve")
         local_registry.publish(self._engine_id.hex(), self._registry)
         self._metadata.start(self._directory.forget)
@@ -265,9 +267,15 @@ class TransferEngine:
         if not isinstance(op, TransferOp):
             raise InvalidRequest(f"op must be a TransferOp, got {op!r}")
         batch_requests = list(requests)
-        self._hold_local(op, batch_requests)
+        held = self._hold_local(op, batch_requests)
         deadline = time.monotonic() + (self.config.request_timeout if timeout is None else timeout)
-        batch = TransferBatch(op, batch_requests, deadline, self._release_local)
+        batch = TransferBatch(
+            op,
+            batch_requests,
+            deadline,
+            self.config.slice_bytes,
+            lambda: self._registry.release_many(held),
+        )
         self._watch.add(batch)
         by_segment: dict[str, list[int]] = collections.defaultdict(list)
         for index, request in enumerate(batch_requests):
@@ -336,23 +344,19 @@ class TransferEngine:
 
     # ------------------------------------------------------------------------------ helpers
 
-    def _hold_local(self, op: TransferOp, requests: Sequence[TransferRequest]) -> None:
-        held: list[MemoryRegion] = []
-        try:
-            for request in requests:
-                _check_request(op, request)
-                if not self._registry.hold(request.local):
-                    raise InvalidRequest(
-                        f"local region {request.local.id} is not registered with this engine"
-                    )
-                held.append(request.local)
-        except BaseException:
-            for region in held:
-                self._registry.release(region)
-            raise
-
-    def _release_local(self, request: TransferRequest) -> None:
-        self._registry.release(request.local)
+    def _hold_local(
+        self, op: TransferOp, requests: Sequence[TransferRequest]
+    ) -> list[MemoryRegion]:
+        """Validate requests and hold each distinct local region once for the batch."""
+        regions: dict[int, MemoryRegion] = {}
+        for request in requests:
+            _check_request(op, request)
+            regions[id(request.local)] = request.local
+        held = list(regions.values())
+        stranger = self._registry.hold_many(held)
+        if stranger is not None:
+            raise InvalidRequest(f"local region {stranger.id} is not registered with this engine")
+        return held
 
     def _resolve_later(self, segment: str, batch: TransferBatch, indices: list[int]) -> None:
         resolver = self._resolver
@@ -380,7 +384,8 @@ class TransferEngine:
     def _dispatch(
         self, peer: SegmentDescriptor, batch: TransferBatch, indices: list[int], *, fresh: bool
     ) -> None:
-        me = self._describe()
+        me = self._identity
+        assert me is not None
         routed: dict[str, list[Slice]] = collections.defaultdict(list)
         unknown: list[int] = []
         for index in indices:
@@ -395,9 +400,7 @@ class TransferEngine:
             except KVConnectError as exc:
                 batch._fail(index, exc)
                 continue
-            slices = make_slices(batch, index, request, self.config.slice_bytes)
-            batch._expect(index, len(slices))
-            routed[name].extend(slices)
+            routed[name].extend(make_slices(batch, index, request, self.config.slice_bytes))
         if unknown and fresh:
             _fail(batch, unknown, AccessDenied(f"segment {peer.name} has no such region"))
         elif unknown:

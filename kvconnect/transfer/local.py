@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Sequence
 
 from kvconnect.errors import AccessDenied, PeerUnreachable
-from kvconnect.transfer.batch import Slice
+from kvconnect.transfer.batch import Slice, complete_slices, pin_slices, unpin_slices
 from kvconnect.transfer.copying import Copier, CopyWorkers, group_slices
 from kvconnect.transfer.memory import MemoryKind, MemoryRegistry
 from kvconnect.transfer.segment import SegmentDescriptor
@@ -68,33 +68,35 @@ class LocalTransport:
 
     def _run(self, peer: SegmentDescriptor, op: TransferOp, group: list[Slice]) -> None:
         registry = _lookup(peer.engine_id)
-        for piece in group:
-            if registry is None:
-                piece.done(PeerUnreachable(f"segment {peer.name} is closed"))
-                self._counters.add(errors=1)
-                continue
-            self._copy_one(registry, op, piece)
+        if registry is None:
+            complete_slices(group, PeerUnreachable(f"segment {peer.name} is closed"))
+            self._counters.add(errors=len(group))
+            return
+        pinned = pin_slices(group)
+        copied: list[Slice] = []
+        try:
+            for piece in pinned:
+                if self._copy_one(registry, op, piece):
+                    copied.append(piece)
+        finally:
+            unpin_slices(pinned)
+        complete_slices(copied)
+        key = "bytes_read" if op is TransferOp.READ else "bytes_written"
+        self._counters.add(ops=len(copied), **{key: sum(p.length for p in copied)})
 
-    def _copy_one(self, registry: MemoryRegistry, op: TransferOp, piece: Slice) -> None:
+    def _copy_one(self, registry: MemoryRegistry, op: TransferOp, piece: Slice) -> bool:
         access, region = registry.acquire(
             piece.remote_region, piece.remote_offset, piece.length, write=op is TransferOp.WRITE
         )
         if region is None:
             piece.done(AccessDenied(f"region {piece.remote_region}: {access.name}"))
             self._counters.add(errors=1)
-            return
+            return False
         try:
-            if not piece.pin():
-                return
-            try:
-                start = piece.remote_offset
-                host = region.kind is MemoryKind.HOST
-                view = region.view[start : start + piece.length] if host else None
-                self._copier.copy(op, piece, view, region.address + start)
-            finally:
-                piece.unpin()
+            start = piece.remote_offset
+            host = region.kind is MemoryKind.HOST
+            view = region.view[start : start + piece.length] if host else None
+            self._copier.copy(op, piece, view, region.address + start)
         finally:
             registry.release(region)
-        piece.done()
-        key = "bytes_read" if op is TransferOp.READ else "bytes_written"
-        self._counters.add(ops=1, **{key: piece.length})
+        return True

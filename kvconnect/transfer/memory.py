@@ -15,6 +15,7 @@ import mmap
 import os
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, final
 
@@ -204,19 +205,26 @@ class MemoryRegistry:
             self._users[region_id] += 1
             return Access.OK, region
 
-    def hold(self, region: MemoryRegion) -> bool:
-        """Count a user of a region the caller already holds; False if it was unregistered."""
+    def hold_many(self, regions: Sequence[MemoryRegion]) -> MemoryRegion | None:
+        """Count a user of each region; if one is not registered, hold none and return it."""
         with self._lock:
-            if self._regions.get(region.id) is not region:
-                return False
-            self._users[region.id] += 1
-            return True
+            for region in regions:
+                if self._regions.get(region.id) is not region:
+                    return region
+            for region in regions:
+                self._users[region.id] += 1
+            return None
 
     def release(self, region: MemoryRegion) -> None:
-        """End one use started by :meth:`acquire` or :meth:`hold`."""
+        """End one use started by :meth:`acquire`."""
+        self.release_many([region])
+
+    def release_many(self, regions: Sequence[MemoryRegion]) -> None:
+        """End one use of each region (from :meth:`acquire` or :meth:`hold_many`)."""
         with self._lock:
-            if region.id in self._users:
-                self._users[region.id] -= 1
+            for region in regions:
+                if region.id in self._users:
+                    self._users[region.id] -= 1
 
     def regions(self) -> tuple[MemoryRegion, ...]:
         """Snapshot of the registered regions, by id."""

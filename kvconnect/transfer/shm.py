@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from kvconnect.config import TransferConfig
 from kvconnect.errors import AccessDenied, BrokenError, KVConnectError, PeerUnreachable
 from kvconnect.transfer import wire
-from kvconnect.transfer.batch import Slice
+from kvconnect.transfer.batch import Slice, complete_slices, pin_slices, unpin_slices
 from kvconnect.transfer.copying import Copier, CopyWorkers, group_slices
 from kvconnect.transfer.memory import SHM_HEADER, SHM_MAGIC, read_shm_header
 from kvconnect.transfer.segment import SegmentDescriptor
@@ -88,26 +88,28 @@ class ShmTransport:
             state.close()
 
     def _run(self, state: _ShmPeer, op: TransferOp, group: list[Slice]) -> None:
-        for piece in group:
-            try:
-                done = self._copy_one(state, op, piece)
-            except PeerUnreachable as exc:
-                self._lost(state)  # first, so a caller retrying after the failure starts afresh
-                piece.done(exc)
-                self._counters.add(errors=1)
-                continue
-            except KVConnectError as exc:
-                piece.done(exc)
-                self._counters.add(errors=1)
-                continue
-            except OSError as exc:
-                piece.done(BrokenError(f"shared-memory copy from {state.peer.name}: {exc}"))
-                self._counters.add(errors=1)
-                continue
-            if done:
-                piece.done()
-                key = "bytes_read" if op is TransferOp.READ else "bytes_written"
-                self._counters.add(ops=1, **{key: piece.length})
+        pinned = pin_slices(group)
+        try:
+            copied = self._copy_group(state, op, pinned)
+        except PeerUnreachable as exc:
+            self._lost(state)  # first, so a caller retrying after the failure starts afresh
+            self._fail(pinned, exc)
+            return
+        except KVConnectError as exc:
+            self._fail(pinned, exc)
+            return
+        except OSError as exc:
+            self._fail(pinned, BrokenError(f"shared-memory copy from {state.peer.name}: {exc}"))
+            return
+        finally:
+            unpin_slices(pinned)
+        complete_slices(copied)
+        key = "bytes_read" if op is TransferOp.READ else "bytes_written"
+        self._counters.add(ops=len(copied), **{key: sum(p.length for p in copied)})
+
+    def _fail(self, pieces: list[Slice], error: KVConnectError) -> None:
+        complete_slices(pieces, error)
+        self._counters.add(errors=len(pieces))
 
     def _lost(self, state: _ShmPeer) -> None:
         with self._lock:
@@ -117,27 +119,42 @@ class ShmTransport:
         state.close()
         self._on_lost(state.peer)
 
-    def _copy_one(self, state: _ShmPeer, op: TransferOp, piece: Slice) -> bool:
-        mapped = state.mapping(piece.remote_region)
-        start, end = piece.remote_offset, piece.remote_offset + piece.length
-        if start < 0 or end > mapped.length:
+    def _copy_group(self, state: _ShmPeer, op: TransferOp, pieces: list[Slice]) -> list[Slice]:
+        """Copy what can be copied; refuse single pieces; raise for the whole peer."""
+        ready: list[tuple[Slice, _Mapping]] = []
+        maps: dict[int, _Mapping] = {}
+        for piece in pieces:
+            try:
+                ready.append((piece, self._check(state, op, piece, maps)))
+            except AccessDenied as exc:
+                self._fail([piece], exc)
+        for piece, mapped in ready:
+            start = piece.remote_offset
+            self._copier.copy(op, piece, mapped.data[start : start + piece.length], 0)
+        # The owner may have unregistered a region or died during the copies: then the bytes
+        # are not trustworthy (READ) or not kept (WRITE).
+        state.check_alive()
+        copied = []
+        for piece, mapped in ready:
+            if mapped.live(piece.remote_region):
+                copied.append(piece)
+            else:
+                self._fail([piece], AccessDenied(f"region {piece.remote_region} was withdrawn"))
+        return copied
+
+    def _check(
+        self, state: _ShmPeer, op: TransferOp, piece: Slice, maps: dict[int, _Mapping]
+    ) -> _Mapping:
+        mapped = maps.get(piece.remote_region)
+        if mapped is None:
+            mapped = maps[piece.remote_region] = state.mapping(piece.remote_region)
+        if piece.remote_offset + piece.length > mapped.length:
             raise AccessDenied(f"region {piece.remote_region}: OUT_OF_BOUNDS")
         if op is TransferOp.WRITE and not mapped.writable:
             raise AccessDenied(f"region {piece.remote_region}: READ_ONLY")
-        if not piece.pin():
-            return False
-        try:
-            if not mapped.live(piece.remote_region):
-                raise AccessDenied(f"region {piece.remote_region}: UNKNOWN_REGION")
-            self._copier.copy(op, piece, mapped.data[start:end], 0)
-            # The owner may have unregistered the region or died during the copy: then the
-            # bytes are not trustworthy (READ) or not kept (WRITE).
-            if not mapped.live(piece.remote_region):
-                raise AccessDenied(f"region {piece.remote_region} was withdrawn during the copy")
-            state.check_alive()
-        finally:
-            piece.unpin()
-        return True
+        if not mapped.live(piece.remote_region):
+            raise AccessDenied(f"region {piece.remote_region}: UNKNOWN_REGION")
+        return mapped
 
 
 class _ShmPeer:

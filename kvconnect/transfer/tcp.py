@@ -32,7 +32,13 @@ from kvconnect.errors import (
     TransferError,
 )
 from kvconnect.transfer import wire
-from kvconnect.transfer.batch import Slice
+from kvconnect.transfer.batch import (
+    Slice,
+    complete_slices,
+    pending_slices,
+    pin_slices,
+    unpin_slices,
+)
 from kvconnect.transfer.iov import DataPath
 from kvconnect.transfer.memory import MemoryKind
 from kvconnect.transfer.segment import SegmentDescriptor
@@ -141,8 +147,7 @@ class TcpTransport:
 def fail_frames(frames: Sequence[Frame], error: KVConnectError) -> None:
     """Fail every slice of ``frames``."""
     for frame in frames:
-        for piece in frame.slices:
-            piece.done(error)
+        complete_slices(frame.slices, error)
 
 
 class _Channel:
@@ -348,7 +353,7 @@ class _Connection:
         return memoryview(head + wire.pack_entries(flat))
 
     def _send_read(self, frame: Frame) -> None:
-        frame.sent = [piece for piece in frame.slices if piece.pending()]
+        frame.sent = pending_slices(frame.slices)
         if not frame.sent:
             return
         header = self._header(frame)
@@ -361,7 +366,7 @@ class _Connection:
             self._fail(exc)
 
     def _send_write(self, frame: Frame) -> None:
-        pinned = [piece for piece in frame.slices if piece.pin(self.abort)]
+        pinned = pin_slices(frame.slices, self.abort)
         frame.sent = pinned
         if not pinned:
             return
@@ -384,8 +389,7 @@ class _Connection:
         finally:
             for window in windows:
                 window.close()
-            for piece in pinned:
-                piece.unpin(self.abort)
+            unpin_slices(pinned, self.abort)
 
     def _windows(self, pieces: list[Slice]) -> list[HostWindow]:
         staging = None
@@ -458,7 +462,7 @@ class _Connection:
         return result
 
     def _receive_payload(self, pieces: list[Slice]) -> None:
-        pinned = [piece for piece in pieces if piece.pin(self.abort)]
+        pinned = pin_slices(pieces, self.abort)
         windows = dict(zip(map(id, pinned), self._windows(pinned), strict=True))
         try:
             views: list[memoryview] = []
@@ -471,13 +475,11 @@ class _Connection:
         finally:
             for window in windows.values():
                 window.close()
-            for piece in pinned:
-                piece.unpin(self.abort)
+            unpin_slices(pinned, self.abort)
 
     def _complete(self, frame: Frame, status: Status) -> None:
         if status is Status.OK:
-            for piece in frame.sent:
-                piece.done()
+            complete_slices(frame.sent)
             nbytes = sum(p.length for p in frame.sent)
             key = "bytes_read" if frame.op is TransferOp.READ else "bytes_written"
             self.transport.counters.add(ops=len(frame.sent), **{key: nbytes})
@@ -488,8 +490,7 @@ class _Connection:
         else:
             error = TransferError(f"{self.channel.peer.name} failed the request: {status.name}")
         self.transport.counters.add(errors=len(frame.sent))
-        for piece in frame.sent:
-            piece.done(error)
+        complete_slices(frame.sent, error)
 
 
 def _scratch_views(length: int) -> list[memoryview]:

@@ -9,7 +9,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvconnect.errors import AccessDenied, InvalidRequest, TransferError, TransferTimeout
-from kvconnect.transfer.batch import DeadlineWatch, TransferBatch, make_slices
+from kvconnect.transfer.batch import (
+    DeadlineWatch,
+    Slice,
+    TransferBatch,
+    complete_slices,
+    make_slices,
+    pin_slices,
+    unpin_slices,
+)
 from kvconnect.transfer.copying import group_slices
 from kvconnect.transfer.memory import MemoryRegistry
 from kvconnect.transfer.routing import choose_transport
@@ -21,83 +29,90 @@ REGISTRY = MemoryRegistry()
 REGION = REGISTRY.register(bytearray(1 << 20))
 
 
-def _batch(count: int = 2, deadline: float = 60.0) -> tuple[TransferBatch, list[TransferRequest]]:
-    settled: list[TransferRequest] = []
-    requests = [TransferRequest(REGION, 0, "peer", 1, 0, 100) for _ in range(count)]
-    batch = TransferBatch(TransferOp.READ, requests, time.monotonic() + deadline, settled.append)
+def _batch(
+    count: int = 2, deadline: float = 60.0, slices: tuple[int, ...] = ()
+) -> tuple[TransferBatch, list[bool]]:
+    """A batch whose request i has slices[i] slices (default 1) of 10 bytes."""
+    settled: list[bool] = []
+    sizes = [10 * n for n in slices] or [10] * count
+    requests = [TransferRequest(REGION, 0, "peer", 1, 0, n) for n in sizes]
+    batch = TransferBatch(
+        TransferOp.READ, requests, time.monotonic() + deadline, 10, lambda: settled.append(True)
+    )
     return batch, settled
 
 
+def _piece(batch: TransferBatch, index: int) -> Slice:
+    return make_slices(batch, index, batch.requests[index], 10)[0]
+
+
 def test_request_completes_when_all_its_slices_do() -> None:
-    batch, settled = _batch(1)
-    batch._expect(0, 3)
-    batch._slice_done(0, None)
-    batch._slice_done(0, None)
+    batch, settled = _batch(slices=(3,))
+    pieces = make_slices(batch, 0, batch.requests[0], 10)
+    assert len(pieces) == 3
+    complete_slices(pieces[:2])
     assert batch.statuses == (TransferStatus.PENDING,)
-    batch._slice_done(0, None)
+    pieces[2].done()
     assert batch.wait(0) == (TransferStatus.COMPLETED,)
     assert batch.done()
-    assert len(settled) == 1
+    assert settled == [True]
 
 
 def test_first_failure_is_final_and_later_slices_are_ignored() -> None:
-    batch, settled = _batch(2)
-    batch._expect(0, 2)
-    batch._expect(1, 1)
+    batch, settled = _batch(slices=(2, 1))
     error = AccessDenied("no")
-    batch._slice_done(0, error)
-    batch._slice_done(0, None)
-    batch._slice_done(1, None)
+    batch._done([0], error)
+    batch._done([0], None)
+    batch._done([1], None)
     assert batch.wait(0) == (TransferStatus.FAILED, TransferStatus.COMPLETED)
     assert batch.errors[0] is error
     with pytest.raises(TransferError, match="1 of 2") as info:
         batch.raise_for_status()
     assert info.value.__cause__ is error
-    assert len(settled) == 2
+    assert settled == [True]
 
 
 def test_deadline_turns_pending_into_timeout_and_aborts_pinned_access() -> None:
     batch, settled = _batch(1, deadline=0.05)
-    batch._expect(0, 1)
+    piece = _piece(batch, 0)
     aborted: list[bool] = []
 
     def abort() -> None:
         aborted.append(True)
-        batch._unpin(0, abort)  # the interrupted I/O lets go, as a shut-down socket makes it
+        unpin_slices([piece], abort)  # the interrupted I/O lets go, as a shut socket makes it
 
-    assert batch._pin(0, abort)
+    assert pin_slices([piece], abort) == [piece]
     start = time.monotonic()
     assert batch.wait() == (TransferStatus.TIMEOUT,)
     assert 0.04 < time.monotonic() - start < 2
     assert aborted == [True]
     assert isinstance(batch.errors[0], TransferTimeout)
-    assert not batch._pin(0, None), "a final request must refuse new access"
-    batch._slice_done(0, None)  # a late completion changes nothing
+    assert pin_slices([piece]) == [], "a final request must refuse new access"
+    piece.done()  # a late completion changes nothing
     assert batch.statuses == (TransferStatus.TIMEOUT,)
-    assert len(settled) == 1
+    assert settled == [True]
     with pytest.raises(TransferTimeout):
         batch.raise_for_status()
 
 
 def test_wait_with_short_timeout_returns_pending() -> None:
     batch, _ = _batch(1)
-    batch._expect(0, 1)
     assert batch.wait(0.01) == (TransferStatus.PENDING,)
     batch.cancel()
     assert batch.wait() == (TransferStatus.CANCELED,)
 
 
 def test_settling_waits_for_pins_even_after_failure() -> None:
-    batch, settled = _batch(1)
-    batch._expect(0, 2)
-    assert batch._pin(0, None)
-    batch._slice_done(0, AccessDenied("x"))
+    batch, settled = _batch(slices=(2,))
+    piece = _piece(batch, 0)
+    assert pin_slices([piece]) == [piece]
+    piece.done(AccessDenied("x"))
     assert batch.statuses == (TransferStatus.FAILED,)
     assert not batch.done()
     assert settled == []
-    batch._unpin(0, None)
+    unpin_slices([piece])
     assert batch.done()
-    assert len(settled) == 1
+    assert settled == [True]
 
 
 def test_deadline_watch_expires_unwatched_batches() -> None:
@@ -105,13 +120,12 @@ def test_deadline_watch_expires_unwatched_batches() -> None:
     watch.start()
     try:
         batch, settled = _batch(1, deadline=0.05)
-        batch._expect(0, 1)
         watch.add(batch)
         end = time.monotonic() + 5
         while not batch.done() and time.monotonic() < end:
             time.sleep(0.01)
         assert batch.statuses == (TransferStatus.TIMEOUT,)
-        assert len(settled) == 1
+        assert settled == [True]
     finally:
         watch.close()
 
@@ -125,10 +139,13 @@ def test_slices_cover_requests_and_frames_respect_limits(
     lengths: list[int], slice_bytes: int, max_entries: int
 ) -> None:
     requests = [TransferRequest(REGION, 7, "peer", 1, 11, n) for n in lengths]
-    batch = TransferBatch(TransferOp.WRITE, requests, time.monotonic() + 60, lambda r: None)
+    batch = TransferBatch(
+        TransferOp.WRITE, requests, time.monotonic() + 60, slice_bytes, lambda: None
+    )
     slices = []
     for index, request in enumerate(requests):
         pieces = make_slices(batch, index, request, slice_bytes)
+        assert len(pieces) == batch._remaining[index]
         assert sum(p.length for p in pieces) == request.length
         assert all(0 < p.length <= slice_bytes for p in pieces)
         # contiguous, same displacement locally and remotely

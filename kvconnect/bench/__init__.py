@@ -1,0 +1,1 @@
+"""Benchmarks with same-run baselines (``kvconnect bench …``); never timed tests."""

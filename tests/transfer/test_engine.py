@@ -1,0 +1,213 @@
+"""Engine API and lifecycle: registration, descriptors, metadata backends, invalid requests."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from kvconnect.config import TransferConfig
+from kvconnect.errors import (
+    AccessDenied,
+    ClosedError,
+    ConfigError,
+    InvalidRequest,
+    PeerUnreachable,
+    SegmentNotFound,
+)
+from kvconnect.testing.peer import PeerProcess, pattern
+from kvconnect.transfer import (
+    EmbeddedMetadata,
+    SegmentRegistry,
+    TransferEngine,
+    TransferOp,
+    TransferRequest,
+    TransferStatus,
+    wire,
+)
+from tests.conftest import kvconnect_threads, wait_no_kvconnect_threads
+
+MiB = 1 << 20
+
+
+def test_lifecycle_is_idempotent_and_close_joins_threads() -> None:
+    before = set(kvconnect_threads())
+    engine = TransferEngine()
+    assert set(kvconnect_threads()) == before, "constructors must not start threads"
+    engine.start()
+    engine.start()
+    region = engine.allocate(MiB)
+    engine.read(region, 0, engine.name, region.id, 0, 10)  # spins up copy workers too
+    engine.close()
+    engine.close()
+    assert set(wait_no_kvconnect_threads()) <= before
+    with pytest.raises(ClosedError):
+        engine.start()
+    with pytest.raises(ClosedError):
+        engine.submit(TransferOp.READ, [])
+    with pytest.raises(ClosedError):
+        engine.register(bytearray(10))
+
+
+def test_submit_before_start_is_refused() -> None:
+    engine = TransferEngine()
+    with pytest.raises(ClosedError, match="not started"):
+        engine.submit(TransferOp.READ, [])
+
+
+def test_descriptor_lists_endpoints_and_regions(engine: TransferEngine) -> None:
+    shared = engine.allocate(4096)
+    private = engine.register(bytes(100))
+    descriptor = engine.segment
+    assert descriptor.name == engine.name == descriptor.endpoints["tcp"]
+    assert descriptor.endpoints["shm"].startswith("@kvconnect-")
+    assert [(r.id, r.length, r.shareable, r.writable) for r in descriptor.regions] == [
+        (shared.id, 4096, True, True),
+        (private.id, 100, False, False),
+    ]
+    engine.unregister(private)
+    assert [r.id for r in engine.segment.regions] == [shared.id]
+
+
+def test_listener_binds_only_the_configured_interface(engine: TransferEngine) -> None:
+    other = _primary_address()
+    if other is None:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    port = int(engine.name.rsplit(":", 1)[1])
+    with pytest.raises(ConnectionRefusedError), socket.create_connection((other, port), timeout=1):
+        pass
+
+
+def _primary_address() -> str | None:
+    """The address this host would use towards the outside (no packet is sent)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))
+        address: str = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if address.startswith("127.") else address
+
+
+def test_invalid_requests_raise_and_hold_nothing(engine: TransferEngine) -> None:
+    local = engine.register(np.zeros(100, dtype=np.uint8))
+    readonly = engine.register(bytes(100))
+    stranger = TransferEngine()
+    foreign = stranger.register(bytearray(100))  # registered with another engine
+    cases = [
+        (TransferRequest(local, 0, engine.name, local.id, 0, 0), "length must be > 0"),
+        (TransferRequest(local, 90, engine.name, local.id, 0, 20), "outside region"),
+        (TransferRequest(local, -1, engine.name, local.id, 0, 2), "outside region"),
+        (TransferRequest(local, 0, engine.name, local.id, -5, 2), "remote_offset"),
+        (TransferRequest(readonly, 0, engine.name, local.id, 0, 2), "read-only"),
+        (TransferRequest(foreign, 0, engine.name, local.id, 0, 2), "not registered"),
+    ]
+    good = TransferRequest(local, 0, engine.name, local.id, 50, 10)
+    for bad, message in cases:
+        with pytest.raises(InvalidRequest, match=message):
+            engine.submit(TransferOp.READ, [good, bad])
+    with pytest.raises(InvalidRequest, match="TransferOp"):
+        engine.submit("read", [good])  # type: ignore[arg-type]
+    engine.unregister(local)  # nothing was left holding it
+
+
+def test_remote_refusals_known_from_the_descriptor_fail_fast(engine: TransferEngine) -> None:
+    target = engine.allocate(100)
+    readonly = engine.register(bytes(100))
+    local = engine.register(bytearray(200))
+    batch = engine.submit(
+        TransferOp.WRITE,
+        [
+            TransferRequest(local, 0, engine.name, target.id, 50, 100),
+            TransferRequest(local, 0, engine.name, readonly.id, 0, 10),
+            TransferRequest(local, 0, engine.name, 999, 0, 10),
+            TransferRequest(local, 0, engine.name, target.id, 0, 100),
+        ],
+    )
+    assert batch.wait(5) == (
+        TransferStatus.FAILED,
+        TransferStatus.FAILED,
+        TransferStatus.FAILED,
+        TransferStatus.COMPLETED,
+    )
+    assert all(isinstance(e, AccessDenied) for e in batch.errors[:3])
+
+
+def test_unreachable_segment_fails_each_request(engine: TransferEngine) -> None:
+    probe = socket.create_server(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    probe.close()
+    local = engine.register(bytearray(10))
+    batch = engine.submit(TransferOp.READ, [TransferRequest(local, 0, dead, 1, 0, 10)] * 3)
+    assert batch.wait(10) == (TransferStatus.FAILED,) * 3
+    assert all(isinstance(e, PeerUnreachable) for e in batch.errors)
+
+
+def test_regions_registered_after_first_contact_are_found() -> None:
+    with PeerProcess(shared=MiB, seed=1) as peer, TransferEngine() as engine:
+        local = engine.register(np.zeros(MiB, dtype=np.uint8))
+        engine.read(local, 0, peer.name, peer.regions["shared"], 0, 10)  # caches the descriptor
+        other = TransferEngine()
+        other.start()
+        try:
+            late = other.allocate(MiB)
+            late.view[:] = pattern(3, MiB).data
+            engine.read(local, 0, other.name, late.id, 0, MiB)
+            fresh = other.allocate(MiB)  # registered after `engine` cached `other`
+            fresh.view[:] = pattern(4, MiB).data
+            engine.read(local, 0, other.name, fresh.id, 0, MiB)
+            assert local.view == pattern(4, MiB).data
+        finally:
+            other.close()
+
+
+def test_embedded_metadata_names_and_lookups() -> None:
+    registry = SegmentRegistry()
+    config = TransferConfig(metadata="embedded", transport="tcp")
+    with (
+        TransferEngine(config.replace(name="store-0"), metadata=EmbeddedMetadata(registry)) as a,
+        TransferEngine(config.replace(name="client"), metadata=EmbeddedMetadata(registry)) as b,
+    ):
+        remote = a.allocate(MiB)
+        remote.view[:] = pattern(6, MiB).data
+        local = b.register(np.zeros(MiB, dtype=np.uint8))
+        b.read(local, 0, "store-0", remote.id, 0, MiB)
+        assert local.view == remote.view
+        assert registry.get("store-0").engine_id == a.segment.engine_id
+        clash = TransferEngine(config.replace(name="store-0"), metadata=EmbeddedMetadata(registry))
+        with pytest.raises(ConfigError, match="already used"):
+            clash.start()
+        batch = b.submit(TransferOp.READ, [TransferRequest(local, 0, "nobody", 1, 0, 1)])
+        assert batch.wait(5) == (TransferStatus.FAILED,)
+        assert isinstance(batch.errors[0], SegmentNotFound)
+    with pytest.raises(SegmentNotFound):
+        registry.get("store-0")  # withdrawn on close
+
+
+def test_p2p_segment_names_are_addresses() -> None:
+    with pytest.raises(ConfigError, match="host:port"):
+        TransferEngine(TransferConfig(name="custom"))
+
+
+def test_stats_count_bytes_per_transport(engine: TransferEngine) -> None:
+    remote = engine.allocate(MiB)
+    local = engine.register(bytearray(MiB))
+    engine.write(local, 0, engine.name, remote.id, 0, MiB)
+    engine.read(local, 0, engine.name, remote.id, 0, 1000)
+    stats = engine.stats().transports["local"]
+    assert (stats.bytes_written, stats.bytes_read, stats.errors) == (MiB, 1000, 0)
+
+
+def test_listener_answers_control_calls_over_tcp_but_refuses_fds(engine: TransferEngine) -> None:
+    region = engine.allocate(4096)
+    sock, engine_id = wire.open_connection(engine.name, None, 5)
+    with sock:
+        assert engine_id.hex() == engine.segment.engine_id
+        reply, fds = wire.control_call(sock, wire.GetSegment())
+        assert isinstance(reply, wire.SegmentReply)
+        reply, fds = wire.control_call(sock, wire.GetRegionFd(region.id))
+        assert isinstance(reply, wire.ErrorReply)
+        assert fds == []
