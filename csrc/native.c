@@ -3,7 +3,8 @@
  *
  * sendv/recvv move a whole frame (many buffers) through a socket in one call: the GIL is released
  * for the entire scatter/gather loop, so several stream threads overlap their I/O instead of taking
- * turns on the interpreter for every syscall. copy is memcpy with the GIL released.
+ * turns on the interpreter for every syscall. copy_many is a batch of memcpys with the GIL released
+ * once.
  *
  * Timeouts are stall timeouts: the call fails with TimeoutError when no byte moves for `timeout`
  * seconds. Sockets may be blocking or non-blocking; EAGAIN waits in poll().
@@ -185,23 +186,37 @@ static PyObject *native_recvv(PyObject *self, PyObject *args) {
     return vector_call(args, 0);
 }
 
-static PyObject *native_copy(PyObject *self, PyObject *args) {
+static PyObject *native_copy_many(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer dst, src;
-    if (!PyArg_ParseTuple(args, "w*y*", &dst, &src)) {
+    PyObject *dst_seq, *src_seq;
+    if (!PyArg_ParseTuple(args, "OO", &dst_seq, &src_seq)) {
         return NULL;
     }
-    if (dst.len != src.len) {
-        PyBuffer_Release(&dst);
-        PyBuffer_Release(&src);
-        PyErr_Format(PyExc_ValueError, "copy: length mismatch (%zd != %zd)", dst.len, src.len);
+    iov_set dst, src;
+    if (iov_set_init(&dst, dst_seq, 1) < 0) {
+        return NULL;
+    }
+    if (iov_set_init(&src, src_seq, 0) < 0) {
+        iov_set_free(&dst);
+        return NULL;
+    }
+    int bad = dst.count != src.count;
+    for (Py_ssize_t i = 0; !bad && i < dst.count; i++) {
+        bad = dst.iov[i].iov_len != src.iov[i].iov_len;
+    }
+    if (bad) {
+        iov_set_free(&dst);
+        iov_set_free(&src);
+        PyErr_SetString(PyExc_ValueError, "copy_many: buffer counts or lengths differ");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    memmove(dst.buf, src.buf, (size_t)dst.len);
+    for (Py_ssize_t i = 0; i < dst.count; i++) {
+        memmove(dst.iov[i].iov_base, src.iov[i].iov_base, dst.iov[i].iov_len);
+    }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
+    iov_set_free(&dst);
+    iov_set_free(&src);
     Py_RETURN_NONE;
 }
 
@@ -210,8 +225,9 @@ static PyMethodDef native_methods[] = {
      "sendv(fd, buffers, timeout) -> None\n\nSend every byte of every buffer; GIL released."},
     {"recvv", native_recvv, METH_VARARGS,
      "recvv(fd, buffers, timeout) -> None\n\nFill every buffer from the socket; GIL released."},
-    {"copy", native_copy, METH_VARARGS,
-     "copy(dst, src) -> None\n\nmemmove between equal-length buffers; GIL released."},
+    {"copy_many", native_copy_many, METH_VARARGS,
+     "copy_many(dsts, srcs) -> None\n\nmemmove each pair of equal-length buffers; GIL released "
+     "once for all."},
     {NULL, NULL, 0, NULL},
 };
 

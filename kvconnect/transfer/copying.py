@@ -68,36 +68,34 @@ def group_slices(slices: Sequence[Slice], max_bytes: int) -> Iterator[list[Slice
 
 
 class Copier:
-    """Copies one slice between its local region and a remote host view or device address."""
+    """Copies slices between their local regions and remote host views or device addresses."""
 
     def __init__(self, datapath: DataPath, device: Callable[[], DeviceCopier]) -> None:
         self._datapath = datapath
         self._device = device
 
-    def copy(
-        self,
-        op: TransferOp,
-        piece: Slice,
-        remote_view: memoryview | None,
-        remote_address: int,
-    ) -> None:
-        """Move ``piece`` (READ: remote → local, WRITE: local → remote).
+    def copy(self, op: TransferOp, work: Sequence[tuple[Slice, memoryview | None, int]]) -> None:
+        """Move each ``(slice, remote_view, remote_address)`` (READ: remote → local).
 
-        ``remote_view`` is the remote bytes when they are host memory, else None and
-        ``remote_address`` is a device address.
+        ``remote_view`` is the remote bytes when they are host memory; otherwise it is None and
+        ``remote_address`` is a device address. Host-to-host pairs go in one data-path call.
         """
-        local = piece.local
-        start, end = piece.local_offset, piece.local_offset + piece.length
-        if local.kind is MemoryKind.HOST and remote_view is not None:
+        local_views: list[memoryview] = []
+        remote_views: list[memoryview] = []
+        for piece, remote_view, remote_address in work:
+            local = piece.local
+            start = piece.local_offset
+            if local.kind is MemoryKind.HOST and remote_view is not None:
+                local_views.append(local.view[start : start + piece.length])
+                remote_views.append(remote_view)
+                continue
+            local_address = local.address + start
+            remote = remote_address if remote_view is None else host_address(remote_view)
             if op is TransferOp.READ:
-                self._datapath.copy(local.view[start:end], remote_view)
+                self._device().copy(local_address, remote, piece.length)
             else:
-                self._datapath.copy(remote_view, local.view[start:end])
-            return
-        local_address = local.address + start
-        if remote_view is not None:
-            remote_address = host_address(remote_view)
+                self._device().copy(remote, local_address, piece.length)
         if op is TransferOp.READ:
-            self._device().copy(local_address, remote_address, piece.length)
+            self._datapath.copy_many(local_views, remote_views)
         else:
-            self._device().copy(remote_address, local_address, piece.length)
+            self._datapath.copy_many(remote_views, local_views)

@@ -386,17 +386,22 @@ class TransferEngine:
     ) -> None:
         me = self._identity
         assert me is not None
+        routes: dict[int, tuple[RegionInfo, str] | KVConnectError | None] = {}
         routed: dict[str, list[Slice]] = collections.defaultdict(list)
         unknown: list[int] = []
         for index in indices:
             request = batch.requests[index]
-            region = peer.region(request.remote_region)
-            if region is None:
+            if request.remote_region not in routes:
+                routes[request.remote_region] = self._route(me, peer, request.remote_region)
+            route = routes[request.remote_region]
+            if route is None:
                 unknown.append(index)
                 continue
             try:
+                if isinstance(route, KVConnectError):
+                    raise route
+                region, name = route
                 _check_remote(batch.op, request, region)
-                name = choose_transport(self.config.transport, me, peer, region)
             except KVConnectError as exc:
                 batch._fail(index, exc)
                 continue
@@ -409,6 +414,17 @@ class TransferEngine:
             self._resolve_later(peer.name, batch, unknown)
         for name, slices in routed.items():
             self._transports[name].submit(peer, batch.op, slices)
+
+    def _route(
+        self, me: SegmentDescriptor, peer: SegmentDescriptor, region_id: int
+    ) -> tuple[RegionInfo, str] | KVConnectError | None:
+        region = peer.region(region_id)
+        if region is None:
+            return None
+        try:
+            return region, choose_transport(self.config.transport, me, peer, region)
+        except KVConnectError as exc:
+            return exc
 
     def _peer_lost(self, peer: SegmentDescriptor) -> None:
         self._directory.forget(peer.name)

@@ -5,7 +5,7 @@ Both implementations have the same contract, so every test runs against both:
 - ``sendv(sock, buffers, timeout)`` sends every byte of every buffer, in order.
 - ``recvv(sock, buffers, timeout)`` fills every buffer, in order; a closed peer raises
   ConnectionResetError.
-- ``copy(dst, src)`` copies between equal-length byte buffers.
+- ``copy_many(dsts, srcs)`` copies each ``srcs[i]`` into the equal-length ``dsts[i]``.
 
 ``timeout`` is a stall timeout (no byte moved for that long raises TimeoutError). Buffers are
 1-D, C-contiguous byte buffers (memoryviews of registered regions); the caller keeps them alive.
@@ -34,8 +34,8 @@ class DataPath(Protocol):
     def recvv(self, sock: socket.socket, buffers: Sequence[memoryview], timeout: float) -> None:
         """Fill all of ``buffers``."""
 
-    def copy(self, dst: memoryview, src: memoryview) -> None:
-        """Copy ``src`` into ``dst`` (same length)."""
+    def copy_many(self, dsts: Sequence[memoryview], srcs: Sequence[memoryview]) -> None:
+        """Copy each ``srcs[i]`` into ``dsts[i]`` (same lengths)."""
 
 
 class PythonDataPath:
@@ -61,10 +61,13 @@ class PythonDataPath:
                 raise ConnectionResetError("peer closed the connection")
             first = _advance(pending, first, got)
 
-    def copy(self, dst: memoryview, src: memoryview) -> None:
-        if dst.nbytes != src.nbytes:
-            raise ValueError(f"copy: length mismatch ({dst.nbytes} != {src.nbytes})")
-        dst[:] = src
+    def copy_many(self, dsts: Sequence[memoryview], srcs: Sequence[memoryview]) -> None:
+        if len(dsts) != len(srcs) or any(
+            d.nbytes != s.nbytes for d, s in zip(dsts, srcs, strict=True)
+        ):
+            raise ValueError("copy_many: buffer counts or lengths differ")
+        for dst, src in zip(dsts, srcs, strict=True):
+            dst[:] = src
 
 
 def _advance(pending: list[memoryview], first: int, done: int) -> int:
@@ -95,8 +98,8 @@ class NativeDataPath:
     def recvv(self, sock: socket.socket, buffers: Sequence[memoryview], timeout: float) -> None:
         self._native.recvv(sock.fileno(), buffers, timeout)
 
-    def copy(self, dst: memoryview, src: memoryview) -> None:
-        self._native.copy(dst, src)
+    def copy_many(self, dsts: Sequence[memoryview], srcs: Sequence[memoryview]) -> None:
+        self._native.copy_many(dsts, srcs)
 
 
 def native_available() -> bool:

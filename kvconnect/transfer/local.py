@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from kvconnect.errors import AccessDenied, PeerUnreachable
 from kvconnect.transfer.batch import Slice, complete_slices, pin_slices, unpin_slices
 from kvconnect.transfer.copying import Copier, CopyWorkers, group_slices
-from kvconnect.transfer.memory import MemoryKind, MemoryRegistry
+from kvconnect.transfer.memory import MemoryKind, MemoryRegion, MemoryRegistry
 from kvconnect.transfer.segment import SegmentDescriptor
 from kvconnect.transfer.stats import Counters, TransportStats
 from kvconnect.transfer.transport import Capabilities, TransferOp
@@ -73,30 +73,33 @@ class LocalTransport:
             self._counters.add(errors=len(group))
             return
         pinned = pin_slices(group)
-        copied: list[Slice] = []
+        held: list[MemoryRegion] = []
         try:
+            work = []
             for piece in pinned:
-                if self._copy_one(registry, op, piece):
-                    copied.append(piece)
+                access, region = registry.acquire(
+                    piece.remote_region,
+                    piece.remote_offset,
+                    piece.length,
+                    write=op is TransferOp.WRITE,
+                )
+                if region is None:
+                    piece.done(AccessDenied(f"region {piece.remote_region}: {access.name}"))
+                    self._counters.add(errors=1)
+                    continue
+                held.append(region)
+                start = piece.remote_offset
+                view = (
+                    region.view[start : start + piece.length]
+                    if region.kind is MemoryKind.HOST
+                    else None
+                )
+                work.append((piece, view, region.address + start))
+            self._copier.copy(op, work)
         finally:
+            registry.release_many(held)
             unpin_slices(pinned)
+        copied = [piece for piece, _view, _address in work]
         complete_slices(copied)
         key = "bytes_read" if op is TransferOp.READ else "bytes_written"
         self._counters.add(ops=len(copied), **{key: sum(p.length for p in copied)})
-
-    def _copy_one(self, registry: MemoryRegistry, op: TransferOp, piece: Slice) -> bool:
-        access, region = registry.acquire(
-            piece.remote_region, piece.remote_offset, piece.length, write=op is TransferOp.WRITE
-        )
-        if region is None:
-            piece.done(AccessDenied(f"region {piece.remote_region}: {access.name}"))
-            self._counters.add(errors=1)
-            return False
-        try:
-            start = piece.remote_offset
-            host = region.kind is MemoryKind.HOST
-            view = region.view[start : start + piece.length] if host else None
-            self._copier.copy(op, piece, view, region.address + start)
-        finally:
-            registry.release(region)
-        return True

@@ -121,25 +121,27 @@ class ShmTransport:
 
     def _copy_group(self, state: _ShmPeer, op: TransferOp, pieces: list[Slice]) -> list[Slice]:
         """Copy what can be copied; refuse single pieces; raise for the whole peer."""
-        ready: list[tuple[Slice, _Mapping]] = []
         maps: dict[int, _Mapping] = {}
+        work: list[tuple[Slice, memoryview | None, int]] = []
         for piece in pieces:
             try:
-                ready.append((piece, self._check(state, op, piece, maps)))
+                mapped = self._check(state, op, piece, maps)
             except AccessDenied as exc:
                 self._fail([piece], exc)
-        for piece, mapped in ready:
+                continue
             start = piece.remote_offset
-            self._copier.copy(op, piece, mapped.data[start : start + piece.length], 0)
+            work.append((piece, mapped.data[start : start + piece.length], 0))
+        self._copier.copy(op, work)
         # The owner may have unregistered a region or died during the copies: then the bytes
         # are not trustworthy (READ) or not kept (WRITE).
         state.check_alive()
+        withdrawn = {region for region, mapped in maps.items() if not mapped.live(region)}
         copied = []
-        for piece, mapped in ready:
-            if mapped.live(piece.remote_region):
-                copied.append(piece)
-            else:
+        for piece, _view, _address in work:
+            if piece.remote_region in withdrawn:
                 self._fail([piece], AccessDenied(f"region {piece.remote_region} was withdrawn"))
+            else:
+                copied.append(piece)
         return copied
 
     def _check(
@@ -147,13 +149,14 @@ class ShmTransport:
     ) -> _Mapping:
         mapped = maps.get(piece.remote_region)
         if mapped is None:
-            mapped = maps[piece.remote_region] = state.mapping(piece.remote_region)
+            mapped = state.mapping(piece.remote_region)
+            if not mapped.live(piece.remote_region):
+                raise AccessDenied(f"region {piece.remote_region}: UNKNOWN_REGION")
+            maps[piece.remote_region] = mapped
         if piece.remote_offset + piece.length > mapped.length:
             raise AccessDenied(f"region {piece.remote_region}: OUT_OF_BOUNDS")
         if op is TransferOp.WRITE and not mapped.writable:
             raise AccessDenied(f"region {piece.remote_region}: READ_ONLY")
-        if not mapped.live(piece.remote_region):
-            raise AccessDenied(f"region {piece.remote_region}: UNKNOWN_REGION")
         return mapped
 
 

@@ -63,13 +63,15 @@ def test_stall_raises_timeout(datapath: DataPath) -> None:
     right.close()
 
 
-def test_copy_moves_bytes_and_checks_lengths(datapath: DataPath) -> None:
-    src = memoryview(bytearray(os.urandom(1 << 20)))
-    dst = memoryview(bytearray(1 << 20))
-    datapath.copy(dst, src)
-    assert dst == src
-    with pytest.raises(ValueError, match="length"):
-        datapath.copy(dst[:10], src[:11])
+def test_copy_many_moves_bytes_and_checks_lengths(datapath: DataPath) -> None:
+    srcs = _views([1, 0, 1 << 20, 4097], fill=True)
+    dsts = _views([1, 0, 1 << 20, 4097], fill=False)
+    datapath.copy_many(dsts, srcs)
+    assert dsts == srcs
+    with pytest.raises(ValueError, match="differ"):
+        datapath.copy_many(dsts[:2], srcs[:1])
+    with pytest.raises(ValueError, match="differ"):
+        datapath.copy_many([dsts[2][:10]], [srcs[2][:11]])
 
 
 def test_native_io_releases_the_gil() -> None:

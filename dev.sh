@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Set up and run kvconnect on a fresh Debian 12 machine with Python 3.11.
+#
+#   ./dev.sh demo   install everything, then run the main job (a transfer benchmark between two
+#                   processes on loopback, beside its baselines)
+#   ./dev.sh test   install everything, then run lint, type checks and the whole test suite
+#
+# Heavy installs are cached under $KVCONNECT_CACHE (default ~/.cache/kvconnect) so reruns are
+# fast; every step checks and repairs what it needs, so a fresh machine works the same.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+CACHE="${KVCONNECT_CACHE:-$HOME/.cache/kvconnect}"
+VENV="$CACHE/venv"
+MOONCAKE_VENV="$CACHE/mooncake-venv"
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+
+log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+        log "not root and no sudo: cannot run: $*"; return 1; fi
+}
+
+apt_packages() {
+    # iproute2/iptables: network-namespace tests; libibverbs1/libnl: Mooncake's wheel (baseline).
+    local missing=()
+    for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    log "installing Debian packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get install -y -q "${missing[@]}" >/dev/null \
+        || { as_root apt-get update -q >/dev/null && as_root apt-get install -y -q "${missing[@]}" >/dev/null; }
+}
+
+setup_venv() {
+    if [ ! -x "$VENV/bin/python" ]; then
+        log "creating $VENV"
+        mkdir -p "$CACHE"
+        "$PYTHON" -m venv "$VENV"
+        "$VENV/bin/pip" install -q --upgrade pip
+    fi
+    log "installing kvconnect (editable, native extension required) with test and bench extras"
+    KVCONNECT_REQUIRE_NATIVE=1 "$VENV/bin/pip" install -q -e ".[test,bench]" 2>&1 \
+        | grep -v -e "WARNING: Location" -e "is ignored" || true
+    "$VENV/bin/python" -c "import kvconnect._native" \
+        || { log "the native extension did not build"; exit 1; }
+}
+
+setup_mooncake() {
+    # Optional baseline: Mooncake's transfer engine, in its own venv (it pins its own deps).
+    if [ ! -x "$MOONCAKE_VENV/bin/python" ] || ! "$MOONCAKE_VENV/bin/python" -c "import mooncake.engine" 2>/dev/null; then
+        log "installing Mooncake's transfer engine for the baseline into $MOONCAKE_VENV"
+        rm -rf "$MOONCAKE_VENV"
+        "$PYTHON" -m venv "$MOONCAKE_VENV"
+        "$MOONCAKE_VENV/bin/pip" install -q mooncake-transfer-engine-non-cuda numpy 2>&1 \
+            | grep -v -e "WARNING: Location" -e "is ignored" || true
+    fi
+    "$MOONCAKE_VENV/bin/python" -c "import mooncake.engine" 2>/dev/null \
+        || { log "Mooncake baseline unavailable; continuing without it"; return 1; }
+}
+
+run_demo() {
+    apt_packages libibverbs1 libnl-3-200 libnl-route-3-200
+    setup_venv
+    local mooncake=()
+    if setup_mooncake; then mooncake=(--mooncake-python "$MOONCAKE_VENV/bin/python"); fi
+    log "main job: kvconnect bench transfer (two processes on loopback)"
+    "$VENV/bin/kvconnect" bench transfer --runs 3 "${mooncake[@]}" --out bench-transfer.json
+}
+
+run_tests() {
+    apt_packages iproute2 iptables
+    setup_venv
+    log "ruff (lint + format)"
+    "$VENV/bin/ruff" check .
+    "$VENV/bin/ruff" format --check .
+    log "mypy --strict kvconnect/"
+    "$VENV/bin/mypy"
+    log "pytest (all tests; gpu/rdma tests skip without the hardware)"
+    local status=0
+    "$VENV/bin/python" -m pytest "$@" || status=$?
+    if [ "$status" -eq 5 ]; then log "pytest collected no tests: that is a failure"; exit 1; fi
+    exit "$status"
+}
+
+case "${1:-}" in
+    demo) shift; run_demo "$@" ;;
+    test) shift; run_tests "$@" ;;
+    *) echo "usage: $0 demo|test [pytest args]" >&2; exit 2 ;;
+esac
