@@ -50,7 +50,7 @@ class TransferConfig:
     """Offer same-host shared-memory access to regions from :meth:`TransferEngine.allocate`."""
     tcp_streams: int = 2
     """Parallel TCP connections per peer."""
-    slice_bytes: int = 1 * MiB
+    slice_bytes: int = 4 * MiB
     """Largest unit of work on a stream; bigger requests are split, smaller ones coalesced."""
     max_frame_entries: int = 256
     """Most requests coalesced into one frame."""

@@ -46,7 +46,7 @@ class Slice:
 
 def pending_slices(slices: Sequence[Slice]) -> list[Slice]:
     """The slices whose requests still wait for them (not final yet)."""
-    return [s for s in slices if s.batch._pending(s.index)]
+    return _by_batch(slices, lambda batch, group: batch._pending(group))
 
 
 def pin_slices(slices: Sequence[Slice], abort: Callable[[], None] | None = None) -> list[Slice]:
@@ -213,9 +213,9 @@ class TransferBatch:
     def _fail(self, index: int, error: KVConnectError) -> None:
         self._done([index], error)
 
-    def _pending(self, index: int) -> bool:
+    def _pending(self, slices: list[Slice]) -> list[Slice]:
         with self._cond:
-            return self._status[index] is TransferStatus.PENDING
+            return [p for p in slices if self._status[p.index] is TransferStatus.PENDING]
 
     def _pin(self, slices: list[Slice], abort: Callable[[], None] | None) -> list[Slice]:
         pinned = []

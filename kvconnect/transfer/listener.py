@@ -18,9 +18,9 @@ from kvconnect.config import TransferConfig
 from kvconnect.errors import AuthenticationError, KVConnectError, ProtocolError
 from kvconnect.transfer import wire
 from kvconnect.transfer.iov import DataPath
-from kvconnect.transfer.memory import MemoryKind, MemoryRegion, MemoryRegistry
+from kvconnect.transfer.memory import MemoryRegion, MemoryRegistry
 from kvconnect.transfer.segment import SegmentDescriptor, encode_descriptor
-from kvconnect.transfer.staging import HostWindow, StagingPool
+from kvconnect.transfer.staging import StagedWindow, StagingPool, close_all, host_views
 from kvconnect.transfer.stats import Counters, ListenerStats
 from kvconnect.transfer.wire import FrameKind, Status
 
@@ -182,36 +182,24 @@ class _Session:
         total = sum(lengths)
         if total > self.config.max_frame_bytes:
             raise ProtocolError(f"frame of {total} bytes exceeds max_frame_bytes")
-        status, regions = self._acquire(flat, write=kind == FrameKind.WRITE)
+        registry = self.listener._registry
+        access, regions = registry.acquire_many(flat, write=kind == FrameKind.WRITE)
+        if not regions:
+            self.listener.counters.add(refused=1)
+            log.debug("refused a %s frame: %s", kind.name, access.name)
         try:
             if kind == FrameKind.WRITE:
-                self._serve_write(status, regions, flat, total, frame_id)
+                self._serve_write(Status(access), regions, flat, total, frame_id)
             else:
-                self._serve_read(status, regions, flat, total, frame_id)
+                self._serve_read(Status(access), regions, flat, total, frame_id)
         finally:
-            for region in regions:
-                self.listener._registry.release(region)
+            registry.release_many(regions)
 
-    def _acquire(self, flat: tuple[int, ...], *, write: bool) -> tuple[Status, list[MemoryRegion]]:
-        registry = self.listener._registry
-        regions: list[MemoryRegion] = []
-        for i in range(0, len(flat), 3):
-            access, region = registry.acquire(flat[i], flat[i + 1], flat[i + 2], write=write)
-            if region is None:
-                self.listener.counters.add(refused=1)
-                log.debug("refused access to region %d: %s", flat[i], access.name)
-                return Status(access), regions
-            regions.append(region)
-        return Status.OK, regions
-
-    def _windows(self, regions: list[MemoryRegion], flat: tuple[int, ...]) -> list[HostWindow]:
-        staging = None
-        windows = []
-        for n, region in enumerate(regions):
-            if region.kind is not MemoryKind.HOST and staging is None:
-                staging = self.listener._staging()
-            windows.append(HostWindow(region, flat[3 * n + 1], flat[3 * n + 2], staging))
-        return windows
+    def _views(
+        self, regions: list[MemoryRegion], flat: tuple[int, ...]
+    ) -> tuple[list[memoryview], list[StagedWindow]]:
+        entries = zip(regions, flat[1::3], flat[2::3], strict=True)
+        return host_views(entries, self.listener._staging)
 
     def _serve_write(
         self,
@@ -224,14 +212,13 @@ class _Session:
         if status is not Status.OK:
             self._discard(total)  # keep the stream in sync; nothing is written
         else:
-            windows = self._windows(regions, flat)
+            views, staged = self._views(regions, flat)
             try:
-                self.datapath.recvv(self.conn, [w.view for w in windows], self.config.io_timeout)
-                for window in windows:
+                self.datapath.recvv(self.conn, views, self.config.io_timeout)
+                for window in staged:
                     window.store()
             finally:
-                for window in windows:
-                    window.close()
+                close_all(staged)
             self.listener.counters.add(bytes_received=total)
         self.conn.sendall(wire.HEADER.pack(FrameKind.RESPONSE, status, 0, 0, frame_id))
 
@@ -247,15 +234,13 @@ class _Session:
         if status is not Status.OK:
             self.conn.sendall(header)
             return
-        windows = self._windows(regions, flat)
+        views, staged = self._views(regions, flat)
         try:
-            for window in windows:
+            for window in staged:
                 window.load()
-            views = [memoryview(header), *(w.view for w in windows)]
-            self.datapath.sendv(self.conn, views, self.config.io_timeout)
+            self.datapath.sendv(self.conn, [memoryview(header), *views], self.config.io_timeout)
         finally:
-            for window in windows:
-                window.close()
+            close_all(staged)
         self.listener.counters.add(bytes_served=total)
 
     def _discard(self, total: int) -> None:

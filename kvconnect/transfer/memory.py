@@ -194,16 +194,31 @@ class MemoryRegistry:
         self, region_id: int, offset: int, length: int, *, write: bool
     ) -> tuple[Access, MemoryRegion | None]:
         """Check an access and, when allowed, count a user until :meth:`release`."""
+        access, regions = self.acquire_many((region_id, offset, length), write=write)
+        return access, regions[0] if regions else None
+
+    def acquire_many(
+        self, flat: Sequence[int], *, write: bool
+    ) -> tuple[Access, list[MemoryRegion]]:
+        """:meth:`acquire` for flat (region id, offset, length) triples, all or none."""
+        regions: list[MemoryRegion] = []
         with self._lock:
-            region = self._regions.get(region_id)
-            if region is None:
-                return Access.UNKNOWN_REGION, None
-            if offset < 0 or length <= 0 or offset + length > region.length:
-                return Access.OUT_OF_BOUNDS, None
-            if write and not region.writable:
-                return Access.READ_ONLY, None
-            self._users[region_id] += 1
-            return Access.OK, region
+            for i in range(0, len(flat), 3):
+                region_id, offset, length = flat[i], flat[i + 1], flat[i + 2]
+                region = self._regions.get(region_id)
+                if region is None:
+                    access = Access.UNKNOWN_REGION
+                elif offset < 0 or length <= 0 or offset + length > region.length:
+                    access = Access.OUT_OF_BOUNDS
+                elif write and not region.writable:
+                    access = Access.READ_ONLY
+                else:
+                    regions.append(region)
+                    continue
+                return access, []
+            for region in regions:
+                self._users[region.id] += 1
+        return Access.OK, regions
 
     def hold_many(self, regions: Sequence[MemoryRegion]) -> MemoryRegion | None:
         """Count a user of each region; if one is not registered, hold none and return it."""

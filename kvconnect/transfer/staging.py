@@ -1,14 +1,15 @@
-"""Host windows onto registered memory, staging device memory for transports that need host bytes.
+"""Host views of registered memory for sockets, staging device memory through pinned buffers.
 
-A socket can only send from and receive into host memory. :func:`open_window` gives a host view
-of ``(region, offset, length)``: the region's own bytes for host memory (zero copy), or a pinned
-staging buffer for device memory, filled by ``load()`` before sending and written back to the
-device by ``store()`` after receiving.
+A socket can only send from and receive into host memory. :func:`host_views` turns
+``(region, offset, length)`` entries into host views: the region's own bytes for host memory
+(zero copy), and for device memory a pinned staging buffer (a :class:`StagedWindow`) that
+``load()`` fills from the device before sending and ``store()`` writes back after receiving.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 
 from kvconnect.transfer.cuda import DeviceCopier
 from kvconnect.transfer.memory import MemoryKind, MemoryRegion, host_address
@@ -41,39 +42,52 @@ class StagingPool:
                     self._free.append(buffer)
 
 
-class HostWindow:
-    """Host bytes standing for ``length`` bytes of ``region`` at ``offset``."""
+class StagedWindow:
+    """A pinned host buffer standing for ``length`` bytes of device memory at ``address``."""
 
     __slots__ = ("_buffer", "_device_address", "_pool", "view")
 
-    def __init__(
-        self, region: MemoryRegion, offset: int, length: int, pool: StagingPool | None
-    ) -> None:
-        if region.kind is MemoryKind.HOST:
-            self.view = region.view[offset : offset + length]
-            self._pool = None
-            self._buffer: memoryview | None = None
-            self._device_address = 0
-            return
-        if pool is None:
-            raise RuntimeError("device memory without a staging pool")
+    def __init__(self, address: int, length: int, pool: StagingPool) -> None:
         self._pool = pool
-        self._buffer = pool.take(length)
+        self._buffer: memoryview | None = pool.take(length)
         self.view = self._buffer[:length]
-        self._device_address = region.address + offset
+        self._device_address = address
 
     def load(self) -> None:
         """Bring device bytes into the window (before they are sent)."""
-        if self._pool is not None:
-            self._pool.copier.copy(host_address(self.view), self._device_address, self.view.nbytes)
+        self._pool.copier.copy(host_address(self.view), self._device_address, self.view.nbytes)
 
     def store(self) -> None:
         """Write received window bytes back to the device."""
-        if self._pool is not None:
-            self._pool.copier.copy(self._device_address, host_address(self.view), self.view.nbytes)
+        self._pool.copier.copy(self._device_address, host_address(self.view), self.view.nbytes)
 
     def close(self) -> None:
-        """Return the staging buffer, if any."""
-        if self._pool is not None and self._buffer is not None:
+        """Return the staging buffer."""
+        if self._buffer is not None:
             self._pool.give(self._buffer)
             self._buffer = None
+
+
+def host_views(
+    entries: Iterable[tuple[MemoryRegion, int, int]], pool: Callable[[], StagingPool]
+) -> tuple[list[memoryview], list[StagedWindow]]:
+    """Host views of ``(region, offset, length)`` entries, and the staged windows among them.
+
+    The caller loads/stores and closes the staged windows; host entries cost one slice each.
+    """
+    views: list[memoryview] = []
+    staged: list[StagedWindow] = []
+    for region, offset, length in entries:
+        if region.kind is MemoryKind.HOST:
+            views.append(region.view[offset : offset + length])
+        else:
+            window = StagedWindow(region.address + offset, length, pool())
+            views.append(window.view)
+            staged.append(window)
+    return views, staged
+
+
+def close_all(windows: Iterable[StagedWindow]) -> None:
+    """Return every window's staging buffer."""
+    for window in windows:
+        window.close()

@@ -40,9 +40,8 @@ from kvconnect.transfer.batch import (
     unpin_slices,
 )
 from kvconnect.transfer.iov import DataPath
-from kvconnect.transfer.memory import MemoryKind
 from kvconnect.transfer.segment import SegmentDescriptor
-from kvconnect.transfer.staging import HostWindow, StagingPool
+from kvconnect.transfer.staging import StagedWindow, StagingPool, close_all, host_views
 from kvconnect.transfer.stats import Counters, TransportStats
 from kvconnect.transfer.transport import Capabilities, TransferOp
 from kvconnect.transfer.wire import FrameKind, Status
@@ -370,35 +369,30 @@ class _Connection:
         frame.sent = pinned
         if not pinned:
             return
-        windows: list[HostWindow] = []
+        staged: list[StagedWindow] = []
         try:
-            windows = self._windows(pinned)
-            for window in windows:
+            views, staged = self._views(pinned)
+            for window in staged:
                 window.load()
             header = self._header(frame)
             with self._cond:
                 self._inflight.append(frame)
                 self._cond.notify_all()
-            views = [header, *(w.view for w in windows)]
-            self.transport.datapath.sendv(self.sock, views, self.channel.config.io_timeout)
+            self.transport.datapath.sendv(
+                self.sock, [header, *views], self.channel.config.io_timeout
+            )
         except OSError as exc:
             self._fail(exc)
         except KVConnectError as exc:  # staging failed: the frame cannot be sent at all
             self._drop(frame)
             fail_frames([frame], exc)
         finally:
-            for window in windows:
-                window.close()
+            close_all(staged)
             unpin_slices(pinned, self.abort)
 
-    def _windows(self, pieces: list[Slice]) -> list[HostWindow]:
-        staging = None
-        windows = []
-        for piece in pieces:
-            if piece.local.kind is not MemoryKind.HOST and staging is None:
-                staging = self.transport.staging()
-            windows.append(HostWindow(piece.local, piece.local_offset, piece.length, staging))
-        return windows
+    def _views(self, pieces: list[Slice]) -> tuple[list[memoryview], list[StagedWindow]]:
+        entries = ((p.local, p.local_offset, p.length) for p in pieces)
+        return host_views(entries, self.transport.staging)
 
     def _drop(self, frame: Frame) -> None:
         with self._cond:
@@ -431,7 +425,7 @@ class _Connection:
                 frame = self._inflight[0]
             try:
                 status = self._receive(frame, header)
-            except (OSError, ProtocolError) as exc:
+            except (OSError, KVConnectError) as exc:  # incl. staging failures: stream is unusable
                 self._fail(exc)
                 return
             if not self._retire(frame):
@@ -463,18 +457,25 @@ class _Connection:
 
     def _receive_payload(self, pieces: list[Slice]) -> None:
         pinned = pin_slices(pieces, self.abort)
-        windows = dict(zip(map(id, pinned), self._windows(pinned), strict=True))
+        staged: list[StagedWindow] = []
         try:
-            views: list[memoryview] = []
-            for piece in pieces:
-                window = windows.get(id(piece))
-                views += [window.view] if window is not None else _scratch_views(piece.length)
+            if len(pinned) == len(pieces):
+                views, staged = self._views(pieces)
+            else:  # some requests ended (deadline): their bytes go to the sink
+                live = {id(p) for p in pinned}
+                views = []
+                for piece in pieces:
+                    if id(piece) in live:
+                        piece_views, piece_staged = self._views([piece])
+                        views += piece_views
+                        staged += piece_staged
+                    else:
+                        views += _scratch_views(piece.length)
             self.transport.datapath.recvv(self.sock, views, self.channel.config.io_timeout)
-            for window in windows.values():
+            for window in staged:
                 window.store()
         finally:
-            for window in windows.values():
-                window.close()
+            close_all(staged)
             unpin_slices(pinned, self.abort)
 
     def _complete(self, frame: Frame, status: Status) -> None:
