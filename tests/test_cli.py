@@ -1,0 +1,84 @@
+"""The console script and the examples, run as users run them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _kvconnect(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvconnect.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+
+
+def test_help_lists_subcommands(tmp_path: Path) -> None:
+    out = _kvconnect("--help", cwd=tmp_path).stdout
+    assert "bench" in out
+    assert "transfer" in _kvconnect("bench", "--help", cwd=tmp_path).stdout
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_bench_transfer_reports_kvconnect_and_baselines(tmp_path: Path) -> None:
+    _kvconnect(
+        "bench",
+        "transfer",
+        "--quick",
+        "--cases",
+        "64K:16,1M:4",
+        "--baselines",
+        "socket,memcpy",
+        "--out",
+        "result.json",
+        "--plot",
+        "chart.png",
+        cwd=tmp_path,
+    )
+    report = json.loads((tmp_path / "result.json").read_text())
+    cases = {(r["transport"], r["op"], r["block"]) for r in report["results"]}
+    assert cases == {
+        (t, op, block)
+        for t in ("tcp", "shm")
+        for op in ("read", "write")
+        for block in (65536, 1 << 20)
+    }
+    for result in report["results"]:
+        assert result["kvconnect"]["gbps"] > 0
+        baseline = "socket" if result["transport"] == "tcp" else "memcpy"
+        summary = result["baselines"][baseline]
+        assert summary["ratio"] == pytest.approx(result["kvconnect"]["gbps"] / summary["gbps"])
+    assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_example_two_peers_runs(transport: str, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "transfer_two_peers.py"),
+            "--transport",
+            transport,
+            "--mib",
+            "16",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    assert "READ  16 MiB" in out
+    assert "WRITE 16 MiB" in out
