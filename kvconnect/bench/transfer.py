@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 import platform
 import statistics
 import sys
@@ -273,7 +274,7 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     labels = [Case(r["transport"], r["op"], r["block"], r["count"]).label for r in results]
     series = {"kvconnect": [r["kvconnect"]["gbps"] for r in results]}
     for name in sorted({n for r in results for n in r["baselines"]}):
-        series[name] = [r["baselines"].get(name, {}).get("gbps", 0.0) for r in results]
+        series[name] = [r["baselines"].get(name, {}).get("gbps", math.nan) for r in results]
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(max(8, len(labels) * 1.2), 5))
     for n, (name, values) in enumerate(series.items()):
