@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -31,8 +32,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _rdma_present() -> bool:
-    import os
-
     return os.path.isdir("/sys/class/infiniband") and bool(os.listdir("/sys/class/infiniband"))
 
 
@@ -57,11 +56,24 @@ def wait_no_kvconnect_threads(timeout: float = 5.0) -> list[threading.Thread]:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _no_thread_leaks() -> Iterator[None]:
-    """Every module must close what it started: no kvconnect thread survives it."""
+def _no_leaks() -> Iterator[None]:
+    """Every module must close what it started: no kvconnect thread or open fd survives it."""
+    fds = _open_fds()
     yield
     leaked = wait_no_kvconnect_threads()
     assert not leaked, f"threads leaked: {[t.name for t in leaked]}"
+    extra = _open_fds() - fds
+    assert not extra, f"file descriptors leaked: {sorted(extra)}"
+
+
+def _open_fds() -> set[tuple[str, str]]:
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+        except OSError:
+            continue  # the descriptor listdir itself used
+    return fds
 
 
 class ProcessTarget:

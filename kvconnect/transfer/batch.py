@@ -195,6 +195,8 @@ class TransferBatch:
     # ----------------------------------------------------------------------- transport side
 
     def _done(self, indices: Sequence[int], error: KVConnectError | None) -> None:
+        if error is not None:
+            _drop_frames(error)
         with self._cond:
             for index in indices:
                 if self._status[index] is not TransferStatus.PENDING:
@@ -285,6 +287,16 @@ class TransferBatch:
         statuses = self.statuses
         counts = {s.value: statuses.count(s) for s in TransferStatus if s in statuses}
         return f"TransferBatch({self.op.value}, {len(statuses)} requests, {counts})"
+
+
+def _drop_frames(error: BaseException) -> None:
+    """Detach tracebacks: errors live on in batches, and transport frames hold whole buffers."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
 
 
 class DeadlineWatch:

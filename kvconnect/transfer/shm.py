@@ -9,6 +9,7 @@ before and after each copy), and the control connection tells whether the owner 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
@@ -35,6 +36,12 @@ class _Mapping:
     data: memoryview
     length: int
     writable: bool
+
+    def close(self) -> None:
+        """Unmap now if no view is still in use (else the mapping goes with its last view)."""
+        with contextlib.suppress(BufferError):
+            self.data.release()
+            self.mapping.close()
 
     def live(self, region_id: int) -> bool:
         magic, mapped_id, _length, state = read_shm_header(self.mapping)
@@ -169,13 +176,13 @@ class _ShmPeer:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._maps: dict[int, _Mapping] = {}
-        self._error: PeerUnreachable | None = None
+        self._dead: str | None = None  # why the peer is unusable; each use raises afresh
 
     def mapping(self, region_id: int) -> _Mapping:
         """The mapped region (fetching its fd on first use)."""
         with self._lock:
-            if self._error is not None:
-                raise self._error
+            if self._dead is not None:
+                raise PeerUnreachable(self._dead)
             mapped = self._maps.get(region_id)
             if mapped is None:
                 mapped = self._maps[region_id] = self._map(region_id)
@@ -184,8 +191,8 @@ class _ShmPeer:
     def check_alive(self) -> None:
         """Raise PeerUnreachable if the owner closed its end and cannot be reached again."""
         with self._lock:
-            if self._error is not None:
-                raise self._error
+            if self._dead is not None:
+                raise PeerUnreachable(self._dead)
             sock = self._sock
             if sock is None:
                 return
@@ -204,17 +211,19 @@ class _ShmPeer:
             try:
                 self._connect()
             except PeerUnreachable as exc:
-                self._error = exc
+                self._dead = str(exc)
                 self._maps.clear()
                 raise
 
     def close(self) -> None:
         with self._lock:
-            self._error = self._error or PeerUnreachable(f"segment {self.peer.name}: closed")
+            self._dead = self._dead or f"segment {self.peer.name}: closed"
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
-            self._maps.clear()
+            maps, self._maps = list(self._maps.values()), {}
+        for mapped in maps:
+            mapped.close()
 
     def _connect(self) -> socket.socket:
         endpoint = self.peer.endpoints.get("shm")

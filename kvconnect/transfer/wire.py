@@ -274,18 +274,19 @@ def control_call(
     payload = encode_control(request)
     sock.sendall(HEADER.pack(FrameKind.CONTROL, 0, 0, len(payload), frame_id) + payload)
     fds: list[int] = []
-    if sock.family == socket.AF_UNIX:
-        data, fds, _flags, _addr = socket.recv_fds(sock, HEADER.size, 4)
-        if not data:
-            raise ConnectionResetError("peer closed the connection")
-        header = data + (
-            recv_exact(sock, HEADER.size - len(data)) if len(data) < HEADER.size else b""
-        )
-    else:
-        header = recv_exact(sock, HEADER.size)
-    kind, _status, _count, size, _frame = HEADER.unpack(header)
-    if kind != FrameKind.RESPONSE or size > MAX_CONTROL_BYTES:
-        for fd in fds:
+    try:
+        if sock.family == socket.AF_UNIX:
+            data, fds, _flags, _addr = socket.recv_fds(sock, HEADER.size, 4)
+            if not data:
+                raise ConnectionResetError("peer closed the connection")
+            header = data + recv_exact(sock, HEADER.size - len(data))
+        else:
+            header = recv_exact(sock, HEADER.size)
+        kind, _status, _count, size, _frame = HEADER.unpack(header)
+        if kind != FrameKind.RESPONSE or size > MAX_CONTROL_BYTES:
+            raise ProtocolError("malformed control response")
+        return decode_reply(recv_exact(sock, size)), fds
+    except BaseException:
+        for fd in fds:  # received descriptors are ours to close until returned
             os.close(fd)
-        raise ProtocolError("malformed control response")
-    return decode_reply(recv_exact(sock, size)), fds
+        raise

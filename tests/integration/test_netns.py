@@ -16,6 +16,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -123,7 +124,7 @@ def _exercise(
     for local, remote, n in ranges:
         expected = hashlib.sha256(shared[remote : remote + n].data).hexdigest()
         assert b.sha256("private", local, n) == expected, (local, remote, n)
-    assert a.call({"cmd": "stats"})["bytes_served"] >= total
+    _wait_counter(a, "bytes_served", total)
 
     b.fill("private", SEED + 2)  # fresh bytes, different from everything in A's shared region
     fresh = pattern(SEED + 2, size)
@@ -135,7 +136,16 @@ def _exercise(
         expected = hashlib.sha256(fresh[local : local + n].data).hexdigest()
         assert b.sha256("private", local, n) == expected
         assert a.sha256("shared", remote, n) == expected, (local, remote, n)
-    assert a.call({"cmd": "stats"})["bytes_received"] >= total
+    _wait_counter(a, "bytes_received", total)
+
+
+def _wait_counter(peer: PeerProcess, name: str, at_least: int) -> None:
+    """The listener counts after its send returns, which may be after the initiator saw the
+    bytes: poll briefly rather than race it."""
+    deadline = time.monotonic() + 10
+    while (value := peer.call({"cmd": "stats"})[name]) < at_least:
+        assert time.monotonic() < deadline, f"{name} = {value} < {at_least}"
+        time.sleep(0.01)
 
 
 def test_tcp_clean_link(link: Link) -> None:
