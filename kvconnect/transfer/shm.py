@@ -29,6 +29,8 @@ from kvconnect.transfer.segment import SegmentDescriptor
 from kvconnect.transfer.stats import Counters, TransportStats
 from kvconnect.transfer.transport import Capabilities, TransferOp
 
+_WATCH_INTERVAL = 1.0  # seconds between liveness checks of idle same-host peers
+
 
 @dataclass(slots=True)
 class _Mapping:
@@ -70,12 +72,19 @@ class ShmTransport:
         self._counters = Counters(TransportStats)
         self._lock = threading.Lock()
         self._peers: dict[str, _ShmPeer] = {}
+        self._stop = threading.Event()
+        self._watch: threading.Thread | None = None
 
     def submit(self, peer: SegmentDescriptor, op: TransferOp, slices: Sequence[Slice]) -> None:
         with self._lock:
             state = self._peers.get(peer.engine_id)
             if state is None:
                 state = self._peers[peer.engine_id] = _ShmPeer(peer, self._config)
+            if self._watch is None and not self._stop.is_set():
+                self._watch = threading.Thread(
+                    target=self._watch_loop, name="kvconnect-shm-watch", daemon=True
+                )
+                self._watch.start()
         for group in group_slices(slices, self._job_bytes):
             self._workers.run(functools.partial(self._run, state, op, group), group)
 
@@ -89,10 +98,25 @@ class ShmTransport:
         return self._counters.snapshot()
 
     def close(self) -> None:
+        self._stop.set()
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
+            watch = self._watch
+        if watch is not None:
+            watch.join(timeout=self._config.connect_timeout + 5)
         for state in peers:
             state.close()
+
+    def _watch_loop(self) -> None:
+        """Notice dead peers even when idle: their mappings pin all their memory."""
+        while not self._stop.wait(_WATCH_INTERVAL):
+            with self._lock:
+                peers = list(self._peers.values())
+            for state in peers:
+                try:
+                    state.check_alive()
+                except PeerUnreachable:
+                    self._lost(state)
 
     def _run(self, state: _ShmPeer, op: TransferOp, group: list[Slice]) -> None:
         pinned = pin_slices(group)

@@ -17,6 +17,7 @@ import itertools
 import logging
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -106,14 +107,17 @@ class TcpTransport:
 
     def submit(self, peer: SegmentDescriptor, op: TransferOp, slices: Sequence[Slice]) -> None:
         frames = plan_frames(op, slices, self.config.slice_bytes, self.config.max_frame_entries)
-        with self._lock:
-            channel = None if self._closed else self._channels.get(peer.engine_id)
-            if channel is None and not self._closed:
-                channel = self._channels[peer.engine_id] = _Channel(self, peer)
-        if channel is None:
-            fail_frames(frames, ClosedError("engine closed"))
-            return
-        channel.enqueue(frames)
+        while True:
+            with self._lock:
+                channel = None if self._closed else self._channels.get(peer.engine_id)
+                if channel is None and not self._closed:
+                    channel = self._channels[peer.engine_id] = _Channel(self, peer)
+            if channel is None:
+                fail_frames(frames, ClosedError("engine closed"))
+                return
+            if channel.enqueue(frames):
+                return
+            # The channel retired for idleness just now: a fresh one takes the frames.
 
     def forget(self, engine_id: str) -> None:
         with self._lock:
@@ -137,10 +141,14 @@ class TcpTransport:
 
     def channel_lost(self, channel: _Channel) -> None:
         """``channel`` failed for good: drop it so the next submit re-resolves the peer."""
+        self.channel_retired(channel)
+        self._on_lost(channel.peer)
+
+    def channel_retired(self, channel: _Channel) -> None:
+        """``channel`` ends (idle or failed): the next submit to its peer gets a new one."""
         with self._lock:
             if self._channels.get(channel.peer.engine_id) is channel:
                 del self._channels[channel.peer.engine_id]
-        self._on_lost(channel.peer)
 
 
 def fail_frames(frames: Sequence[Frame], error: KVConnectError) -> None:
@@ -149,8 +157,16 @@ def fail_frames(frames: Sequence[Frame], error: KVConnectError) -> None:
         complete_slices(frame.slices, error)
 
 
+class _Retired(ClosedError):
+    """Marks a channel that ended for idleness; its frames go to a new channel."""
+
+
 class _Channel:
-    """The frame queue and streams of one peer engine."""
+    """The frame queue and streams of one peer engine.
+
+    A channel with nothing to do for ``idle_timeout`` retires (its streams close their
+    connections and end), so peers that come and go leave no threads or sockets behind.
+    """
 
     def __init__(self, transport: TcpTransport, peer: SegmentDescriptor) -> None:
         self.transport = transport
@@ -161,27 +177,55 @@ class _Channel:
         self._error: KVConnectError | None = None
         self._streams = [_Stream(self, n) for n in range(self.config.tcp_streams)]
         self._started = False
+        self._busy = 0  # frames taken by senders and not yet handed to a connection
+        self._last_active = time.monotonic()
 
-    def enqueue(self, frames: list[Frame]) -> None:
+    def enqueue(self, frames: list[Frame]) -> bool:
+        """Queue ``frames``; False (frames untouched) if the channel retired for idleness."""
         with self._cond:
             error = self._error
             if error is None:
                 self._queue.extend(frames)
                 self._cond.notify_all()
                 start, self._started = not self._started, True
+        if isinstance(error, _Retired):
+            return False
         if error is not None:
             fail_frames(frames, error)
-            return
+            return True
         if start:
             for stream in self._streams:
                 stream.start()
+        return True
 
     def take(self) -> Frame | None:
-        """Next frame to send, or None once the channel is closed."""
+        """Next frame to send, or None once the channel is closed or retired."""
+        idle = self.config.idle_timeout
         with self._cond:
             while not self._queue and self._error is None:
-                self._cond.wait()
-            return self._queue.popleft() if self._error is None else None
+                if not self._cond.wait(idle) and self._idle_locked(idle):
+                    self._error = _Retired("idle")
+                    self._cond.notify_all()
+                    self.transport.channel_retired(self)
+            if self._error is not None:
+                return None
+            self._busy += 1
+            self._last_active = time.monotonic()
+            return self._queue.popleft()
+
+    def handed_over(self) -> None:
+        """A frame from :meth:`take` is now sent (or requeued or failed)."""
+        with self._cond:
+            self._busy -= 1
+            self._last_active = time.monotonic()
+
+    def _idle_locked(self, idle: float) -> bool:
+        return (
+            not self._queue
+            and not self._busy
+            and time.monotonic() - self._last_active >= idle
+            and all(stream.quiet() for stream in self._streams)
+        )
 
     def requeue(self, frames: list[Frame], cause: BaseException) -> None:
         """Give frames of a broken connection to the other streams, or fail them."""
@@ -250,6 +294,11 @@ class _Stream:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
 
+    def quiet(self) -> bool:
+        """No response outstanding on this stream's connection."""
+        conn = self._conn
+        return conn is None or conn.quiet()
+
     def _run(self) -> None:
         try:
             while True:
@@ -264,9 +313,11 @@ class _Stream:
                         conn = self._connect()
                     except KVConnectError as exc:
                         self.channel.requeue([frame], exc)
+                        self.channel.handed_over()
                         self.channel.fail(exc)
                         return
                 conn.send(frame)
+                self.channel.handed_over()
         finally:
             with self._lock:
                 conn, self._conn = self._conn, None
@@ -311,6 +362,11 @@ class _Connection:
 
     def start(self) -> None:
         self._receiver.start()
+
+    def quiet(self) -> bool:
+        """No frame awaits its response."""
+        with self._cond:
+            return not self._inflight
 
     def dispose(self) -> None:
         """Called by the sender thread once the connection is broken: reap it.

@@ -23,6 +23,7 @@ from kvconnect.errors import (
 )
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus, wire
+from tests.conftest import kvconnect_threads
 
 pytestmark = pytest.mark.integration
 
@@ -269,3 +270,36 @@ def test_restarted_peer_on_same_port_is_detected() -> None:
             # the next request re-resolves the segment and reaches the new engine
             engine.read(local, 0, second.name, second.regions["private"], 0, MiB)
             assert local.view == pattern(4, 2 * MiB)[:MiB].data
+
+
+def test_idle_channels_retire_and_come_back(peer: PeerProcess) -> None:
+    config = TransferConfig(transport="tcp", idle_timeout=0.3)
+    with TransferEngine(config) as engine:
+        local = engine.register(np.zeros(MiB, dtype=np.uint8))
+        engine.read(local, 0, peer.name, peer.regions["private"], 0, MiB)
+        assert any(t.name.startswith("kvconnect-tcp") for t in kvconnect_threads())
+        deadline = time.monotonic() + 10
+        while any(t.name.startswith("kvconnect-tcp") for t in kvconnect_threads()):
+            assert time.monotonic() < deadline, "idle TCP streams did not retire"
+            time.sleep(0.05)
+        local.view[:] = b"\0" * MiB
+        engine.read(local, 0, peer.name, peer.regions["private"], 0, MiB)  # a new channel
+        assert local.view == pattern(8, MiB).data
+
+
+def test_dead_same_host_peer_is_unmapped_while_idle() -> None:
+    with TransferEngine(TransferConfig(transport="shm")) as engine:
+        local = engine.register(np.zeros(MiB, dtype=np.uint8))
+        with PeerProcess(config={"transport": "shm"}, shared=16 * MiB, seed=1) as victim:
+            engine.read(local, 0, victim.name, victim.regions["shared"], 0, MiB)
+            assert _mapped_memfds() == 1
+            victim.kill()
+            deadline = time.monotonic() + 10
+            while _mapped_memfds():  # nobody uses the engine: the watch thread must notice
+                assert time.monotonic() < deadline, "a dead peer's memory stayed mapped"
+                time.sleep(0.05)
+
+
+def _mapped_memfds() -> int:
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+        return sum("memfd:kvconnect-region" in line for line in maps)
