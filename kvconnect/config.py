@@ -65,7 +65,9 @@ class TransferConfig:
     io_timeout: float = 10.0
     """A stream that moves no byte for this long is declared broken."""
     idle_timeout: float = 600.0
-    """The listener closes connections idle for this long."""
+    """Connections idle this long are closed (listener) or retired (initiator)."""
+    max_connections: int = 1024
+    """Connections the listener serves at once; more are refused (one thread each)."""
     max_frame_bytes: int = 256 * MiB
     """Largest payload of one frame the listener accepts; larger frames close the connection."""
     max_retries: int = 2
@@ -87,6 +89,7 @@ class TransferConfig:
             "connect_timeout",
             "io_timeout",
             "idle_timeout",
+            "max_connections",
             "max_frame_bytes",
         )
         if not 0 <= self.listen_port <= 65535:

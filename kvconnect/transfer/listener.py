@@ -125,7 +125,14 @@ class Listener:
                 if self._closed:
                     conn.close()
                     return
-                self._connections.add(conn)
+                full = len(self._connections) >= self._config.max_connections
+                if not full:
+                    self._connections.add(conn)
+            if full:  # a flood of connections must not become a flood of threads
+                self.counters.add(refused=1)
+                log.warning("refused a connection: %d already open", self._config.max_connections)
+                conn.close()
+                continue
             self.counters.add(connections=1)
             self._spawn(self._serve, conn, name="kvconnect-serve")
 
@@ -143,8 +150,11 @@ class Listener:
         except KVConnectError as exc:
             self.counters.add(protocol_errors=1)
             log.debug("closing peer connection: %s", exc)
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
             log.debug("peer connection ended: %s", exc)
+        except Exception:  # a bug must cost one connection, never the listener
+            self.counters.add(protocol_errors=1)
+            log.exception("closing a peer connection after an unexpected error")
         finally:
             with self._lock:
                 self._connections.discard(conn)

@@ -303,3 +303,27 @@ def test_dead_same_host_peer_is_unmapped_while_idle() -> None:
 def _mapped_memfds() -> int:
     with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
         return sum("memfd:kvconnect-region" in line for line in maps)
+
+
+def test_connection_flood_is_capped_and_listener_survives() -> None:
+    with TransferEngine(TransferConfig(max_connections=8)) as target, TransferEngine() as engine:
+        remote = target.allocate(MiB)
+        flood = [_raw(target.name) for _ in range(32)]
+        try:
+            deadline = time.monotonic() + 10
+            while target.stats().listener.refused < 32 - 8:
+                assert time.monotonic() < deadline, target.stats().listener
+                time.sleep(0.01)
+        finally:
+            for sock in flood:
+                sock.close()
+        local = engine.register(np.zeros(MiB, dtype=np.uint8))
+        deadline = time.monotonic() + 10
+        while True:  # the flood's slots free up as the listener notices the closed sockets
+            batch = engine.submit(
+                TransferOp.READ, [TransferRequest(local, 0, target.name, remote.id, 0, MiB)]
+            )
+            if batch.wait() == (TransferStatus.COMPLETED,):
+                break
+            assert time.monotonic() < deadline, batch.errors
+            time.sleep(0.05)
