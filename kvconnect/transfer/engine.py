@@ -147,8 +147,13 @@ class TransferEngine:
         """Withdraw the segment, fail queued work with ClosedError, stop threads. Idempotent."""
         with self._lock:
             previous, self._state = self._state, "closed"
-        if previous != "started":
-            return
+        if previous == "started":
+            self._stop()
+        if previous != "closed":
+            self._registry.close()  # memory registered before start() is released too
+            log.info("transfer engine %s closed", self._name)
+
+    def _stop(self) -> None:
         local_registry.withdraw(self._engine_id.hex())
         try:
             self._metadata.withdraw(self._name)
@@ -163,8 +168,6 @@ class TransferEngine:
         if self._workers is not None:
             self._workers.close()
         self._watch.close()
-        self._registry.close()
-        log.info("transfer engine %s closed", self._name)
 
     def __enter__(self) -> TransferEngine:
         self.start()

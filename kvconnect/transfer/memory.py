@@ -15,8 +15,8 @@ import mmap
 import os
 import struct
 import threading
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Final, final
 
 import numpy as np
@@ -123,10 +123,19 @@ class MemoryRegion:
         )
 
 
-@dataclass(slots=True)
 class _SharedMemory:
-    fd: int
-    mapping: mmap.mmap
+    """A memfd and its mapping; the fd is closed on withdrawal or, at the latest, on collection."""
+
+    __slots__ = ("__weakref__", "_closer", "fd", "mapping")
+
+    def __init__(self, fd: int, mapping: mmap.mmap) -> None:
+        self.fd = fd
+        self.mapping = mapping
+        self._closer = weakref.finalize(self, os.close, fd)
+
+    def close_fd(self) -> None:
+        self._closer()
+        self.fd = -1
 
 
 class MemoryRegistry:
@@ -268,8 +277,7 @@ def _withdraw(region: MemoryRegion) -> None:
         return
     # Peers that mapped the region check this word before and after every copy.
     _SHM_HEADER_FMT.pack_into(shared.mapping, 0, SHM_MAGIC, region.id, region.length, 0)
-    os.close(shared.fd)
-    shared.fd = -1
+    shared.close_fd()
 
 
 def _allocate_shared(region_id: int, nbytes: int) -> _SharedMemory:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import numpy as np
@@ -211,3 +212,14 @@ def test_listener_answers_control_calls_over_tcp_but_refuses_fds(engine: Transfe
         reply, fds = wire.control_call(sock, wire.GetRegionFd(region.id))
         assert isinstance(reply, wire.ErrorReply)
         assert fds == []
+
+
+def test_close_without_start_releases_shared_memory() -> None:
+    engine = TransferEngine()
+    region = engine.allocate(MiB)
+    fd = region.shared_fd
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvconnect-region")
+    engine.close()
+    assert not os.path.exists(f"/proc/self/fd/{fd}") or not os.readlink(
+        f"/proc/self/fd/{fd}"
+    ).startswith("/memfd:kvconnect-region")
