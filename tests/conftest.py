@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -40,6 +40,18 @@ def native_mode(datapath: str) -> str:
     if datapath == "native" and not native_available():
         pytest.fail("kvconnect._native is not built (pip install with a C compiler)")
     return "on" if datapath == "native" else "off"
+
+
+def wait_for(condition: Callable[[], bool], message: str, timeout: float = 10.0) -> None:
+    """Poll ``condition`` until true; fail with ``message`` after ``timeout`` seconds.
+
+    For state another process or thread updates after the event the test observed (a
+    listener counts a refusal after sending it).
+    """
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.01)
 
 
 def kvconnect_threads() -> list[threading.Thread]:

@@ -16,7 +16,6 @@ import hashlib
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 
 from kvconnect.testing.peer import PeerProcess, pattern
+from tests.conftest import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.netns]
 
@@ -140,12 +140,8 @@ def _exercise(
 
 
 def _wait_counter(peer: PeerProcess, name: str, at_least: int) -> None:
-    """The listener counts after its send returns, which may be after the initiator saw the
-    bytes: poll briefly rather than race it."""
-    deadline = time.monotonic() + 10
-    while (value := peer.call({"cmd": "stats"})[name]) < at_least:
-        assert time.monotonic() < deadline, f"{name} = {value} < {at_least}"
-        time.sleep(0.01)
+    """The listener counts after its send returns, possibly after the initiator saw the bytes."""
+    wait_for(lambda: peer.call({"cmd": "stats"})[name] >= at_least, f"{name} < {at_least}")
 
 
 def test_tcp_clean_link(link: Link) -> None:

@@ -8,7 +8,6 @@ import signal
 import socket
 import struct
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -23,19 +22,39 @@ from kvconnect.errors import (
 )
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus, wire
-from tests.conftest import kvconnect_threads
+from tests.conftest import kvconnect_threads, wait_for
 
 pytestmark = pytest.mark.integration
 
 MiB = 1 << 20
 
 
-def _stopped(peer: PeerProcess) -> Iterator[None]:
-    os.kill(peer.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(peer.pid, signal.SIGCONT)
+class _Stopped:
+    """SIGSTOP a peer (waiting until every thread is really stopped); SIGCONT on resume()."""
+
+    def __init__(self, peer: PeerProcess) -> None:
+        self.pid = peer.pid
+        self.running = False
+        os.kill(self.pid, signal.SIGSTOP)
+        wait_for(self._all_stopped, "the peer did not stop")
+
+    def _all_stopped(self) -> bool:
+        states = []
+        for task in os.listdir(f"/proc/{self.pid}/task"):
+            with open(f"/proc/{self.pid}/task/{task}/stat", encoding="ascii") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        return all(state in ("T", "t") for state in states)
+
+    def resume(self) -> None:
+        if not self.running:
+            self.running = True
+            os.kill(self.pid, signal.SIGCONT)
+
+    def __enter__(self) -> _Stopped:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.resume()
 
 
 @pytest.mark.parametrize(("transport", "total"), [("tcp", 2048 * MiB), ("shm", 8192 * MiB)])
@@ -84,15 +103,13 @@ def test_timed_out_read_never_writes_late(peer: PeerProcess) -> None:
         engine.read(local, 0, peer.name, peer.regions["private"], 0, 16)  # connect first
         local.view[:16] = b"\x5a" * 16
         request = TransferRequest(local, 0, peer.name, peer.regions["private"], 0, MiB)
-        gen = _stopped(peer)
-        next(gen)
-        start = time.monotonic()
-        batch = engine.submit(TransferOp.READ, [request], timeout=0.5)
-        assert batch.wait() == (TransferStatus.TIMEOUT,)
-        assert time.monotonic() - start < 5
-        with pytest.raises(StopIteration):
-            next(gen)  # SIGCONT: the peer now answers the abandoned request
-        time.sleep(0.5)
+        with _Stopped(peer) as stopped:
+            start = time.monotonic()
+            batch = engine.submit(TransferOp.READ, [request], timeout=0.5)
+            assert batch.wait() == (TransferStatus.TIMEOUT,)
+            assert time.monotonic() - start < 5
+            stopped.resume()  # the peer now answers the abandoned request
+            time.sleep(0.5)
         assert bytes(local.view) == b"\x5a" * MiB, "bytes landed after the request timed out"
         engine.read(local, 0, peer.name, peer.regions["private"], 0, MiB)  # engine still works
         assert local.view == pattern(8, MiB).data
@@ -103,13 +120,10 @@ def test_unregister_refused_while_in_use_and_allowed_after(peer: PeerProcess) ->
         local = engine.register(np.zeros(MiB, dtype=np.uint8))
         request = TransferRequest(local, 0, peer.name, peer.regions["private"], 0, MiB)
         engine.transfer(TransferOp.READ, [request])
-        gen = _stopped(peer)
-        next(gen)
-        batch = engine.submit(TransferOp.READ, [request], timeout=30)
-        with pytest.raises(RegionBusy):
-            engine.unregister(local)
-        with pytest.raises(StopIteration):
-            next(gen)
+        with _Stopped(peer):
+            batch = engine.submit(TransferOp.READ, [request], timeout=30)
+            with pytest.raises(RegionBusy):
+                engine.unregister(local)
         assert batch.wait() == (TransferStatus.COMPLETED,)
         engine.unregister(local)
 
@@ -120,18 +134,13 @@ def test_close_fails_pending_work_promptly(peer: PeerProcess) -> None:
     local = engine.register(np.zeros(MiB, dtype=np.uint8))
     request = TransferRequest(local, 0, peer.name, peer.regions["private"], 0, MiB)
     engine.transfer(TransferOp.READ, [request])
-    gen = _stopped(peer)
-    next(gen)
-    try:
+    with _Stopped(peer):
         batch = engine.submit(TransferOp.READ, [request] * 8, timeout=60)
         start = time.monotonic()
         engine.close()
         assert batch.wait(timeout=10) == (TransferStatus.FAILED,) * 8
         assert time.monotonic() - start < 10
         assert all(isinstance(e, ClosedError) for e in batch.errors)
-    finally:
-        with pytest.raises(StopIteration):
-            next(gen)
 
 
 @pytest.mark.parametrize(("mine", "theirs"), [("wrong", "right"), (None, "right"), ("right", None)])
@@ -147,7 +156,7 @@ def test_token_mismatch_is_refused(mine: str | None, theirs: str | None) -> None
         assert isinstance(batch.errors[0], AuthenticationError), batch.errors
         assert bytes(local.view) == bytes(MiB)
         if theirs is not None and mine is not None:
-            assert target.call({"cmd": "stats"})["auth_failures"] >= 1
+            wait_for(lambda: target.call({"cmd": "stats"})["auth_failures"] >= 1, "not counted")
 
 
 def test_matching_token_moves_data() -> None:
