@@ -140,11 +140,11 @@ class TransferBatch:
             with self._cond:
                 now = time.monotonic()
                 if self._unsettled == 0 or (end is not None and now >= end):
-                    return tuple(self._status)
+                    return self._visible_locked()
                 pending = TransferStatus.PENDING in self._status
                 if not pending and now >= self.deadline + _SETTLE_GRACE:
-                    log.warning("batch settled late: transport threads still hold its memory")
-                    return tuple(self._status)
+                    log.warning("batch settling late: transport threads still hold its memory")
+                    return self._visible_locked()
                 if not pending or now < self.deadline:
                     wake = self.deadline if pending else self.deadline + _SETTLE_GRACE
                     wake = max(wake, now + 0.001)
@@ -159,9 +159,17 @@ class TransferBatch:
 
     @property
     def statuses(self) -> tuple[TransferStatus, ...]:
-        """Current per-request statuses (without waiting)."""
+        """Current per-request statuses (without waiting); see :meth:`_visible_locked`."""
         with self._cond:
-            return tuple(self._status)
+            return self._visible_locked()
+
+    def _visible_locked(self) -> tuple[TransferStatus, ...]:
+        # A request is shown final only once settled: until then a transport thread may still
+        # touch its memory, and a caller seeing FAILED would reuse the buffer.
+        return tuple(
+            status if settled else TransferStatus.PENDING
+            for status, settled in zip(self._status, self._settled, strict=True)
+        )
 
     @property
     def errors(self) -> tuple[KVConnectError | None, ...]:

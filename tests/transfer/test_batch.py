@@ -107,11 +107,12 @@ def test_settling_waits_for_pins_even_after_failure() -> None:
     piece = _piece(batch, 0)
     assert pin_slices([piece]) == [piece]
     piece.done(AccessDenied("x"))
-    assert batch.statuses == (TransferStatus.FAILED,)
+    assert batch.statuses == (TransferStatus.PENDING,)  # final, but memory still in use
     assert not batch.done()
     assert settled == []
     unpin_slices([piece])
     assert batch.done()
+    assert batch.statuses == (TransferStatus.FAILED,)
     assert settled == [True]
 
 
@@ -213,3 +214,14 @@ def test_forced_routing_that_cannot_work_says_why(
 ) -> None:
     with pytest.raises(InvalidRequest, match=reason):
         choose_transport(mode, ME, peer, region)  # type: ignore[arg-type]
+
+
+def test_a_final_but_pinned_request_is_reported_pending() -> None:
+    batch, _ = _batch(slices=(2,))
+    piece = _piece(batch, 0)
+    assert pin_slices([piece]) == [piece]
+    piece.done(AccessDenied("x"))
+    assert batch.wait(0.01) == (TransferStatus.PENDING,), "memory is still in use"
+    assert batch.statuses == (TransferStatus.PENDING,)
+    unpin_slices([piece])
+    assert batch.wait(0) == (TransferStatus.FAILED,)
