@@ -13,7 +13,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from kvconnect.errors import ConfigError
 
@@ -30,9 +30,35 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+class _Section:
+    """Parsing shared by the config classes: a mapping, or the environment."""
+
+    __slots__ = ()
+    _ENV_PREFIX: ClassVar[str]
+    _SHARED_ENV: ClassVar[dict[str, str]] = {}  # variable → field, shared between sections
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> Self:
+        """Build from JSON-like data; unknown keys raise ConfigError listing the valid ones."""
+        return _from_mapping(cls, data)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Self:
+        """Read ``<prefix><FIELD>`` variables (and shared ones); ``overrides`` win."""
+        env = os.environ if environ is None else environ
+        values = _env_section(cls, env, cls._ENV_PREFIX)
+        for variable, name in cls._SHARED_ENV.items():
+            if variable in env and name not in values:
+                values[name] = env[variable]
+        return _from_mapping(cls, {**values, **overrides})
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class TransferConfig:
+class TransferConfig(_Section):
     """Configuration of one :class:`~kvconnect.transfer.TransferEngine`."""
+
+    _ENV_PREFIX: ClassVar[str] = "KVCONNECT_TRANSFER_"
+    _SHARED_ENV: ClassVar[dict[str, str]] = {"KVCONNECT_TOKEN": "token"}
 
     name: str | None = None
     """Segment name. Default: ``host:port`` of the listener (p2p) or a unique name (embedded)."""
@@ -108,24 +134,104 @@ class TransferConfig:
         if self.token is not None and not self.token:
             raise ConfigError("token must be a non-empty string or None")
 
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> Self:
-        """Build from JSON-like data; unknown keys raise ConfigError listing the valid ones."""
-        return _from_mapping(cls, data)
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Self:
-        """Read ``KVCONNECT_TRANSFER_<FIELD>`` and ``KVCONNECT_TOKEN``; ``overrides`` win."""
-        env = os.environ if environ is None else environ
-        values = _env_section(cls, env, "KVCONNECT_TRANSFER_")
-        if "KVCONNECT_TOKEN" in env and "token" not in values:
-            values["token"] = env["KVCONNECT_TOKEN"]
-        values.update(overrides)
-        return _from_mapping(cls, values)
-
     def replace(self, **changes: Any) -> Self:
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MasterConfig(_Section):
+    """Configuration of the store master (``kvconnect master``)."""
+
+    _ENV_PREFIX: ClassVar[str] = "KVCONNECT_MASTER_"
+
+    listen: str = "tcp://127.0.0.1:50051"
+    """zmq endpoint the master answers on."""
+    metrics_port: int = 0
+    """Prometheus metrics HTTP port on 127.0.0.1 (0: no metrics server)."""
+    allocation: Literal["local_first", "random", "free_ratio"] = "local_first"
+    """Placement strategy of new objects (docs/store.md)."""
+    alignment: int = 64
+    """Allocation granularity in bytes."""
+    lease_ttl: float = 10.0
+    """Seconds a read lease protects an object from eviction and removal."""
+    put_timeout: float = 30.0
+    """A put not completed within this many seconds is discarded."""
+    quarantine: float = 60.0
+    """Seconds the space of a discarded put stays unused (a late writer cannot hit new data)."""
+    heartbeat_ttl: float = 10.0
+    """A store server silent for this long loses its segments."""
+    high_watermark: float = 0.95
+    """Eviction starts above this fraction of capacity in use."""
+    evict_fraction: float = 0.05
+    """Eviction frees this fraction of capacity each time it starts."""
+    eviction_step: int = 32
+    """Objects evicted per step between requests (bounds the latency eviction adds)."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "alignment", "lease_ttl", "put_timeout", "heartbeat_ttl")
+        _check_positive(self, "evict_fraction", "eviction_step")
+        if not 0 < self.high_watermark <= 1:
+            raise ConfigError(f"high_watermark must be in (0, 1], got {self.high_watermark}")
+        if self.alignment & (self.alignment - 1):
+            raise ConfigError(f"alignment must be a power of two, got {self.alignment}")
+        if self.quarantine < 0:
+            raise ConfigError(f"quarantine must be >= 0, got {self.quarantine}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreServerConfig(_Section):
+    """Configuration of a store server (``kvconnect store``)."""
+
+    _ENV_PREFIX: ClassVar[str] = "KVCONNECT_STORE_"
+
+    master: str = "tcp://127.0.0.1:50051"
+    """zmq endpoint of the master."""
+    size: int = 1 << 30
+    """Bytes of memory this server offers (allocated and pre-faulted at start)."""
+    hugepages: bool = False
+    """Back the memory with huge pages (needs vm.nr_hugepages)."""
+    server_id: str = ""
+    """Identity at the master; default: host name, pid and a random suffix."""
+    heartbeat_interval: float = 1.0
+    """Seconds between heartbeats."""
+    rpc_timeout: float = 2.0
+    """Timeout of one call to the master."""
+    metrics_port: int = 0
+    """Prometheus metrics HTTP port on 127.0.0.1 (0: no metrics server)."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "size", "heartbeat_interval", "rpc_timeout")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreClientConfig(_Section):
+    """Configuration of the embedded store client (``StoreClient``)."""
+
+    _ENV_PREFIX: ClassVar[str] = "KVCONNECT_CLIENT_"
+
+    master: str = "tcp://127.0.0.1:50051"
+    """zmq endpoint of the master."""
+    rpc_timeout: float = 1.0
+    """Timeout of one call to the master."""
+    io_timeout: float = 5.0
+    """Default deadline of a batch's data transfers."""
+    replicas: int = 1
+    """Copies of each object written (on distinct segments, best effort)."""
+    breaker_failures: int = 3
+    """Consecutive failures that open the circuit breaker."""
+    breaker_cooldown: float = 5.0
+    """Seconds the breaker stays open before one probe call."""
+    negative_ttl: float = 10.0
+    """Seconds a key whose read failed is reported as absent."""
+    negative_entries: int = 100_000
+    """Most keys remembered by the negative cache."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "rpc_timeout", "io_timeout", "replicas", "breaker_failures")
+        _check_positive(self, "breaker_cooldown", "negative_entries")
+        if self.negative_ttl < 0:
+            raise ConfigError(f"negative_ttl must be >= 0, got {self.negative_ttl}")
 
 
 def _check_positive(obj: object, *names: str) -> None:
@@ -214,4 +320,11 @@ def _coerce_number(name: str, value: Any, kind: type) -> int | float:
     )
 
 
-__all__ = ["KiB", "MiB", "TransferConfig"]
+__all__ = [
+    "KiB",
+    "MasterConfig",
+    "MiB",
+    "StoreClientConfig",
+    "StoreServerConfig",
+    "TransferConfig",
+]

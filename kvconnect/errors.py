@@ -6,6 +6,7 @@
 - ``ProtocolError``: the peer speaks another version or sent garbage; the connection is dropped.
 - ``TransferError``: a transfer did not complete (``TransferTimeout``, ``AccessDenied`` refine it).
 - ``RegistrationError``: memory could not be registered or unregistered.
+- ``StoreError``: a store call failed as a whole (``MasterUnavailable``, ``CircuitOpen``).
 """
 
 from __future__ import annotations
@@ -78,19 +79,34 @@ class RegionBusy(RegistrationError):
     """The region is in use by transfers and cannot be unregistered now."""
 
 
+class StoreError(KVConnectError):
+    """A store operation failed as a whole (per-key outcomes are codes, not exceptions)."""
+
+
+class MasterUnavailable(StoreError, BrokenError):
+    """The store master did not answer within the timeout, or is not connected."""
+
+
+class CircuitOpen(StoreError):
+    """The client fails fast: the store failed repeatedly and is cooling down."""
+
+
 __all__ = [
     "AccessDenied",
     "AuthenticationError",
     "BrokenError",
+    "CircuitOpen",
     "ClosedError",
     "ConfigError",
     "InvalidRequest",
     "KVConnectError",
+    "MasterUnavailable",
     "PeerUnreachable",
     "ProtocolError",
     "RegionBusy",
     "RegistrationError",
     "SegmentNotFound",
+    "StoreError",
     "TransferError",
     "TransferTimeout",
 ]

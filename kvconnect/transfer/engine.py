@@ -229,14 +229,15 @@ class TransferEngine:
         self._republish()
         return region
 
-    def allocate(self, nbytes: int) -> MemoryRegion:
+    def allocate(self, nbytes: int, *, hugepages: bool = False) -> MemoryRegion:
         """Allocate and register ``nbytes`` of pre-faulted shared memory (``region.view``).
 
         Same-host peers reach such regions through shared memory (one copy, no involvement of
         this engine); regions from :meth:`register` are reached over TCP from other processes.
+        ``hugepages`` backs it with 2 MiB pages (RegistrationError if none are reserved).
         """
         self._require_open()
-        region = self._registry.allocate(nbytes)
+        region = self._registry.allocate(nbytes, hugepages=hugepages)
         self._republish()
         return region
 

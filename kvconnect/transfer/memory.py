@@ -44,7 +44,8 @@ class Access(enum.IntEnum):
 # still registered (and that it mapped the region it asked for).
 SHM_HEADER: Final = mmap.PAGESIZE
 SHM_MAGIC: Final = b"KVCSHM01"
-_SHM_HEADER_FMT: Final = struct.Struct("<8sQQQ")  # magic, region id, length, state (1 = live)
+_SHM_HEADER_FMT: Final = struct.Struct("<8sQQQ")
+_HUGE_PAGE: Final = 2 << 20  # magic, region id, length, state (1 = live)
 
 
 def read_shm_header(buf: memoryview | mmap.mmap) -> tuple[bytes, int, int, int]:
@@ -155,12 +156,12 @@ class MemoryRegistry:
             self._users[region.id] = 0
         return region
 
-    def allocate(self, nbytes: int) -> MemoryRegion:
+    def allocate(self, nbytes: int, *, hugepages: bool = False) -> MemoryRegion:
         """Allocate pre-faulted shared memory (memfd) of ``nbytes`` and register it."""
         if nbytes <= 0:
             raise InvalidRequest(f"allocate: nbytes must be > 0, got {nbytes}")
         region_id = self._take_id()
-        shared = _allocate_shared(region_id, nbytes)
+        shared = _allocate_shared(region_id, nbytes, hugepages)
         view = memoryview(shared.mapping)[SHM_HEADER : SHM_HEADER + nbytes]
         region = MemoryRegion(
             region_id=region_id,
@@ -280,9 +281,17 @@ def _withdraw(region: MemoryRegion) -> None:
     shared.close_fd()
 
 
-def _allocate_shared(region_id: int, nbytes: int) -> _SharedMemory:
+def _allocate_shared(region_id: int, nbytes: int, hugepages: bool) -> _SharedMemory:
     size = SHM_HEADER + nbytes
-    fd = os.memfd_create(f"kvconnect-region-{region_id}", os.MFD_CLOEXEC)
+    flags = os.MFD_CLOEXEC
+    if hugepages:
+        # The header page becomes a huge page too; round up so the mapping is whole pages.
+        size = -(-size // _HUGE_PAGE) * _HUGE_PAGE
+        flags |= os.MFD_HUGETLB
+    try:
+        fd = os.memfd_create(f"kvconnect-region-{region_id}", flags)
+    except OSError as exc:
+        raise RegistrationError(f"cannot create shared memory: {exc}") from exc
     try:
         os.ftruncate(fd, size)
         # fallocate + MAP_POPULATE pre-faults the pages so first writes run at memcpy speed.
@@ -290,7 +299,10 @@ def _allocate_shared(region_id: int, nbytes: int) -> _SharedMemory:
         mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     except OSError as exc:
         os.close(fd)
-        raise RegistrationError(f"cannot allocate {nbytes} bytes of shared memory: {exc}") from exc
+        hint = " (are huge pages reserved? see vm.nr_hugepages)" if hugepages else ""
+        raise RegistrationError(
+            f"cannot allocate {nbytes} bytes of shared memory: {exc}{hint}"
+        ) from exc
     _SHM_HEADER_FMT.pack_into(mapping, 0, SHM_MAGIC, region_id, nbytes, 1)
     return _SharedMemory(fd=fd, mapping=mapping)
 

@@ -278,14 +278,15 @@ class _ShmPeer:
                 raise AccessDenied(f"region {region_id}: {reply.message}")
             if not isinstance(reply, wire.RegionFdReply) or len(fds) != 1:
                 raise BrokenError(f"segment {self.peer.name}: bad region fd reply")
-            size = SHM_HEADER + reply.length
+            size = os.fstat(fds[0]).st_size  # whole pages: huge-page regions are rounded up
+            if size < SHM_HEADER + reply.length:
+                raise BrokenError(f"segment {self.peer.name}: region {region_id} fd is too short")
             mapping = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED)
         finally:
             for fd in fds:
                 os.close(fd)
-        mapped = _Mapping(
-            mapping, memoryview(mapping)[SHM_HEADER:size], reply.length, info.writable
-        )
+        data = memoryview(mapping)[SHM_HEADER : SHM_HEADER + reply.length]
+        mapped = _Mapping(mapping, data, reply.length, info.writable)
         if not mapped.live(region_id):
             raise AccessDenied(f"region {region_id}: mapped memory is not the live region")
         return mapped

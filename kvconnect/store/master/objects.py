@@ -1,0 +1,125 @@
+"""The master's object table, stored by column to stay small at millions of keys.
+
+A key maps to a *slot*; per-slot facts live in typed arrays (8-byte size and offset, 4-byte
+segment, 1-byte state, 8-byte lease deadline, 4-byte last access and pin deadline), so an
+object costs its key string, one dict entry and ~41 bytes. Rare facts live in side tables:
+extra replicas (``replicas > 1``) and pending multi-part puts. Pure data, no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class State(enum.IntEnum):
+    """Slot state."""
+
+    FREE = 0
+    PENDING = 1
+    COMPLETE = 2
+
+
+@dataclass(slots=True)
+class Pending:
+    """Bookkeeping of a put that is not complete yet."""
+
+    client: str
+    parts: int
+    done_mask: int
+    deadline: float
+
+
+class ObjectTable:
+    """key → slot → columns. Times are seconds on the caller's monotonic clock."""
+
+    def __init__(self) -> None:
+        self.slots: dict[str, int] = {}
+        self.keys: list[str | None] = []
+        self.size = array("q")
+        self.segment = array("i")
+        self.offset = array("q")
+        self.state = array("b")
+        self.lease = array("d")
+        self.access = array("f")
+        self.pin = array("f")
+        self.extra: dict[int, list[tuple[int, int]]] = {}  # more replicas: (segment, offset)
+        self.pending: dict[int, Pending] = {}
+        self._free: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def add(self, key: str, size: int, segment: int, offset: int, pin: float) -> int:
+        """A new PENDING slot for ``key`` (which must be absent)."""
+        if self._free:
+            slot = self._free.pop()
+            self.keys[slot] = key
+            self.size[slot] = size
+            self.segment[slot] = segment
+            self.offset[slot] = offset
+            self.state[slot] = State.PENDING
+            self.lease[slot] = 0.0
+            self.access[slot] = 0.0
+            self.pin[slot] = pin
+        else:
+            slot = len(self.keys)
+            self.keys.append(key)
+            self.size.append(size)
+            self.segment.append(segment)
+            self.offset.append(offset)
+            self.state.append(State.PENDING)
+            self.lease.append(0.0)
+            self.access.append(0.0)
+            self.pin.append(pin)
+        self.slots[key] = slot
+        return slot
+
+    def drop(self, slot: int) -> None:
+        """Forget a slot (its key becomes absent); the caller freed its space."""
+        key = self.keys[slot]
+        if key is not None:
+            del self.slots[key]
+        self.keys[slot] = None
+        self.state[slot] = State.FREE
+        self.extra.pop(slot, None)
+        self.pending.pop(slot, None)
+        self._free.append(slot)
+
+    def replicas(self, slot: int) -> list[tuple[int, int]]:
+        """(segment, offset) of every replica, primary first."""
+        first = (self.segment[slot], self.offset[slot])
+        more = self.extra.get(slot)
+        return [first, *more] if more else [first]
+
+    def set_replicas(self, slot: int, replicas: list[tuple[int, int]]) -> None:
+        """Replace the replica list (non-empty)."""
+        self.segment[slot], self.offset[slot] = replicas[0]
+        if len(replicas) > 1:
+            self.extra[slot] = replicas[1:]
+        else:
+            self.extra.pop(slot, None)
+
+    @contextmanager
+    def columns(self) -> Iterator[dict[str, np.ndarray]]:
+        """Zero-copy numpy views of the columns, valid only inside the block.
+
+        (A view pins the arrays' buffers: nothing may be added while it is open.)
+        """
+        views: dict[str, np.ndarray] = {
+            "segment": np.frombuffer(self.segment, dtype=np.int32),
+            "state": np.frombuffer(self.state, dtype=np.int8),
+            "lease": np.frombuffer(self.lease, dtype=np.float64),
+            "access": np.frombuffer(self.access, dtype=np.float32),
+            "pin": np.frombuffer(self.pin, dtype=np.float32),
+            "size": np.frombuffer(self.size, dtype=np.int64),
+        }
+        try:
+            yield views
+        finally:
+            views.clear()

@@ -1,0 +1,197 @@
+"""The master process: MasterState behind an RpcServer, plus Prometheus metrics.
+
+One thread answers requests and runs the state's background ticks between them (no locks on
+the state). Metrics are read from a snapshot the same thread refreshes, never from live state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvconnect.config import MasterConfig
+from kvconnect.store import messages as m
+from kvconnect.store.master.state import MasterState
+from kvconnect.store.rpc import RpcServer
+
+log = logging.getLogger(__name__)
+
+_SNAPSHOT_EVERY = 1.0
+
+
+class MasterService:
+    """Runs a master; ``start()`` returns once it answers, ``close()`` stops it."""
+
+    def __init__(self, config: MasterConfig) -> None:
+        self.config = config
+        self.state = MasterState(config)
+        self._t0 = time.monotonic()
+        self._server = RpcServer(config.listen, self._handle, self._tick)
+        self._thread: threading.Thread | None = None
+        self._http: Any = None
+        self.registry = CollectorRegistry()
+        self._latency = Histogram(
+            "kvconnect_master_rpc_seconds",
+            "Time to answer a request, by method",
+            ["method"],
+            registry=self.registry,
+            buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
+        )
+        self._snapshot: m.StatsReply = self._stats()
+        self._snapshot_at = 0.0
+        self.registry.register(_StateCollector(lambda: self._snapshot))
+        self._handlers: dict[type, Callable[[Any], m.Reply]] = {
+            m.Exists: self._exists,
+            m.PutStart: self._put_start,
+            m.PutEnd: self._put_end,
+            m.PutRevoke: self._put_revoke,
+            m.GetReplicas: self._get_replicas,
+            m.Remove: self._remove,
+            m.Mount: self._mount,
+            m.Unmount: self._unmount,
+            m.Heartbeat: self._heartbeat,
+            m.Stats: lambda _request: self._stats(),
+        }
+
+    @property
+    def endpoint(self) -> str:
+        """The bound zmq endpoint (after start)."""
+        return self._server.endpoint
+
+    def start(self) -> str:
+        """Bind, start the service thread (and the metrics server); returns the endpoint."""
+        endpoint = self._server.bind()
+        self._thread = threading.Thread(
+            target=self._server.serve, name="kvconnect-master", daemon=True
+        )
+        self._thread.start()
+        if self.config.metrics_port:
+            self._http, _ = start_http_server(
+                self.config.metrics_port, addr="127.0.0.1", registry=self.registry
+            )
+        log.info("store master listening on %s", endpoint)
+        return endpoint
+
+    def close(self) -> None:
+        """Stop serving. Idempotent."""
+        self._server.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+    def now(self) -> float:
+        """Seconds since this master started (small floats keep float32 columns precise)."""
+        return time.monotonic() - self._t0
+
+    # ------------------------------------------------------------------------------ serving
+
+    def _tick(self) -> float:
+        now = self.now()
+        self.state.tick(now)
+        if now - self._snapshot_at >= _SNAPSHOT_EVERY:
+            self._snapshot, self._snapshot_at = self._stats(), now
+        return 0.0 if self.state.busy() else 0.05
+
+    def _handle(self, request: m.Request) -> m.Reply:
+        start = time.perf_counter()
+        keys = getattr(request, "keys", None) or getattr(request, "items", None)
+        if keys is not None and len(keys) > m.MAX_BATCH:
+            return m.Error(m.Code.INVALID, f"batch of {len(keys)} exceeds {m.MAX_BATCH}")
+        reply = self._handlers[type(request)](request)
+        self._latency.labels(type(request).__name__).observe(time.perf_counter() - start)
+        return reply
+
+    def _exists(self, request: m.Exists) -> m.Reply:
+        return m.ExistsReply(self.state.exists(request.keys))
+
+    def _put_start(self, request: m.PutStart) -> m.Reply:
+        results = self.state.put_start(
+            request.client,
+            request.items,
+            request.replicas,
+            request.host_id,
+            request.pin,
+            self.now(),
+        )
+        return m.PutStartReply(results)
+
+    def _put_end(self, request: m.PutEnd) -> m.Reply:
+        if len(request.parts) != len(request.keys):
+            return m.Error(m.Code.INVALID, "put_end: keys and parts differ in length")
+        return m.CodesReply(self.state.put_end(request.keys, request.parts, self.now()))
+
+    def _put_revoke(self, request: m.PutRevoke) -> m.Reply:
+        return m.CodesReply(self.state.put_revoke(request.keys, self.now()))
+
+    def _get_replicas(self, request: m.GetReplicas) -> m.Reply:
+        results = self.state.get_replicas(request.keys, self.now(), request.host_id)
+        return m.ReplicasReply(results, int(self.config.lease_ttl * 1000))
+
+    def _remove(self, request: m.Remove) -> m.Reply:
+        return m.CodesReply(self.state.remove(request.keys, request.force, self.now()))
+
+    def _mount(self, request: m.Mount) -> m.Reply:
+        code = self.state.mount(request.server, request.mount_id, request.segment, self.now())
+        return m.CodesReply([code])
+
+    def _unmount(self, request: m.Unmount) -> m.Reply:
+        return m.CodesReply(self.state.unmount(request.server, request.mount_ids))
+
+    def _heartbeat(self, request: m.Heartbeat) -> m.Reply:
+        return m.HeartbeatReply(self.state.heartbeat(request.server, request.mount_ids, self.now()))
+
+    def _stats(self) -> m.StatsReply:
+        keys, pending, segments = self.state.stats()
+        return m.StatsReply(
+            keys=keys,
+            pending=pending,
+            bytes_stored=self.state.bytes_stored,
+            evictions=self.state.evictions,
+            evicted_bytes=self.state.evicted_bytes,
+            segments=segments,
+        )
+
+
+class _StateCollector(Collector):
+    """Exports the latest stats snapshot on scrape."""
+
+    def __init__(self, snapshot: Callable[[], m.StatsReply]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterable[Any]:
+        stats = self._snapshot()
+        yield GaugeMetricFamily("kvconnect_master_keys", "Complete objects", value=stats.keys)
+        yield GaugeMetricFamily(
+            "kvconnect_master_pending_puts", "Puts in flight", value=stats.pending
+        )
+        yield GaugeMetricFamily(
+            "kvconnect_master_stored_bytes", "Bytes of complete objects", value=stats.bytes_stored
+        )
+        yield CounterMetricFamily(
+            "kvconnect_master_evictions", "Objects evicted", value=stats.evictions
+        )
+        yield CounterMetricFamily(
+            "kvconnect_master_evicted_bytes", "Bytes evicted", value=stats.evicted_bytes
+        )
+        used = GaugeMetricFamily(
+            "kvconnect_segment_used_bytes", "Allocated bytes per segment", labels=["segment"]
+        )
+        capacity = GaugeMetricFamily(
+            "kvconnect_segment_capacity_bytes", "Capacity per segment", labels=["segment"]
+        )
+        for segment in stats.segments:
+            used.add_metric([segment.name], segment.used)
+            capacity.add_metric([segment.name], segment.capacity)
+        yield used
+        yield capacity

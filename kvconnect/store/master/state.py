@@ -1,0 +1,400 @@
+"""The master's state machine: objects, segments, leases, pins, pending puts, eviction.
+
+Pure: no sockets, threads or clock. The service passes ``now`` (seconds on a monotonic clock
+starting near zero) to every call and runs :meth:`MasterState.tick` between requests; each tick
+does a bounded amount of background work, so no request waits long behind it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvconnect.config import MasterConfig
+from kvconnect.store.master.objects import ObjectTable, Pending, State
+from kvconnect.store.master.segments import Segment, SegmentTable
+from kvconnect.store.messages import (
+    Code,
+    Location,
+    Placement,
+    PutItem,
+    Replicas,
+    SegmentSpec,
+    SegmentStats,
+    check_key,
+)
+
+MAX_PARTS = 64
+_CLEANUP_STEP = 4096  # objects of lost segments cleaned per tick
+
+
+class MasterState:
+    """All master metadata; see the module docstring."""
+
+    def __init__(self, config: MasterConfig, seed: int | None = None) -> None:
+        self.config = config
+        self.objects = ObjectTable()
+        self.segments = SegmentTable(config.allocation, config.alignment, seed)
+        self._servers: dict[str, float] = {}
+        self._expiry: list[tuple[float, int, str]] = []  # pending puts: (deadline, slot, key)
+        self._quarantine: list[tuple[float, int, int]] = []  # (release at, segment, offset)
+        self._cleanup: list[int] = []  # slots that referenced a lost segment
+        self._lost: list[int] = []  # lost segment indices awaiting a cleanup scan
+        self._evict_target = 0  # bytes still to evict in the current round
+        self._rng = np.random.default_rng(seed)
+        self.bytes_stored = 0
+        self.evictions = 0
+        self.evicted_bytes = 0
+
+    # ------------------------------------------------------------------------------ segments
+
+    def mount(self, server: str, mount_id: str, spec: SegmentSpec, now: float) -> Code:
+        """Mount a segment; a new mount of a known name replaces (and loses) the old one."""
+        if spec.size <= 0 or not spec.name or not spec.engine_segment:
+            return Code.INVALID
+        self._servers[server] = now
+        if mount_id in self.segments.by_mount:
+            return Code.OK
+        previous = self.segments.by_name.get(spec.name)
+        if previous is not None:
+            self._lose(previous)
+        self.segments.mount(server, mount_id, spec)
+        return Code.OK
+
+    def unmount(self, server: str, mount_ids: Sequence[str]) -> list[Code]:
+        """Retire segments at their server's request."""
+        codes = []
+        for mount_id in mount_ids:
+            segment = self.segments.by_mount.get(mount_id)
+            if segment is None or segment.server != server:
+                codes.append(Code.UNKNOWN_SEGMENT)
+                continue
+            self._lose(segment)
+            codes.append(Code.OK)
+        return codes
+
+    def heartbeat(self, server: str, mount_ids: Sequence[str], now: float) -> list[str]:
+        """Record liveness; returns the mount ids the master does not know (remount them)."""
+        self._servers[server] = now
+        return [m for m in mount_ids if m not in self.segments.by_mount]
+
+    def _lose(self, segment: Segment) -> None:
+        # Synchronous part: no more allocation there, no more replicas returned from there.
+        self.segments.retire(segment)
+        self._lost.append(segment.index)
+
+    # ------------------------------------------------------------------------------- objects
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is a complete object with a live replica."""
+        objects = self.objects
+        found = []
+        for key in keys:
+            slot = objects.slots.get(key)
+            found.append(
+                slot is not None and objects.state[slot] == State.COMPLETE and self._readable(slot)
+            )
+        return found
+
+    def put_start(
+        self,
+        client: str,
+        items: Sequence[PutItem],
+        replicas: int,
+        host_id: str,
+        pin: bool,
+        now: float,
+    ) -> list[Placement]:
+        """Allocate space for new objects; EXISTS for stored ones, a shared placement for the
+        other parts of a multi-part put."""
+        per_object = self.segments.strategy != "local_first"
+        order: list[Segment] | None = None
+        pin_until = now + self.config.put_timeout * 60 if pin else 0.0
+        results = []
+        for item in items:
+            code = self._admit(item, replicas)
+            if code is not None:
+                results.append(code)
+                continue
+            if order is None or per_object:
+                order = self.segments.order(client, host_id)
+            placed = self._place(order, item.size, replicas, now)
+            if not placed:
+                results.append(Placement(Code.NO_SPACE, []))
+                continue
+            slot = self.objects.add(item.key, item.size, placed[0][0], placed[0][1], pin_until)
+            if len(placed) > 1:
+                self.objects.extra[slot] = placed[1:]
+            deadline = now + self.config.put_timeout
+            self.objects.pending[slot] = Pending(client, item.parts, 0, deadline)
+            heapq.heappush(self._expiry, (deadline, slot, item.key))
+            results.append(Placement(Code.OK, self._locations(placed)))
+        return results
+
+    def _admit(self, item: PutItem, replicas: int) -> Placement | None:
+        """The answer for an item that needs no new allocation, or None to allocate."""
+        if not check_key(item.key) or item.size <= 0 or not 1 <= item.parts <= MAX_PARTS:
+            return Placement(Code.INVALID, [])
+        if replicas < 1:
+            return Placement(Code.INVALID, [])
+        slot = self.objects.slots.get(item.key)
+        if slot is None:
+            return None
+        if self.objects.state[slot] == State.COMPLETE:
+            if self._readable(slot):
+                return Placement(Code.EXISTS, [])
+            self._free(slot, 0.0)  # every replica was lost: the key may be written again
+            return None
+        pending = self.objects.pending[slot]
+        if item.parts > 1 and item.parts == pending.parts and item.size == self.objects.size[slot]:
+            return Placement(Code.OK, self._locations(self.objects.replicas(slot)))  # join
+        return Placement(Code.BUSY, [])
+
+    def _place(
+        self, order: list[Segment], size: int, replicas: int, now: float
+    ) -> list[tuple[int, int]]:
+        placed = self.segments.place(order, size, replicas)
+        for _ in range(4):  # allocation failure: evict some, then try again (bounded)
+            if placed or not self._evict_step(now, self.config.eviction_step * 4):
+                break
+            placed = self.segments.place(order, size, replicas)
+        return placed
+
+    def put_end(self, keys: Sequence[str], parts: Sequence[int], now: float) -> list[Code]:
+        """Mark parts written; an object completes when all its parts are in."""
+        objects = self.objects
+        codes = []
+        for key, part in zip(keys, parts, strict=True):
+            slot = objects.slots.get(key)
+            if slot is None:
+                codes.append(Code.DISCARDED)
+                continue
+            if objects.state[slot] == State.COMPLETE:
+                codes.append(Code.OK)  # a repeated put_end: idempotent
+                continue
+            pending = objects.pending[slot]
+            if not 0 <= part < pending.parts:
+                codes.append(Code.INVALID)
+                continue
+            if not self._readable(slot):
+                self._free(slot, now)
+                codes.append(Code.DISCARDED)
+                continue
+            pending.done_mask |= 1 << part
+            if pending.done_mask == (1 << pending.parts) - 1:
+                objects.state[slot] = State.COMPLETE
+                objects.access[slot] = now
+                del objects.pending[slot]
+                self.bytes_stored += objects.size[slot]
+            codes.append(Code.OK)
+        return codes
+
+    def put_revoke(self, keys: Sequence[str], now: float) -> list[Code]:
+        """Give up pending puts (their space is quarantined, then reused)."""
+        codes = []
+        for key in keys:
+            slot = self.objects.slots.get(key)
+            if slot is None or self.objects.state[slot] != State.PENDING:
+                codes.append(Code.NOT_FOUND)
+                continue
+            self._discard(slot, now)
+            codes.append(Code.OK)
+        return codes
+
+    def get_replicas(self, keys: Sequence[str], now: float, host_id: str = "") -> list[Replicas]:
+        """Live replicas of complete objects, each granted a read lease of ``lease_ttl``.
+
+        Replicas on the reader's host (``host_id``) come first.
+        """
+        objects = self.objects
+        lease = now + self.config.lease_ttl
+        results = []
+        for key in keys:
+            slot = objects.slots.get(key)
+            if slot is None or objects.state[slot] != State.COMPLETE:
+                results.append(Replicas(Code.NOT_FOUND, 0, []))
+                continue
+            live = self._live(slot)
+            if not live:
+                results.append(Replicas(Code.NOT_FOUND, 0, []))
+                continue
+            objects.lease[slot] = lease
+            objects.access[slot] = now
+            if len(live) > 1 and host_id:
+                live.sort(key=lambda r: self.segments.all[r[0]].spec.host_id != host_id)
+            results.append(Replicas(Code.OK, objects.size[slot], self._locations(live)))
+        return results
+
+    def remove(self, keys: Sequence[str], force: bool, now: float) -> list[Code]:
+        """Remove objects; BUSY while leased or pending unless ``force``."""
+        objects = self.objects
+        codes = []
+        for key in keys:
+            slot = objects.slots.get(key)
+            if slot is None:
+                codes.append(Code.NOT_FOUND)
+            elif not force and (objects.state[slot] == State.PENDING or objects.lease[slot] > now):
+                codes.append(Code.BUSY)
+            else:
+                self._free(slot, now)
+                codes.append(Code.OK)
+        return codes
+
+    # ---------------------------------------------------------------------------- reporting
+
+    def stats(self) -> tuple[int, int, list[SegmentStats]]:
+        """(complete keys, pending puts, per-segment stats)."""
+        segments = [
+            SegmentStats(
+                name=s.spec.name,
+                host_id=s.spec.host_id,
+                server=s.server,
+                capacity=s.allocator.capacity,
+                used=s.allocator.used,
+                objects=s.objects,
+            )
+            for s in self.segments.live()
+        ]
+        pending = len(self.objects.pending)
+        return len(self.objects) - pending, pending, segments
+
+    # ---------------------------------------------------------------------------- background
+
+    def tick(self, now: float) -> None:
+        """One bounded step of background work: expiries, cleanup, eviction."""
+        self._expire_servers(now)
+        self._expire_puts(now)
+        self._release_quarantine(now)
+        self._cleanup_lost()
+        self._evict(now)
+
+    def busy(self) -> bool:
+        """Whether background work is waiting (the service then ticks without sleeping)."""
+        return bool(self._cleanup or self._lost or self._evict_target > 0)
+
+    def _expire_servers(self, now: float) -> None:
+        ttl = self.config.heartbeat_ttl
+        for server, seen in list(self._servers.items()):
+            if now - seen > ttl:
+                del self._servers[server]
+                for segment in self.segments.live():
+                    if segment.server == server:
+                        self._lose(segment)
+
+    def _expire_puts(self, now: float) -> None:
+        objects = self.objects
+        while self._expiry and self._expiry[0][0] <= now:
+            deadline, slot, key = heapq.heappop(self._expiry)
+            pending = objects.pending.get(slot)
+            if objects.keys[slot] == key and pending is not None and pending.deadline == deadline:
+                self._discard(slot, now)
+
+    def _release_quarantine(self, now: float) -> None:
+        while self._quarantine and self._quarantine[0][0] <= now:
+            _at, segment, offset = heapq.heappop(self._quarantine)
+            self.segments.release(segment, offset)
+
+    def _cleanup_lost(self) -> None:
+        if self._lost and not self._cleanup:
+            lost = np.asarray(self._lost, dtype=np.int32)
+            self._lost.clear()
+            with self.objects.columns() as columns:
+                hits = np.isin(columns["segment"], lost) & (columns["state"] != State.FREE)
+                self._cleanup = np.nonzero(hits)[0].tolist()
+            lost_set = set(lost.tolist())
+            self._cleanup += [
+                slot
+                for slot, more in self.objects.extra.items()
+                if any(seg in lost_set for seg, _ in more)
+            ]
+        for _ in range(min(_CLEANUP_STEP, len(self._cleanup))):
+            self._drop_lost_replicas(self._cleanup.pop())
+
+    def _drop_lost_replicas(self, slot: int) -> None:
+        if self.objects.state[slot] == State.FREE:
+            return
+        replicas = self.objects.replicas(slot)
+        live = [(seg, off) for seg, off in replicas if self.segments.all[seg].alive]
+        if len(live) == len(replicas):
+            return
+        for seg, _off in replicas:
+            if not self.segments.all[seg].alive:
+                self.segments.all[seg].objects -= 1
+        if live:
+            self.objects.set_replicas(slot, live)
+            return
+        if self.objects.state[slot] == State.COMPLETE:
+            self.bytes_stored -= self.objects.size[slot]
+        self.objects.drop(slot)
+
+    def _evict(self, now: float) -> None:
+        used, capacity = self.segments.capacity()
+        if self._evict_target <= 0 and used > self.config.high_watermark * capacity:
+            low = (self.config.high_watermark - self.config.evict_fraction) * capacity
+            self._evict_target = int(used - max(low, 0))
+        if self._evict_target > 0:
+            freed = self._evict_step(now, self.config.eviction_step)
+            self._evict_target = self._evict_target - freed if freed else 0
+
+    def _evict_step(self, now: float, count: int) -> int:
+        """Evict up to ``count`` objects, oldest access first among a random sample (the
+        sampled-LRU of Redis): bounded work per step whatever the key count. Never evicts a
+        leased or pending object; soft-pinned ones only when nothing else is eligible."""
+        n = len(self.objects.keys)
+        if n == 0:
+            return 0
+        sample = self._rng.integers(0, n, size=min(n, max(256, count * 16)))
+        with self.objects.columns() as c:
+            eligible = sample[(c["state"][sample] == State.COMPLETE) & (c["lease"][sample] <= now)]
+            unpinned = eligible[c["pin"][eligible] <= now]
+            pool = unpinned if len(unpinned) else eligible
+            victims = np.unique(pool[np.argsort(c["access"][pool], kind="stable")][:count])
+            del sample, eligible, unpinned, pool
+        freed = 0
+        for slot in victims.tolist():
+            freed += int(self.objects.size[slot])
+            self._free(slot, now)
+            self.evictions += 1
+        self.evicted_bytes += freed
+        return freed
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _live(self, slot: int) -> list[tuple[int, int]]:
+        return [(s, o) for s, o in self.objects.replicas(slot) if self.segments.all[s].alive]
+
+    def _readable(self, slot: int) -> bool:
+        if self.segments.all[self.objects.segment[slot]].alive:
+            return True
+        return bool(self._live(slot))
+
+    def _locations(self, placed: list[tuple[int, int]]) -> list[Location]:
+        out = []
+        for index, offset in placed:
+            spec = self.segments.all[index].spec
+            out.append(Location(spec.engine_segment, spec.region, offset))
+        return out
+
+    def _discard(self, slot: int, now: float) -> None:
+        """Drop a pending put; its space waits out the quarantine (the writer may be late)."""
+        release = now + self.config.quarantine
+        for segment, offset in self.objects.replicas(slot):
+            heapq.heappush(self._quarantine, (release, segment, offset))
+        self.objects.drop(slot)
+
+    def _free(self, slot: int, now: float) -> None:
+        """Drop an object; space under a read lease is reused only after the lease."""
+        objects = self.objects
+        if objects.state[slot] == State.PENDING:
+            self._discard(slot, now)
+            return
+        self.bytes_stored -= objects.size[slot]
+        lease = objects.lease[slot]
+        for segment, offset in objects.replicas(slot):
+            if lease > now:
+                heapq.heappush(self._quarantine, (lease, segment, offset))
+            else:
+                self.segments.release(segment, offset)
+        objects.drop(slot)

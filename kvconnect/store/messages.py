@@ -1,0 +1,229 @@
+"""Every control-plane message of the store (msgspec Structs on msgpack) and its version.
+
+Clients and store servers talk to the master with one request per message; every hot-path
+request carries a *batch* of keys. Envelopes carry ``PROTOCOL_VERSION``; the master answers a
+request of another version with ``Error(Code.VERSION)`` and never guesses.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+import msgspec
+
+PROTOCOL_VERSION: Final = 1
+MAX_KEY_BYTES: Final = 1024
+MAX_BATCH: Final = 65536
+
+
+class Code(enum.IntEnum):
+    """Per-key and per-request outcomes."""
+
+    OK = 0
+    NOT_FOUND = 1
+    EXISTS = 2  # complete object already stored: a put skips it
+    BUSY = 3  # another put of this key is in progress, or the object is leased (remove)
+    NO_SPACE = 4
+    INVALID = 5  # bad key, size or parts
+    DISCARDED = 6  # the pending put was given up (timeout, revoke, segment loss)
+    VERSION = 7
+    UNKNOWN_SEGMENT = 8
+    INTERNAL = 9
+    # Outcomes only the client produces:
+    TIMEOUT = 10  # the transfer missed its deadline
+    FAILED = 11  # the transfer failed (peer died, refused)
+    TOO_SMALL = 12  # the caller's buffer is smaller than the object
+    UNAVAILABLE = 13  # the master did not answer, or the circuit breaker is open
+    STALE = 14  # the read outlived its lease: the bytes cannot be trusted
+
+
+class Location(msgspec.Struct, array_like=True, frozen=True):
+    """Where one replica lives: a transfer-engine segment, a region of it, an offset."""
+
+    segment: str
+    region: int
+    offset: int
+
+
+class PutItem(msgspec.Struct, array_like=True, frozen=True):
+    """One object to store: ``parts`` writers may each write a byte range of it."""
+
+    key: str
+    size: int
+    parts: int = 1
+
+
+class Placement(msgspec.Struct, array_like=True, frozen=True):
+    """Answer to one PutItem: where to write (code OK) or why not."""
+
+    code: Code
+    locations: list[Location]
+
+
+class Replicas(msgspec.Struct, array_like=True, frozen=True):
+    """Answer to one key of GetReplicas."""
+
+    code: Code
+    size: int
+    locations: list[Location]
+
+
+class SegmentSpec(msgspec.Struct, frozen=True):
+    """A block of store-server memory offered to the master."""
+
+    name: str  # unique in the cluster: "<engine segment>/<region id>"
+    engine_segment: str
+    region: int
+    size: int
+    host_id: str
+
+
+class SegmentStats(msgspec.Struct, frozen=True):
+    """One mounted segment, as ``stats`` reports it."""
+
+    name: str
+    host_id: str
+    server: str
+    capacity: int
+    used: int
+    objects: int
+
+
+# ---------------------------------------------------------------------------------- requests
+
+
+class Exists(msgspec.Struct, tag="exists"):
+    keys: list[str]
+
+
+class PutStart(msgspec.Struct, tag="put_start"):
+    client: str
+    items: list[PutItem]
+    replicas: int = 1
+    host_id: str = ""  # the writer's host: ``local_first`` places there first
+    pin: bool = False
+
+
+class PutEnd(msgspec.Struct, tag="put_end"):
+    client: str
+    keys: list[str]
+    parts: list[int]
+
+
+class PutRevoke(msgspec.Struct, tag="put_revoke"):
+    client: str
+    keys: list[str]
+
+
+class GetReplicas(msgspec.Struct, tag="get_replicas"):
+    keys: list[str]
+    host_id: str = ""  # the reader's host: its replicas come first
+
+
+class Remove(msgspec.Struct, tag="remove"):
+    keys: list[str]
+    force: bool = False
+
+
+class Mount(msgspec.Struct, tag="mount"):
+    server: str
+    mount_id: str
+    segment: SegmentSpec
+
+
+class Unmount(msgspec.Struct, tag="unmount"):
+    server: str
+    mount_ids: list[str]
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    server: str
+    mount_ids: list[str]
+
+
+class Stats(msgspec.Struct, tag="stats"):
+    pass
+
+
+Request = (
+    Exists
+    | PutStart
+    | PutEnd
+    | PutRevoke
+    | GetReplicas
+    | Remove
+    | Mount
+    | Unmount
+    | Heartbeat
+    | Stats
+)
+
+# ------------------------------------------------------------------------------------ replies
+
+
+class ExistsReply(msgspec.Struct, tag="exists"):
+    found: list[bool]
+
+
+class PutStartReply(msgspec.Struct, tag="put_start"):
+    results: list[Placement]
+
+
+class CodesReply(msgspec.Struct, tag="codes"):
+    codes: list[Code]
+
+
+class ReplicasReply(msgspec.Struct, tag="replicas"):
+    results: list[Replicas]
+    lease_ms: int
+
+
+class HeartbeatReply(msgspec.Struct, tag="heartbeat"):
+    unknown: list[str]  # mount ids the master does not have: mount them again
+
+
+class StatsReply(msgspec.Struct, tag="stats"):
+    keys: int
+    pending: int
+    bytes_stored: int
+    evictions: int
+    evicted_bytes: int
+    segments: list[SegmentStats]
+
+
+class Error(msgspec.Struct, tag="error"):
+    code: Code
+    message: str
+
+
+Reply = (
+    ExistsReply | PutStartReply | CodesReply | ReplicasReply | HeartbeatReply | StatsReply | Error
+)
+
+
+class Envelope(msgspec.Struct, array_like=True):
+    """A request on the wire."""
+
+    version: int
+    request_id: int
+    body: Request
+
+
+class ReplyEnvelope(msgspec.Struct, array_like=True):
+    """A reply on the wire."""
+
+    request_id: int
+    body: Reply
+
+
+class Head(msgspec.Struct, array_like=True):
+    """The leading fields of an Envelope, decodable whatever the version of the body."""
+
+    version: int
+    request_id: int
+
+
+def check_key(key: str) -> bool:
+    """Keys are non-empty and at most MAX_KEY_BYTES of UTF-8."""
+    return len(key) > 0 and len(key.encode()) <= MAX_KEY_BYTES

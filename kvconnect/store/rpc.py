@@ -1,0 +1,187 @@
+"""Request/reply plumbing over zmq (ROUTER on the master, DEALER per client thread).
+
+The server is single-threaded: it answers requests in arrival order and runs background work
+between polls in bounded steps, so state needs no locks. Clients get one DEALER socket per
+thread (zmq sockets are not thread-safe); a call waits at most its timeout, and late replies of
+abandoned calls are recognized by request id and dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from kvconnect.errors import ClosedError, MasterUnavailable
+from kvconnect.store import messages as m
+
+log = logging.getLogger(__name__)
+
+_encoder = msgspec.msgpack.Encoder()
+_head_decoder = msgspec.msgpack.Decoder(m.Head)
+_request_decoder = msgspec.msgpack.Decoder(m.Envelope)
+_reply_decoder = msgspec.msgpack.Decoder(m.ReplyEnvelope)
+
+Handler = Callable[[m.Request], m.Reply]
+
+
+class RpcServer:
+    """Serves ``handler`` on a ROUTER socket; ``tick`` runs between polls (background work)."""
+
+    def __init__(self, endpoint: str, handler: Handler, tick: Callable[[], float]) -> None:
+        """``tick`` returns how long (s) the loop may sleep before it wants to run again."""
+        self._endpoint = endpoint
+        self._handler = handler
+        self._tick = tick
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._stop = threading.Event()
+        self.endpoint = ""
+        self.malformed = 0
+
+    def bind(self) -> str:
+        """Bind; returns the endpoint actually bound (resolves port 0 / ``*``)."""
+        self._socket.bind(self._endpoint)
+        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.endpoint
+
+    def serve(self) -> None:
+        """Answer requests until :meth:`stop` (from any thread)."""
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                wait = self._tick()
+                if poller.poll(int(max(0.0, min(wait, 0.05)) * 1000)):
+                    self._drain()
+        finally:
+            self._socket.close(0)
+            self._context.term()
+
+    def stop(self) -> None:
+        """Make :meth:`serve` return (within ~50 ms)."""
+        self._stop.set()
+
+    def _drain(self) -> None:
+        # Answer everything queued before doing background work again, up to a bound, so a
+        # flood cannot starve the tick (leases, heartbeats, eviction) either.
+        for _ in range(1024):
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self.malformed += 1
+                continue
+            identity, payload = frames
+            reply = self._answer(payload)
+            if reply is not None:
+                self._socket.send_multipart([identity, reply], zmq.NOBLOCK)
+
+    def _answer(self, payload: bytes) -> bytes | None:
+        try:
+            head = _head_decoder.decode(payload)
+        except msgspec.DecodeError:
+            self.malformed += 1
+            return None  # no request id to answer to
+        if head.version != m.PROTOCOL_VERSION:
+            body: m.Reply = m.Error(
+                m.Code.VERSION,
+                f"protocol {head.version} unsupported (master speaks {m.PROTOCOL_VERSION})",
+            )
+        else:
+            try:
+                request = _request_decoder.decode(payload).body
+            except msgspec.DecodeError as exc:
+                self.malformed += 1
+                body = m.Error(m.Code.INVALID, f"malformed request: {exc}")
+            else:
+                body = self._handle(request)
+        return _encoder.encode(m.ReplyEnvelope(head.request_id, body))
+
+    def _handle(self, request: m.Request) -> m.Reply:
+        try:
+            return self._handler(request)
+        except Exception as exc:  # one bad request must not take the master down
+            log.exception("handler failed on %s", type(request).__name__)
+            return m.Error(m.Code.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+class RpcClient:
+    """Calls a server; thread-safe (a socket per calling thread)."""
+
+    def __init__(self, endpoint: str, timeout: float) -> None:
+        self._endpoint = endpoint
+        self._timeout = timeout
+        self._context = zmq.Context()
+        self._local = threading.local()
+        self._sockets: list[zmq.Socket[bytes]] = []
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    def call(self, request: m.Request, timeout: float | None = None) -> m.Reply:
+        """Send ``request`` and wait for its reply; MasterUnavailable after the timeout."""
+        sock = self._socket()
+        request_id = next(self._ids)
+        payload = _encoder.encode(m.Envelope(m.PROTOCOL_VERSION, request_id, request))
+        deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
+        # IMMEDIATE: the socket is writable only while connected, so a dead master costs the
+        # timeout here instead of a queued request that would be answered much later.
+        if not sock.poll(_ms(deadline), zmq.POLLOUT):
+            raise MasterUnavailable(f"master {self._endpoint} is not connected")
+        try:
+            sock.send(payload, zmq.NOBLOCK)
+        except zmq.Again as exc:
+            raise MasterUnavailable(f"master {self._endpoint} is not connected") from exc
+        while True:
+            if not sock.poll(_ms(deadline), zmq.POLLIN):
+                raise MasterUnavailable(
+                    f"master {self._endpoint} did not answer {type(request).__name__} in time"
+                )
+            try:
+                reply = _reply_decoder.decode(sock.recv())
+            except msgspec.DecodeError:
+                continue  # not ours to interpret; keep waiting for our reply
+            if reply.request_id == request_id:
+                return reply.body
+
+    def close(self) -> None:
+        """Close every socket and the context. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            sock.close(0)
+        self._context.term()
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] | None = getattr(self._local, "socket", None)
+        if sock is not None:
+            return sock
+        with self._lock:
+            if self._closed:
+                raise ClosedError("store client is closed")
+            sock = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            sock.connect(self._endpoint)
+            self._sockets.append(sock)
+        self._local.socket = sock
+        return sock
+
+
+def _ms(deadline: float) -> int:
+    """Milliseconds until ``deadline`` for zmq polls (0 once passed)."""
+    return max(0, int((deadline - time.monotonic()) * 1000))

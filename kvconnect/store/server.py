@@ -1,0 +1,154 @@
+"""Store server: owns a block of memory, mounts it at the master, heartbeats, serves bytes.
+
+The memory is shared memory from the transfer engine (``allocate``: pre-faulted, optionally
+huge pages), so same-host clients copy straight from it and remote ones go through the engine's
+listener. The server holds no metadata: the master decides what lives where. Heartbeats run on
+their own thread; when the master answers that it does not know our mount (it restarted), the
+server mounts again — with empty contents, as far as the master knows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvconnect.config import StoreServerConfig, TransferConfig
+from kvconnect.errors import KVConnectError, StoreError
+from kvconnect.store import messages as m
+from kvconnect.store.rpc import RpcClient
+from kvconnect.transfer.engine import TransferEngine
+from kvconnect.transfer.memory import MemoryRegion
+
+log = logging.getLogger(__name__)
+
+
+class StoreServer:
+    """One store server; ``start()`` mounts, ``close()`` unmounts and releases the memory."""
+
+    def __init__(self, config: StoreServerConfig, transfer: TransferConfig | None = None) -> None:
+        self.config = config
+        self.engine = TransferEngine(transfer or TransferConfig())
+        self.server_id = (
+            config.server_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
+        self.mount_id = uuid.uuid4().hex
+        self.region: MemoryRegion | None = None
+        self._rpc = RpcClient(config.master, config.rpc_timeout)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._http: Any = None
+        self._mounted = False
+
+    @property
+    def spec(self) -> m.SegmentSpec:
+        """What this server mounts at the master."""
+        assert self.region is not None
+        return m.SegmentSpec(
+            name=f"{self.engine.name}/{self.region.id}",
+            engine_segment=self.engine.name,
+            region=self.region.id,
+            size=self.region.length,
+            host_id=self.engine.segment.host_id,
+        )
+
+    def start(self) -> None:
+        """Allocate the memory, start the engine, mount (retried by the heartbeat thread)."""
+        self.engine.start()
+        self.region = self.engine.allocate(self.config.size, hugepages=self.config.hugepages)
+        try:
+            self._mount()
+        except StoreError as exc:
+            log.warning("master not reachable yet (%s); heartbeats will keep trying", exc)
+        self._thread = threading.Thread(
+            target=self._heartbeats, name="kvconnect-store-heartbeat", daemon=True
+        )
+        self._thread.start()
+        if self.config.metrics_port:
+            registry = CollectorRegistry()
+            registry.register(_ServerCollector(self))
+            self._http, _ = start_http_server(
+                self.config.metrics_port, addr="127.0.0.1", registry=registry
+            )
+        log.info(
+            "store server %s serving %d bytes as %s",
+            self.server_id,
+            self.config.size,
+            self.spec.name,
+        )
+
+    def close(self) -> None:
+        """Unmount (best effort), stop heartbeats, release memory. Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.config.rpc_timeout + self.config.heartbeat_interval + 1)
+            self._thread = None
+        if self._mounted:
+            try:
+                self._rpc.call(m.Unmount(self.server_id, [self.mount_id]))
+            except KVConnectError as exc:
+                log.warning("unmount failed: %s", exc)
+            self._mounted = False
+        self._rpc.close()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        self.engine.close()
+
+    def __enter__(self) -> StoreServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _mount(self) -> None:
+        reply = self._rpc.call(m.Mount(self.server_id, self.mount_id, self.spec))
+        if not isinstance(reply, m.CodesReply) or reply.codes != [m.Code.OK]:
+            raise StoreError(f"master refused the mount: {reply!r}")
+        self._mounted = True
+
+    def _heartbeats(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval):
+            try:
+                reply = self._rpc.call(m.Heartbeat(self.server_id, [self.mount_id]))
+                if not isinstance(reply, m.HeartbeatReply):
+                    raise StoreError(f"unexpected heartbeat reply {reply!r}")
+                if reply.unknown:
+                    log.warning("master does not know our segment (restarted?): mounting again")
+                    self._mount()
+            except KVConnectError as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+
+class _ServerCollector(Collector):
+    """Capacity and traffic of one store server."""
+
+    def __init__(self, server: StoreServer) -> None:
+        self._server = server
+
+    def collect(self) -> Any:
+        stats = self._server.engine.stats().listener
+        labels = ["segment"]
+        name = [self._server.spec.name]
+        capacity = GaugeMetricFamily(
+            "kvconnect_store_capacity_bytes", "Memory offered", labels=labels
+        )
+        capacity.add_metric(name, self._server.config.size)
+        served = CounterMetricFamily(
+            "kvconnect_store_served_bytes", "Bytes read by peers", labels=labels
+        )
+        served.add_metric(name, stats.bytes_served)
+        received = CounterMetricFamily(
+            "kvconnect_store_received_bytes", "Bytes written by peers", labels=labels
+        )
+        received.add_metric(name, stats.bytes_received)
+        return [capacity, served, received]
