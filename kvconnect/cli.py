@@ -1,11 +1,30 @@
-"""The ``kvconnect`` command."""
+"""The ``kvconnect`` command.
+
+Configuration of every long-running command comes, lowest precedence first, from a JSON file
+(``--config``: sections ``transfer``, ``master``, ``store``, ``client``), the environment
+(``KVCONNECT_<SECTION>_<FIELD>``), and flags (one per field, e.g. ``--master-lease-ttl 5``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from kvconnect.config import MasterConfig, StoreClientConfig, StoreServerConfig, TransferConfig
+from kvconnect.errors import ConfigError
+
+_C = TypeVar("_C", TransferConfig, MasterConfig, StoreServerConfig, StoreClientConfig)
+_SECTIONS: dict[str, type] = {
+    "transfer": TransferConfig,
+    "master": MasterConfig,
+    "store": StoreServerConfig,
+    "client": StoreClientConfig,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvconnect {__version__}")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    master = commands.add_parser("master", help="run a store master (metadata only)")
+    _config_flags(master, "master")
+    master.set_defaults(handler=_master)
+
+    store = commands.add_parser("store", help="run a store server (owns memory)")
+    _config_flags(store, "store", "transfer")
+    store.set_defaults(handler=_store)
+
+    serve = commands.add_parser("serve", help="run a master and one store server, all in one")
+    _config_flags(serve, "master", "store", "transfer")
+    serve.set_defaults(handler=_serve)
+
+    status = commands.add_parser("status", help="print the store cluster: segments, usage, keys")
+    status.add_argument("--master", default=StoreClientConfig().master, help="master endpoint")
+    status.add_argument("--timeout", type=float, default=2.0)
+    status.set_defaults(handler=_status)
+
     bench = commands.add_parser("bench", help="benchmarks with same-run baselines")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     transfer = benches.add_parser(
@@ -29,11 +66,74 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_flags(parser: argparse.ArgumentParser, *sections: str) -> None:
+    parser.add_argument("--config", help="JSON file with sections " + ", ".join(sections))
+    for section in sections:
+        group = parser.add_argument_group(f"{section} options")
+        for field in dataclasses.fields(_SECTIONS[section]):
+            flag = f"--{section}-{field.name.replace('_', '-')}"
+            group.add_argument(flag, dest=f"{section}__{field.name}", metavar="VALUE")
+
+
+def section_config(args: argparse.Namespace, section: str, cls: type[_C]) -> _C:
+    """File, then environment, then flags: the config of one section."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        with open(args.config, encoding="utf-8") as handle:
+            document = json.load(handle)
+        unknown = sorted(set(document) - set(_SECTIONS))
+        if unknown:
+            raise ConfigError(f"unknown section(s) {', '.join(unknown)} in {args.config}")
+        values.update(document.get(section, {}))
+    prefix = f"{section}__"
+    flags = {
+        name[len(prefix) :]: value
+        for name, value in vars(args).items()
+        if name.startswith(prefix) and value is not None
+    }
+    return cls.from_env(**{**values, **flags})
+
+
+def _master(args: argparse.Namespace) -> int:
+    from kvconnect.store.commands import run_master
+
+    return run_master(section_config(args, "master", MasterConfig))
+
+
+def _store(args: argparse.Namespace) -> int:
+    from kvconnect.store.commands import run_store
+
+    return run_store(
+        section_config(args, "store", StoreServerConfig),
+        section_config(args, "transfer", TransferConfig),
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvconnect.store.commands import run_serve
+
+    return run_serve(
+        section_config(args, "master", MasterConfig),
+        section_config(args, "store", StoreServerConfig),
+        section_config(args, "transfer", TransferConfig),
+    )
+
+
+def _status(args: argparse.Namespace) -> int:
+    from kvconnect.store.commands import run_status
+
+    return run_status(args.master, args.timeout)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    status: int = args.handler(args)
+    try:
+        status: int = args.handler(args)
+    except ConfigError as exc:
+        print(f"kvconnect: configuration error: {exc}", file=sys.stderr)
+        return 2
     return status
 
 

@@ -26,6 +26,7 @@ MetadataKind = Literal["p2p", "embedded"]
 
 _C = TypeVar("_C")
 
+_SIZE_SUFFIX = {"K": KiB, "M": MiB, "G": MiB * 1024, "T": MiB * 1024 * 1024}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -51,6 +52,10 @@ class _Section:
             if variable in env and name not in values:
                 values[name] = env[variable]
         return _from_mapping(cls, {**values, **overrides})
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,10 +138,6 @@ class TransferConfig(_Section):
             )
         if self.token is not None and not self.token:
             raise ConfigError("token must be a non-empty string or None")
-
-    def replace(self, **changes: Any) -> Self:
-        """A copy with ``changes`` applied (validated again)."""
-        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -311,8 +312,10 @@ def _coerce_number(name: str, value: Any, kind: type) -> int | float:
     if isinstance(value, int | float) and (kind is float or isinstance(value, int)):
         return kind(value)  # type: ignore[no-any-return]
     if isinstance(value, str):
+        text = value.strip()
+        scale = _SIZE_SUFFIX.get(text[-1:].upper(), 1) if kind is int else 1
         try:
-            return kind(value)  # type: ignore[no-any-return]
+            return kind(text[:-1] if scale > 1 else text) * scale  # type: ignore[no-any-return]
         except ValueError:
             pass
     raise ConfigError(

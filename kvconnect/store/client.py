@@ -230,7 +230,7 @@ class StoreClient:
         timeout: float | None,
     ) -> BatchResult:
         keys = list(keys)
-        _same_length(keys, offsets=offsets, sizes=sizes)
+        self._check_ranges(keys, region, offsets, sizes)
         deadline = self._clock() + (self.config.io_timeout if timeout is None else timeout)
         totals = part.object_sizes if part else sizes
         items = [
@@ -335,7 +335,7 @@ class StoreClient:
         buffers, so a caller can use ``result.leading()`` keys and recompute the rest.
         """
         keys = list(keys)
-        _same_length(keys, offsets=offsets, sizes=sizes)
+        self._check_ranges(keys, region, offsets, sizes)
         start = self._clock()
         deadline = start + (self.config.io_timeout if timeout is None else timeout)
         try:
@@ -373,6 +373,23 @@ class StoreClient:
 
     # ------------------------------------------------------------------------------ helpers
 
+    def _check_ranges(
+        self,
+        keys: list[str],
+        region: MemoryRegion,
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+    ) -> None:
+        """Refuse a batch that cannot work before asking the master for anything."""
+        _same_length(keys, offsets=offsets, sizes=sizes)
+        if not self.engine.owns(region):
+            raise InvalidRequest(f"region {region.id} is not registered with this client's engine")
+        for offset, size in zip(offsets, sizes, strict=True):
+            if offset < 0 or size < 0 or offset + size > region.length:
+                raise InvalidRequest(
+                    f"range [{offset}, {offset + size}) is outside the {region.length}-byte region"
+                )
+
     def _call(self, request: m.Request, *, deadline: float | None = None) -> m.Reply:
         now = self._clock()
         if not self._breaker.allow(now):
@@ -407,8 +424,6 @@ class StoreClient:
         remaining = max(0.0, deadline - self._clock())
         try:
             batch = self.engine.submit(op, requests, timeout=remaining)
-        except InvalidRequest:
-            raise
         except KVConnectError:
             for i in owners:
                 outcome[i] = Code.FAILED

@@ -241,6 +241,10 @@ class TransferEngine:
         self._republish()
         return region
 
+    def owns(self, region: MemoryRegion) -> bool:
+        """Whether ``region`` is registered with this engine (and not unregistered since)."""
+        return self._registry.owns(region)
+
     def unregister(self, region: MemoryRegion) -> None:
         """Withdraw ``region``. RegionBusy while transfers use it; peers are refused after."""
         self._registry.unregister(region)

@@ -1,0 +1,74 @@
+"""The store's command-line programs: master, store server, both at once, cluster status."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from kvconnect.config import MasterConfig, StoreServerConfig, TransferConfig
+from kvconnect.store import messages as m
+from kvconnect.store.master.service import MasterService
+from kvconnect.store.rpc import RpcClient
+from kvconnect.store.server import StoreServer
+
+
+def wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+
+
+def run_master(config: MasterConfig) -> int:
+    """``kvconnect master``."""
+    service = MasterService(config)
+    print(f"kvconnect master listening on {service.start()}", flush=True)
+    try:
+        wait_for_signal()
+    finally:
+        service.close()
+    return 0
+
+
+def run_store(config: StoreServerConfig, transfer: TransferConfig) -> int:
+    """``kvconnect store``."""
+    with StoreServer(config, transfer) as server:
+        print(f"kvconnect store server {server.spec.name}: {config.size} bytes", flush=True)
+        wait_for_signal()
+    return 0
+
+
+def run_serve(master: MasterConfig, store: StoreServerConfig, transfer: TransferConfig) -> int:
+    """``kvconnect serve``: a master and one store server in this process."""
+    service = MasterService(master)
+    endpoint = service.start()
+    try:
+        with StoreServer(store.replace(master=endpoint), transfer) as server:
+            print(f"kvconnect serving: master {endpoint}, store {server.spec.name}", flush=True)
+            wait_for_signal()
+    finally:
+        service.close()
+    return 0
+
+
+def run_status(endpoint: str, timeout: float) -> int:
+    """``kvconnect status``: print the cluster's segments, usage and keys."""
+    rpc = RpcClient(endpoint, timeout)
+    try:
+        reply = rpc.call(m.Stats())
+    finally:
+        rpc.close()
+    if not isinstance(reply, m.StatsReply):
+        print(f"unexpected reply: {reply!r}")
+        return 1
+    print(
+        f"master {endpoint}: {reply.keys} keys, {reply.pending} pending puts, "
+        f"{reply.bytes_stored} bytes stored, {reply.evictions} evictions"
+    )
+    print(f"{'segment':<40}{'server':<28}{'used':>14}{'capacity':>14}{'use':>7}{'objects':>10}")
+    for s in reply.segments:
+        share = s.used / s.capacity if s.capacity else 0.0
+        print(f"{s.name:<40}{s.server:<28}{s.used:>14}{s.capacity:>14}{share:>7.1%}{s.objects:>10}")
+    return 0

@@ -1,0 +1,162 @@
+"""A real store cluster of separate processes on loopback, for tests and benchmarks.
+
+    with Cluster(servers=3, server_size=64 << 20) as cluster:
+        client = StoreClient(StoreClientConfig(master=cluster.master_endpoint))
+
+Processes are started with the real command line (``python -m kvconnect.cli master|store``);
+each is a :class:`Process` that can be killed, stopped and restarted by tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import IO
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class Process:
+    """A kvconnect command in a child process; ready once it printed its banner line."""
+
+    def __init__(self, args: Sequence[str], ready: str, timeout: float = 30.0) -> None:
+        self.args = [sys.executable, "-m", "kvconnect.cli", *args]
+        self._ready = ready
+        self._timeout = timeout
+        self.proc: subprocess.Popen[str] | None = None
+        self._stderr: IO[str] | None = None
+        self.last_stderr = ""
+        self.banner = ""
+        self.start()
+
+    def start(self) -> None:
+        """(Re)start the command and wait for its banner."""
+        # stderr to a file, not a pipe: a chatty child must never block on a full pipe
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in _reap
+        self.proc = subprocess.Popen(
+            self.args, stdout=subprocess.PIPE, stderr=self._stderr, text=True
+        )
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + self._timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if self._ready in line:
+                self.banner = line.strip()
+                return
+            if not line and self.proc.poll() is not None:
+                break
+        self.stop()
+        raise RuntimeError(f"{' '.join(self.args)} did not start: {self.stderr()[-2000:]}")
+
+    def stderr(self) -> str:
+        """What the process wrote to stderr (so far, or before it was reaped)."""
+        if self._stderr is None:
+            return self.last_stderr
+        self._stderr.seek(0)
+        return self._stderr.read()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL and reap."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        self._reap()
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` (SIGSTOP/SIGCONT in tests)."""
+        os.kill(self.pid, sig)
+
+    def stop(self) -> None:
+        """SIGTERM (graceful), then SIGKILL after a grace period; reap."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._reap()
+
+    def _reap(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.wait(timeout=30)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        if self._stderr is not None:
+            self.last_stderr = self.stderr()
+            self._stderr.close()
+            self._stderr = None
+
+
+class Cluster:
+    """One master and ``servers`` store servers, each in its own process."""
+
+    def __init__(
+        self,
+        servers: int = 1,
+        server_size: int = 64 << 20,
+        master_args: Sequence[str] = (),
+        server_args: Sequence[str] = (),
+    ) -> None:
+        self.master_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self._master_args = ["master", "--master-listen", self.master_endpoint, *master_args]
+        self._server_args = [
+            "store",
+            "--store-master",
+            self.master_endpoint,
+            "--store-size",
+            str(server_size),
+            *server_args,
+        ]
+        self.master = Process(self._master_args, "listening on")
+        self.servers: list[Process] = []
+        try:
+            for _ in range(servers):
+                self.add_server()
+        except BaseException:
+            self.close()
+            raise
+
+    def add_server(self) -> Process:
+        """Start one more store server."""
+        server = Process(self._server_args, "kvconnect store server")
+        self.servers.append(server)
+        return server
+
+    def restart_master(self) -> None:
+        """Start the master again on the same endpoint (after it was killed)."""
+        self.master.start()
+
+    def close(self) -> None:
+        """Stop everything. Idempotent."""
+        for server in self.servers:
+            server.stop()
+        self.master.stop()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,369 @@
+"""The store as users run it: a master and store servers in their own processes on loopback,
+clients in this process and in worker processes. Every read is checked byte for byte."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from kvconnect.config import StoreClientConfig, TransferConfig
+from kvconnect.errors import CircuitOpen, InvalidRequest, MasterUnavailable
+from kvconnect.store import messages as m
+from kvconnect.store.client import StoreClient
+from kvconnect.store.messages import Code
+from kvconnect.store.rpc import RpcClient
+from kvconnect.testing.cluster import Cluster
+from kvconnect.testing.peer import pattern
+from kvconnect.testing.store_worker import expected, key_size
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.integration
+MiB = 1 << 20
+FAST = ["--master-heartbeat-ttl", "2", "--master-lease-ttl", "3"]
+FAST_SERVER = ["--store-heartbeat-interval", "0.3"]
+
+
+def _client(cluster: Cluster, **overrides: object) -> StoreClient:
+    settings = {"master": cluster.master_endpoint, "breaker_cooldown": 1.0, **overrides}
+    client = StoreClient(StoreClientConfig.from_mapping(settings))
+    client.start()
+    return client
+
+
+def _workers(
+    cluster: Cluster, count: int, *args: str, seconds: float = 4.0
+) -> list[dict[str, object]]:
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvconnect.testing.store_worker",
+                "--master",
+                cluster.master_endpoint,
+                "--seed",
+                str(n),
+                "--seconds",
+                str(seconds),
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(count)
+    ]
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=seconds + 60)  # a deadlock would hit this
+        assert proc.returncode == 0
+        results.append(json.loads(out))
+    return results
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    with Cluster(servers=2, server_size=64 * MiB, master_args=FAST, server_args=FAST_SERVER) as c:
+        yield c
+
+
+def test_values_from_one_byte_to_16_mib_across_servers_and_processes() -> None:
+    with Cluster(
+        servers=3, server_size=96 * MiB, master_args=FAST, server_args=FAST_SERVER
+    ) as cluster:
+        client = _client(cluster)
+        try:
+            sizes = [1, 7, 4096, 65537, MiB + 3, 16 * MiB]
+            buffer = client.register(np.zeros(sum(sizes) + 64, dtype=np.uint8))
+            offsets = np.cumsum([3, *sizes[:-1]]).tolist()
+            keys = [f"direct-{n}" for n in sizes]
+            for _key, off, size in zip(keys, offsets, sizes, strict=True):
+                buffer.view[off : off + size] = pattern(size, size).data
+            assert client.batch_put_from(keys, buffer, offsets, sizes).codes == (Code.OK,) * 6
+            # read back in another process: every byte checked there
+            check = subprocess.run(
+                [sys.executable, "-c", _READ_BACK, cluster.master_endpoint, json.dumps(sizes)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=True,
+            )
+            assert check.stdout.strip() == "ok"
+        finally:
+            client.close()
+        results = _workers(
+            cluster, 4, "--ops", "put,get", "--max-size", str(16 * MiB), "--keys", "40"
+        )
+    for result in results:
+        counts = result["counts"]
+        assert isinstance(counts, dict)
+        assert result["corrupt"] == 0
+        assert counts.get("get:OK", 0) > 0
+        assert counts.get("put:OK", 0) + counts.get("put:EXISTS", 0) > 0
+
+
+_READ_BACK = """
+import json, sys
+import numpy as np
+from kvconnect.config import StoreClientConfig
+from kvconnect.store.client import StoreClient
+from kvconnect.store.messages import Code
+from kvconnect.testing.peer import pattern
+sizes = json.loads(sys.argv[2])
+with StoreClient(StoreClientConfig(master=sys.argv[1])) as client:
+    for size in sizes:
+        value = client.get(f"direct-{size}")
+        assert value == pattern(size, size).tobytes(), size
+print("ok")
+"""
+
+
+def test_mixed_clients_under_eviction_pressure_corrupt_nothing_and_leak_no_lease() -> None:
+    with Cluster(
+        servers=2, server_size=8 * MiB, master_args=FAST, server_args=FAST_SERVER
+    ) as cluster:
+        results = _workers(
+            cluster, 8, "--max-size", str(MiB), "--keys", "300", "--prefix", "p-", seconds=6.0
+        )
+        assert all(r["corrupt"] == 0 for r in results)
+        client = _client(cluster)
+        try:
+            assert client.stats().evictions > 0, "the workload must have filled the store"
+            time.sleep(3.5)  # lease_ttl 3: every lease must have lapsed by now
+            codes = client.batch_remove([f"p-{n}" for n in range(300)])
+            assert Code.BUSY not in codes, "a lease outlived its TTL"
+            assert client.stats().keys == 0
+        finally:
+            client.close()
+
+
+def _keys_by_server(client: StoreClient, keys: list[str]) -> dict[str, list[str]]:
+    reply = client._call(m.GetReplicas(keys))  # where each key lives, as the master says
+    assert isinstance(reply, m.ReplicasReply)
+    placed: dict[str, list[str]] = {}
+    for key, replicas in zip(keys, reply.results, strict=True):
+        placed.setdefault(replicas.locations[0].segment, []).append(key)
+    return placed
+
+
+def test_killed_store_server_fails_its_reads_fast_and_the_rest_serves_on() -> None:
+    spread = [*FAST, "--master-allocation", "random"]  # keys on both servers, whoever writes
+    with Cluster(
+        servers=2, server_size=64 * MiB, master_args=spread, server_args=FAST_SERVER
+    ) as cluster:
+        _kill_a_server_during_reads(cluster)
+
+
+def _kill_a_server_during_reads(cluster: Cluster) -> None:
+    writers = [_client(cluster), _client(cluster)]
+    reader = _client(cluster, io_timeout=5.0)
+    try:
+        keys = [f"k{n}" for n in range(64)]
+        buffer = reader.register(np.zeros(64 * MiB, dtype=np.uint8))
+        for n, writer in enumerate(writers):
+            half = keys[n::2]
+            source = writer.register(np.concatenate([pattern(i, MiB) for i in range(len(half))]))
+            assert writer.batch_put_from(
+                half, source, [i * MiB for i in range(len(half))], [MiB] * len(half)
+            ).ok() == [True] * len(half)
+        placed = _keys_by_server(reader, keys)
+        assert len(placed) == 2
+        victim_segment = next(iter(placed))
+        victim = next(s for s in cluster.servers if victim_segment in s.banner)
+        survivors = [k for k in keys if k not in placed[victim_segment]]
+        box: dict[str, object] = {}
+
+        def read() -> None:
+            start = time.monotonic()
+            box["result"] = reader.batch_get_into(
+                keys * 4, buffer, [(i % 64) * MiB for i in range(256)], [MiB] * 256, timeout=5.0
+            )
+            box["elapsed"] = time.monotonic() - start
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        time.sleep(0.05)
+        victim.kill()
+        thread.join(timeout=30)
+        assert box["elapsed"] < 5.5  # type: ignore[operator]
+        # the rest of the cluster serves on, byte-exact
+        result = reader.batch_get_into(
+            survivors, buffer, [i * MiB for i in range(len(survivors))], [MiB] * len(survivors)
+        )
+        assert result.codes == (Code.OK,) * len(survivors)
+        # after the heartbeat TTL the master reports the lost keys not found, at once
+        wait_for(
+            lambda: not any(reader.batch_exists(placed[victim_segment])),
+            "lost keys still listed",
+            10,
+        )
+        start = time.monotonic()
+        lost = reader.batch_get_into(
+            placed[victim_segment],
+            buffer,
+            [0] * len(placed[victim_segment]),
+            [MiB] * len(placed[victim_segment]),
+        )
+        assert set(lost.codes) == {Code.NOT_FOUND}
+        assert time.monotonic() - start < 1.0
+        assert writers[0].put("after-the-loss", b"x" * 1000) is Code.OK
+        assert reader.get("after-the-loss") == b"x" * 1000
+    finally:
+        for client in (*writers, reader):
+            client.close()
+
+
+def test_killed_master_gives_clear_errors_and_clients_recover_after_restart(
+    cluster: Cluster,
+) -> None:
+    client = _client(cluster, rpc_timeout=0.5)
+    try:
+        assert client.put("before", b"v" * 100) is Code.OK
+        cluster.master.kill()
+        start = time.monotonic()
+        with pytest.raises(MasterUnavailable):
+            client.exists("before")
+        assert time.monotonic() - start < 1.5
+        buffer = client.register(bytearray(100))
+        for _ in range(2):
+            assert client.batch_get_into(["before"], buffer, [0], [100]).codes == (
+                Code.UNAVAILABLE,
+            )
+        start = time.monotonic()
+        with pytest.raises(CircuitOpen):  # three failures in a row: fail fast now
+            client.exists("before")
+        assert time.monotonic() - start < 0.1
+        cluster.restart_master()
+        # store servers mount again by themselves (their heartbeat learns the master forgot them)
+        wait_for(lambda: _mounted(cluster) == 2, "servers did not mount again", 10)
+        time.sleep(1.0)  # breaker cool-down
+        # the restarted master starts with an empty index: earlier objects are lost to it
+        assert client.exists("before") is False
+        assert client.put("after", b"w" * 100) is Code.OK
+        assert client.get("after") == b"w" * 100
+    finally:
+        client.close()
+
+
+def _mounted(cluster: Cluster) -> int:
+    rpc = RpcClient(cluster.master_endpoint, 0.5)
+    try:
+        reply = rpc.call(m.Stats())
+        return len(reply.segments) if isinstance(reply, m.StatsReply) else -1
+    except MasterUnavailable:
+        return -1
+    finally:
+        rpc.close()
+
+
+def test_bad_input_gets_clear_errors_and_loses_nothing(cluster: Cluster) -> None:
+    client = _client(cluster)
+    try:
+        buffer = client.register(np.zeros(MiB, dtype=np.uint8))
+        buffer.view[:] = pattern(3, MiB).data
+        codes = client.batch_put_from(
+            ["", "x" * 2000, "zero", "good"], buffer, [0, 0, 0, 0], [10, 10, 0, 10]
+        ).codes
+        assert codes == (Code.INVALID, Code.INVALID, Code.INVALID, Code.OK)
+        assert client.batch_get_into(["good"], buffer, [100], [5]).codes == (Code.TOO_SMALL,)
+        assert client.batch_get_into(["missing"], buffer, [0], [5]).codes == (Code.NOT_FOUND,)
+        with pytest.raises(InvalidRequest, match="sizes"):
+            client.batch_put_from(["a", "b"], buffer, [0, 1], [1])
+        stranger = StoreClient(StoreClientConfig(master=cluster.master_endpoint))
+        foreign = stranger.engine.register(bytearray(100))  # not registered with `client`
+        with pytest.raises(InvalidRequest, match="not registered"):
+            client.batch_put_from(["foreign"], foreign, [0], [100])
+        stranger.close()
+        assert client.stats().pending == 0, "a refused batch left an allocation behind"
+        assert client.get("good") == pattern(3, MiB)[:10].tobytes()
+        rpc = RpcClient(cluster.master_endpoint, 2.0)
+        assert rpc.call(m.Unmount("nobody", ["no-such-mount"])) == m.CodesReply(
+            [Code.UNKNOWN_SEGMENT]
+        )
+        rpc.close()
+    finally:
+        client.close()
+
+
+def test_malformed_frames_and_floods_leave_the_master_serving(cluster: Cluster) -> None:
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(cluster.master_endpoint)
+    try:
+        for junk in (b"", b"\x00" * 10, b"garbage" * 100, msgspec.msgpack.encode([1, 2])):
+            raw.send(junk)
+        raw.send_multipart([b"two", b"frames"])
+        newer = msgspec.msgpack.encode([m.PROTOCOL_VERSION + 1, 7, {"type": "exists", "keys": []}])
+        raw.send(newer)
+        deadline = time.monotonic() + 5
+        replies = []
+        while time.monotonic() < deadline and raw.poll(500):
+            replies.append(msgspec.msgpack.decode(raw.recv(), type=m.ReplyEnvelope))
+        assert any(isinstance(r.body, m.Error) and r.body.code is Code.VERSION for r in replies)
+        for _ in range(20000):  # a flood of garbage
+            raw.send(b"\xc1" * 64)
+        client = _client(cluster)
+        errors: list[BaseException] = []
+
+        def hammer() -> None:
+            try:
+                for _ in range(300):
+                    client.batch_exists(["k"] * 16)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=hammer) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert errors == []
+        assert client.put("still", b"up") is Code.OK
+        assert client.get("still") == b"up"
+        client.close()
+    finally:
+        raw.close()
+        context.term()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_client_without_memory_over_tcp_and_same_host(cluster: Cluster, transport: str) -> None:
+    client = StoreClient(
+        StoreClientConfig(master=cluster.master_endpoint), TransferConfig(transport=transport)
+    )  # type: ignore[arg-type]
+    client.start()
+    try:
+        keys = [f"{transport}-{n}" for n in range(8)]
+        source = client.register(np.concatenate([expected(k, MiB) for k in keys]))
+        offsets = np.cumsum([0] + [key_size(k, MiB) for k in keys[:-1]]).tolist()
+        sizes = [key_size(k, MiB) for k in keys]
+        assert client.batch_put_from(keys, source, offsets, sizes).ok() == [True] * 8
+        target = client.register(np.zeros(source.length, dtype=np.uint8))
+        result = client.batch_get_into(keys, target, offsets, sizes)
+        assert result.codes == (Code.OK,) * 8
+        assert target.view == source.view
+        used = {k: v.bytes_read for k, v in client.engine.stats().transports.items()}
+        assert used["shm" if transport == "auto" else "tcp"] == sum(sizes)
+    finally:
+        client.close()
+
+
+def test_status_command_prints_the_cluster(cluster: Cluster) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvconnect.cli", "status", "--master", cluster.master_endpoint],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "0 keys" in out
+    assert out.count("/1 ") == 2  # two segments listed

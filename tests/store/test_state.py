@@ -1,0 +1,290 @@
+"""The master's state machine, driven directly (pure logic, explicit clock)."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvconnect.config import MasterConfig
+from kvconnect.store.master.state import MasterState
+from kvconnect.store.messages import Code, PutItem, SegmentSpec
+
+MiB = 1 << 20
+
+
+def _state(**overrides: object) -> MasterState:
+    settings = {"lease_ttl": 10.0, "put_timeout": 5.0, "quarantine": 3.0, "heartbeat_ttl": 1e6}
+    config = MasterConfig.from_mapping({**settings, **overrides})
+    return MasterState(config, seed=1)
+
+
+def _mount(
+    state: MasterState, name: str, size: int = MiB, host: str = "h1", now: float = 0.0
+) -> str:
+    mount_id = f"mount-{name}"
+    spec = SegmentSpec(
+        name=name, engine_segment=f"engine-{name}", region=1, size=size, host_id=host
+    )
+    assert state.mount(f"server-{name}", mount_id, spec, now) is Code.OK
+    return mount_id
+
+
+def _put(
+    state: MasterState, key: str, size: int = 1000, now: float = 0.0, client: str = "c"
+) -> Code:
+    placement = state.put_start(client, [PutItem(key, size)], 1, "h1", False, now)[0]
+    if placement.code is not Code.OK:
+        return placement.code
+    return state.put_end([key], [0], now)[0]
+
+
+def test_put_lifecycle_and_write_once() -> None:
+    state = _state()
+    _mount(state, "a")
+    placement = state.put_start("c", [PutItem("k", 1000)], 1, "h1", False, 0.0)[0]
+    assert placement.code is Code.OK
+    assert placement.locations[0].segment == "engine-a"
+    assert state.exists(["k"]) == [False], "a pending object is not readable"
+    assert state.get_replicas(["k"], 0.0)[0].code is Code.NOT_FOUND
+    assert state.put_start("c2", [PutItem("k", 1000)], 1, "h1", False, 0.0)[0].code is Code.BUSY
+    assert state.put_end(["k"], [0], 0.0) == [Code.OK]
+    assert state.put_end(["k"], [0], 0.0) == [Code.OK], "idempotent"
+    assert state.exists(["k", "other"]) == [True, False]
+    assert state.put_start("c2", [PutItem("k", 1000)], 1, "h1", False, 0.0)[0].code is Code.EXISTS
+    replicas = state.get_replicas(["k"], 0.0)[0]
+    assert (replicas.code, replicas.size, replicas.locations) == (
+        Code.OK,
+        1000,
+        placement.locations,
+    )
+    assert state.bytes_stored == 1000
+
+
+def test_invalid_items_are_refused() -> None:
+    state = _state()
+    _mount(state, "a")
+    items = [
+        PutItem("", 10),
+        PutItem("x" * 2000, 10),
+        PutItem("k", 0),
+        PutItem("k", 10, 0),
+        PutItem("k", 10, 65),
+    ]
+    assert [p.code for p in state.put_start("c", items, 1, "", False, 0.0)] == [Code.INVALID] * 5
+    assert state.put_start("c", [PutItem("k", 10)], 0, "", False, 0.0)[0].code is Code.INVALID
+
+
+def test_no_space_then_eviction_on_allocation_failure() -> None:
+    state = _state()
+    _mount(state, "a", size=4 * MiB)
+    for i in range(4):
+        assert _put(state, f"k{i}", MiB) is Code.OK
+    # full: the next put evicts (no lease, nothing pending) and succeeds
+    assert _put(state, "new", MiB, now=1.0) is Code.OK
+    assert state.evictions >= 1
+    assert sum(state.exists([f"k{i}" for i in range(4)])) <= 3
+    assert _put(state, "huge", 8 * MiB, now=1.0) is Code.NO_SPACE
+
+
+def test_leased_and_pending_objects_are_never_evicted() -> None:
+    state = _state()
+    _mount(state, "a", size=2 * MiB)
+    assert _put(state, "leased", MiB) is Code.OK
+    assert state.get_replicas(["leased"], 0.0)[0].code is Code.OK  # lease until t=10
+    placement = state.put_start("c", [PutItem("pending", MiB)], 1, "h1", False, 0.0)[0]
+    assert placement.code is Code.OK
+    assert _put(state, "third", MiB, now=1.0) is Code.NO_SPACE
+    assert state.exists(["leased"]) == [True]
+    assert state.evictions == 0
+
+
+def test_remove_respects_leases_unless_forced_and_quarantines_space() -> None:
+    state = _state()
+    _mount(state, "a", size=MiB)
+    assert _put(state, "k", MiB) is Code.OK
+    state.get_replicas(["k"], 0.0)
+    assert state.remove(["k"], False, 1.0) == [Code.BUSY]
+    assert state.remove(["k"], True, 1.0) == [Code.OK]
+    assert state.exists(["k"]) == [False]
+    # a reader may still hold the lease: the space comes back only after it expires
+    assert _put(state, "k2", MiB, now=2.0) is Code.NO_SPACE
+    state.tick(10.5)
+    assert _put(state, "k2", MiB, now=10.5) is Code.OK
+    assert state.remove(["nope"], False, 11.0) == [Code.NOT_FOUND]
+
+
+def test_pending_put_times_out_and_late_end_is_refused() -> None:
+    state = _state()
+    _mount(state, "a", size=MiB)
+    assert state.put_start("c", [PutItem("k", MiB)], 1, "h1", False, 0.0)[0].code is Code.OK
+    state.tick(6.0)  # put_timeout 5
+    assert state.put_end(["k"], [0], 6.0) == [Code.DISCARDED]
+    assert state.exists(["k"]) == [False]
+    # quarantined until 6 + 3: a late writer cannot overwrite a new object in that space
+    assert _put(state, "k", MiB, now=7.0) is Code.NO_SPACE
+    state.tick(9.5)
+    assert _put(state, "k", MiB, now=9.5) is Code.OK
+
+
+def test_revoke_frees_after_quarantine() -> None:
+    state = _state()
+    _mount(state, "a", size=MiB)
+    assert state.put_start("c", [PutItem("k", MiB)], 1, "h1", False, 0.0)[0].code is Code.OK
+    assert state.put_revoke(["k", "unknown"], 0.0) == [Code.OK, Code.NOT_FOUND]
+    state.tick(3.5)
+    assert _put(state, "k", MiB, now=3.5) is Code.OK
+
+
+def test_multi_part_objects_complete_when_all_parts_are_in() -> None:
+    state = _state()
+    _mount(state, "a")
+    first = state.put_start("rank0", [PutItem("page", 4000, parts=2)], 1, "h1", False, 0.0)[0]
+    second = state.put_start("rank1", [PutItem("page", 4000, parts=2)], 1, "h1", False, 0.0)[0]
+    assert first.code is second.code is Code.OK
+    assert first.locations == second.locations, "all writers share one allocation"
+    assert (
+        state.put_start("x", [PutItem("page", 4000, parts=3)], 1, "h1", False, 0.0)[0].code
+        is Code.BUSY
+    )
+    assert state.put_end(["page"], [1], 0.0) == [Code.OK]
+    assert state.exists(["page"]) == [False]
+    assert state.put_end(["page"], [5], 0.0) == [Code.INVALID]
+    assert state.put_end(["page"], [0], 0.0) == [Code.OK]
+    assert state.exists(["page"]) == [True]
+    assert state.bytes_stored == 4000
+
+
+def test_segment_loss_invalidates_at_once_and_cleans_up_in_background() -> None:
+    state = _state(heartbeat_ttl=2.0)
+    _mount(state, "a", size=8 * MiB)
+    other = _mount(state, "b", size=8 * MiB, host="h2")
+    keys_a = []
+    for i in range(20):
+        placement = state.put_start("c", [PutItem(f"k{i}", 1000)], 1, "h1", False, 0.0)[0]
+        state.put_end([f"k{i}"], [0], 0.0)
+        if placement.locations[0].segment == "engine-a":
+            keys_a.append(f"k{i}")
+    assert keys_a, "local_first puts the writer's host first"
+    state.heartbeat("server-b", [other], 2.5)
+    state.tick(2.5)  # server-a silent for > 2 s: its segment is gone
+    assert state.exists(keys_a) == [False] * len(keys_a)
+    assert all(r.code is Code.NOT_FOUND for r in state.get_replicas(keys_a, 2.5))
+    assert [s.name for s in state.stats()[2]] == ["b"]
+    state.tick(2.6)
+    assert state.stats()[0] == 20 - len(keys_a)
+    assert state.heartbeat("server-a", ["mount-a"], 3.0) == ["mount-a"], "must mount again"
+
+
+def test_remount_of_a_name_replaces_the_old_mount() -> None:
+    state = _state()
+    _mount(state, "a")
+    assert _put(state, "k") is Code.OK
+    spec = SegmentSpec(name="a", engine_segment="engine-a2", region=1, size=MiB, host_id="h1")
+    assert state.mount("server-a", "mount-a-restarted", spec, 1.0) is Code.OK
+    assert state.exists(["k"]) == [False], "the restarted server's memory is not the old one"
+    assert _put(state, "k", now=1.0) is Code.OK
+    assert state.get_replicas(["k"], 1.0)[0].locations[0].segment == "engine-a2"
+
+
+def test_local_first_orders_are_fixed_per_writer_and_differ_between_writers() -> None:
+    state = _state()
+    for name in "abcdefgh":
+        _mount(state, name, size=64 * MiB, host="other")
+    _mount(state, "mine", size=MiB, host="h1")
+
+    def first_choice(writer: str) -> str:
+        order = state.segments.order(writer, "h1")
+        assert order[0].spec.name == "mine"
+        return order[1].spec.name
+
+    assert first_choice("w1") == first_choice("w1")
+    assert len({first_choice(f"writer-{i}") for i in range(64)}) >= 6  # spread over segments
+    # a writer's pages go to its first choice until that is full
+    placements = state.put_start(
+        "w1", [PutItem(f"p{i}", 256 * 1024) for i in range(40)], 1, "h1", False, 0.0
+    )
+    segments = [p.locations[0].segment for p in placements]
+    assert segments[:4] == ["engine-mine"] * 4
+    assert set(segments[4:]) == {f"engine-{first_choice('w1')}"}
+
+
+def test_replicas_land_on_distinct_segments_best_effort() -> None:
+    state = _state()
+    _mount(state, "a")
+    _mount(state, "b")
+    placement = state.put_start("c", [PutItem("k", 1000)], 3, "h1", False, 0.0)[0]
+    assert placement.code is Code.OK
+    assert sorted(loc.segment for loc in placement.locations) == ["engine-a", "engine-b"]
+
+
+def test_eviction_above_watermark_frees_to_target_and_prefers_unpinned_old_objects() -> None:
+    state = _state(high_watermark=0.5, evict_fraction=0.25, eviction_step=4)
+    _mount(state, "a", size=100 * 1024)
+    for i in range(5):
+        placement = state.put_start("c", [PutItem(f"pinned{i}", 1024)], 1, "h1", True, float(i))[0]
+        assert placement.code is Code.OK
+        state.put_end([f"pinned{i}"], [0], float(i))
+    for i in range(60):
+        assert _put(state, f"k{i:02d}", 1024, now=10.0 + i) is Code.OK
+    for step in range(100):
+        state.tick(100.0 + step)
+    used, capacity = state.segments.capacity()
+    assert used <= 0.25 * capacity + 1024 * 4
+    assert state.exists([f"pinned{i}" for i in range(5)]) == [True] * 5
+    survivors = [i for i in range(60) if state.exists([f"k{i:02d}"])[0]]
+    assert survivors
+    assert min(survivors) > 10, "oldest accessed go first (sampled LRU)"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["put", "get", "remove", "tick", "revoke"]),
+            st.integers(0, 30),
+            st.integers(1, 40),
+        ),
+        max_size=120,
+    )
+)
+def test_random_operations_keep_the_books_balanced(ops: list[tuple[str, int, int]]) -> None:
+    state = _state(high_watermark=0.8, evict_fraction=0.2)
+    _mount(state, "a", size=64 * 1024)
+    _mount(state, "b", size=64 * 1024, host="h2")
+    now = 0.0
+    for op, key_n, kib in ops:
+        now += 0.5
+        key = f"k{key_n}"
+        if op == "put":
+            _put(state, key, kib * 1024, now=now)
+        elif op == "get":
+            state.get_replicas([key], now)
+        elif op == "remove":
+            state.remove([key], False, now)
+        elif op == "revoke":
+            state.put_start("c", [PutItem(key, kib * 1024)], 1, "h1", False, now)
+            state.put_revoke([key], now)
+        else:
+            state.tick(now)
+        _check_books(state, now)
+
+
+def _check_books(state: MasterState, now: float) -> None:
+    objects = state.objects
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    stored = 0
+    for key, slot in objects.slots.items():
+        assert objects.keys[slot] == key
+        if objects.state[slot] == 2:
+            stored += objects.size[slot]
+        for segment, offset in objects.replicas(slot):
+            ranges.setdefault(segment, []).append((offset, offset + objects.size[slot]))
+    assert stored == state.bytes_stored
+    for segment, spans in ranges.items():
+        spans.sort()
+        for (_a, end), (start, _b) in itertools.pairwise(spans):
+            assert end <= start, f"overlapping objects on segment {segment}"
+        allocator = state.segments.all[segment].allocator
+        assert allocator.used >= sum(e - s for s, e in spans)
