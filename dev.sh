@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up and run kvconnect on a fresh Debian 12 machine with Python 3.11.
 #
-#   ./dev.sh demo   install everything, then run the main job (a transfer benchmark between two
-#                   processes on loopback, beside its baselines)
+#   ./dev.sh demo   install everything, then run the main job: an all-in-one kvconnect store
+#                   (`kvconnect serve`) with client processes sharing KV pages
 #   ./dev.sh test   install everything, then run lint, type checks and the whole test suite
 #
 # Heavy installs are cached under $KVCONNECT_CACHE (default ~/.cache/kvconnect) so reruns are
@@ -62,12 +62,18 @@ setup_mooncake() {
 }
 
 run_demo() {
+    setup_venv
+    log "main job: kvconnect demo (a master, a store server and 4 client processes on loopback)"
+    "$VENV/bin/kvconnect" demo "$@"
+}
+
+run_bench() {
     apt_packages libibverbs1 libnl-3-200 libnl-route-3-200
     setup_venv
     local mooncake=()
     if setup_mooncake; then mooncake=(--mooncake-python "$MOONCAKE_VENV/bin/python"); fi
-    log "main job: kvconnect bench transfer (two processes on loopback)"
-    "$VENV/bin/kvconnect" bench transfer --runs 3 "${mooncake[@]}" --out bench-transfer.json
+    log "kvconnect bench $* (with Mooncake as a baseline when it installs)"
+    "$VENV/bin/kvconnect" bench "$@" "${mooncake[@]}"
 }
 
 run_tests() {
@@ -88,5 +94,6 @@ run_tests() {
 case "${1:-}" in
     demo) shift; run_demo "$@" ;;
     test) shift; run_tests "$@" ;;
-    *) echo "usage: $0 demo|test [pytest args]" >&2; exit 2 ;;
+    bench) shift; run_bench "$@" ;;
+    *) echo "usage: $0 demo [options] | test [pytest args] | bench transfer|store [options]" >&2; exit 2 ;;
 esac

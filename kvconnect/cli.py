@@ -51,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flags(serve, "master", "store", "transfer")
     serve.set_defaults(handler=_serve)
 
+    demo = commands.add_parser(
+        "demo", help="an all-in-one store with client processes sharing KV pages"
+    )
+    from kvconnect.store import demo as store_demo
+
+    store_demo.add_arguments(demo)
+    demo.set_defaults(handler=store_demo.run)
+
     status = commands.add_parser("status", help="print the store cluster: segments, usage, keys")
     status.add_argument("--master", default=StoreClientConfig().master, help="master endpoint")
     status.add_argument("--timeout", type=float, default=2.0)

@@ -118,13 +118,13 @@ class SegmentTable:
                 break
         return placed
 
-    def release(self, segment_index: int, offset: int) -> int:
+    def release(self, segment_index: int, offset: int, size: int) -> int:
         """Free one replica's space; returns the bytes released (0 on a retired segment)."""
         segment = self.all[segment_index]
         segment.objects -= 1
         if not segment.alive:
             return 0
-        return segment.allocator.free(offset)
+        return segment.allocator.free(offset, size)
 
 
 def _free_ratio(segment: Segment) -> float:

@@ -28,6 +28,7 @@ from kvconnect.store.messages import (
 
 MAX_PARTS = 64
 _CLEANUP_STEP = 4096  # objects of lost segments cleaned per tick
+_EXPIRY_SCAN = 0.25  # seconds between scans for timed-out puts
 
 
 class MasterState:
@@ -38,8 +39,8 @@ class MasterState:
         self.objects = ObjectTable()
         self.segments = SegmentTable(config.allocation, config.alignment, seed)
         self._servers: dict[str, float] = {}
-        self._expiry: list[tuple[float, int, str]] = []  # pending puts: (deadline, slot, key)
-        self._quarantine: list[tuple[float, int, int]] = []  # (release at, segment, offset)
+        self._next_expiry_scan = 0.0
+        self._quarantine: list[tuple[float, int, int, int]] = []  # (at, segment, offset, size)
         self._cleanup: list[int] = []  # slots that referenced a lost segment
         self._lost: list[int] = []  # lost segment indices awaiting a cleanup scan
         self._evict_target = 0  # bytes still to evict in the current round
@@ -129,7 +130,6 @@ class MasterState:
                 self.objects.extra[slot] = placed[1:]
             deadline = now + self.config.put_timeout
             self.objects.pending[slot] = Pending(client, item.parts, 0, deadline)
-            heapq.heappush(self._expiry, (deadline, slot, item.key))
             results.append(Placement(Code.OK, self._locations(placed)))
         return results
 
@@ -284,17 +284,19 @@ class MasterState:
                         self._lose(segment)
 
     def _expire_puts(self, now: float) -> None:
-        objects = self.objects
-        while self._expiry and self._expiry[0][0] <= now:
-            deadline, slot, key = heapq.heappop(self._expiry)
-            pending = objects.pending.get(slot)
-            if objects.keys[slot] == key and pending is not None and pending.deadline == deadline:
-                self._discard(slot, now)
+        # Pending puts are the ones in flight: few, so a periodic scan is cheaper than keeping
+        # a deadline entry per put (which costs ~100 bytes per object at high put rates).
+        if now < self._next_expiry_scan:
+            return
+        self._next_expiry_scan = now + _EXPIRY_SCAN
+        expired = [slot for slot, p in self.objects.pending.items() if p.deadline <= now]
+        for slot in expired:
+            self._discard(slot, now)
 
     def _release_quarantine(self, now: float) -> None:
         while self._quarantine and self._quarantine[0][0] <= now:
-            _at, segment, offset = heapq.heappop(self._quarantine)
-            self.segments.release(segment, offset)
+            _at, segment, offset, size = heapq.heappop(self._quarantine)
+            self.segments.release(segment, offset, size)
 
     def _cleanup_lost(self) -> None:
         if self._lost and not self._cleanup:
@@ -380,8 +382,9 @@ class MasterState:
     def _discard(self, slot: int, now: float) -> None:
         """Drop a pending put; its space waits out the quarantine (the writer may be late)."""
         release = now + self.config.quarantine
+        size = self.objects.size[slot]
         for segment, offset in self.objects.replicas(slot):
-            heapq.heappush(self._quarantine, (release, segment, offset))
+            heapq.heappush(self._quarantine, (release, segment, offset, size))
         self.objects.drop(slot)
 
     def _free(self, slot: int, now: float) -> None:
@@ -390,11 +393,12 @@ class MasterState:
         if objects.state[slot] == State.PENDING:
             self._discard(slot, now)
             return
-        self.bytes_stored -= objects.size[slot]
+        size = objects.size[slot]
+        self.bytes_stored -= size
         lease = objects.lease[slot]
         for segment, offset in objects.replicas(slot):
             if lease > now:
-                heapq.heappush(self._quarantine, (lease, segment, offset))
+                heapq.heappush(self._quarantine, (lease, segment, offset, size))
             else:
-                self.segments.release(segment, offset)
+                self.segments.release(segment, offset, size)
         objects.drop(slot)

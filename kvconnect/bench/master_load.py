@@ -1,0 +1,93 @@
+"""Load on a store master alone (no data moves): filling it, writing at a steady rate, and
+timing lookups. Used by ``kvconnect bench store`` for the scale and eviction phases; run as a
+module it is the background writer process."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from kvconnect.store import messages as m
+from kvconnect.store.rpc import RpcClient
+
+FILL_BATCH = 1000
+
+
+def mount_virtual(rpc: RpcClient, size: int, name: str = "virtual") -> None:
+    """Mount a segment the master only accounts for: the master never touches memory."""
+    spec = m.SegmentSpec(name=name, engine_segment=name, region=1, size=size, host_id="bench")
+    reply = rpc.call(m.Mount("bench-server", f"mount-{name}", spec))
+    if reply != m.CodesReply([m.Code.OK]):
+        raise RuntimeError(f"mount refused: {reply!r}")
+
+
+def fill(
+    rpc: RpcClient, start: int, count: int, rng: random.Random, low: int, high: int
+) -> list[str]:
+    """Create ``count`` complete objects (sizes in [low, high]); returns their keys."""
+    keys = []
+    for base in range(start, start + count, FILL_BATCH):
+        batch = [f"object-{i:012d}" for i in range(base, min(base + FILL_BATCH, start + count))]
+        items = [m.PutItem(k, rng.randint(low, high)) for k in batch]
+        rpc.call(m.PutStart("bench", items), timeout=30)
+        rpc.call(m.PutEnd("bench", batch, [0] * len(batch)), timeout=30)
+        keys += batch
+    return keys
+
+
+def lookup_latencies(
+    rpc: RpcClient, keys: list[str], batch: int, calls: int, seed: int = 0
+) -> list[float]:
+    """Seconds per ``Exists`` of ``batch`` random keys, ``calls`` times."""
+    rng = random.Random(seed)
+    seconds = []
+    for _ in range(calls):
+        sample = [keys[rng.randrange(len(keys))] for _ in range(batch)]
+        start = time.perf_counter()
+        rpc.call(m.Exists(sample))
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def summary(seconds: list[float]) -> dict[str, float]:
+    """p50/p99 in microseconds."""
+    ordered = sorted(seconds)
+    return {
+        "p50_us": statistics.median(ordered) * 1e6,
+        "p99_us": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e6,
+    }
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def _writer(endpoint: str, rate: float, seconds: float, size: int) -> None:
+    """Put ``rate`` objects per second (in batches of 100) for ``seconds``."""
+    rpc = RpcClient(endpoint, 10.0)
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        batch = [f"writer-{n + i:012d}" for i in range(100)]
+        n += 100
+        rpc.call(m.PutStart("writer", [m.PutItem(k, size) for k in batch]))
+        rpc.call(m.PutEnd("writer", batch, [0] * 100))
+        time.sleep(max(0.0, 100 / rate - 0.001))
+    rpc.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("endpoint")
+    parser.add_argument("--rate", type=float, default=5000)
+    parser.add_argument("--seconds", type=float, default=5)
+    parser.add_argument("--size", type=int, default=4096)
+    options = parser.parse_args()
+    _writer(options.endpoint, options.rate, options.seconds, options.size)
