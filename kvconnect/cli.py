@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_transfer.add_arguments(transfer)
     transfer.set_defaults(handler=bench_transfer.run)
+    from kvconnect.bench import store as bench_store
+
+    store_bench = benches.add_parser("store", help="store data path, lookups and master scale")
+    bench_store.add_arguments(store_bench)
+    store_bench.set_defaults(handler=bench_store.run)
     return parser
 
 

@@ -24,12 +24,18 @@ def mount_virtual(rpc: RpcClient, size: int, name: str = "virtual") -> None:
 
 
 def fill(
-    rpc: RpcClient, start: int, count: int, rng: random.Random, low: int, high: int
+    rpc: RpcClient,
+    start: int,
+    count: int,
+    rng: random.Random,
+    low: int,
+    high: int,
+    key_format: str = "object-{:012d}",
 ) -> list[str]:
     """Create ``count`` complete objects (sizes in [low, high]); returns their keys."""
     keys = []
     for base in range(start, start + count, FILL_BATCH):
-        batch = [f"object-{i:012d}" for i in range(base, min(base + FILL_BATCH, start + count))]
+        batch = [key_format.format(i) for i in range(base, min(base + FILL_BATCH, start + count))]
         items = [m.PutItem(k, rng.randint(low, high)) for k in batch]
         rpc.call(m.PutStart("bench", items), timeout=30)
         rpc.call(m.PutEnd("bench", batch, [0] * len(batch)), timeout=30)

@@ -54,12 +54,10 @@ class RpcServer:
 
     def serve(self) -> None:
         """Answer requests until :meth:`stop` (from any thread)."""
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 wait = self._tick()
-                if poller.poll(int(max(0.0, min(wait, 0.05)) * 1000)):
+                if self._socket.poll(int(max(0.0, min(wait, 0.05)) * 1000), zmq.POLLIN):
                     self._drain()
         finally:
             self._socket.close(0)
@@ -133,25 +131,36 @@ class RpcClient:
         request_id = next(self._ids)
         payload = _encoder.encode(m.Envelope(m.PROTOCOL_VERSION, request_id, request))
         deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
-        # IMMEDIATE: the socket is writable only while connected, so a dead master costs the
-        # timeout here instead of a queued request that would be answered much later.
-        if not sock.poll(_ms(deadline), zmq.POLLOUT):
-            raise MasterUnavailable(f"master {self._endpoint} is not connected")
         try:
             sock.send(payload, zmq.NOBLOCK)
-        except zmq.Again as exc:
-            raise MasterUnavailable(f"master {self._endpoint} is not connected") from exc
+        except zmq.Again:
+            # IMMEDIATE: the socket is writable only while connected, so a dead master costs
+            # the timeout here instead of a queued request that would be answered much later.
+            if not sock.poll(_ms(deadline), zmq.POLLOUT):
+                raise MasterUnavailable(f"master {self._endpoint} is not connected") from None
+            try:
+                sock.send(payload, zmq.NOBLOCK)
+            except zmq.Again as exc:
+                raise MasterUnavailable(f"master {self._endpoint} is not connected") from exc
         while True:
-            if not sock.poll(_ms(deadline), zmq.POLLIN):
+            # A receive timeout instead of a poll: one call less per request on the hot path.
+            sock.setsockopt(zmq.RCVTIMEO, max(1, _ms(deadline)))
+            try:
+                data = sock.recv()
+            except zmq.Again:
                 raise MasterUnavailable(
                     f"master {self._endpoint} did not answer {type(request).__name__} in time"
-                )
+                ) from None
             try:
-                reply = _reply_decoder.decode(sock.recv())
+                reply = _reply_decoder.decode(data)
             except msgspec.DecodeError:
                 continue  # not ours to interpret; keep waiting for our reply
             if reply.request_id == request_id:
                 return reply.body
+            if time.monotonic() >= deadline:
+                raise MasterUnavailable(
+                    f"master {self._endpoint} did not answer {type(request).__name__} in time"
+                )
 
     def close(self) -> None:
         """Close every socket and the context. Idempotent."""

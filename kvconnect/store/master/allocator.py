@@ -140,8 +140,8 @@ class OffsetAllocator:
         anyway: no per-allocation table here, which saves ~100 bytes per object at millions of
         objects). Frees that are certainly wrong — size < 1, a range not aligned or beyond the
         segment, or one that starts at a free block or ends where one ends (e.g. a double free
-        without coalescing) — raise ``KeyError``; others are the caller's responsibility. The range merges
-        with free neighbours.
+        without coalescing) — raise ``KeyError``; others are the caller's responsibility.
+        The range merges with free neighbours.
         """
         length = -(-size // self._alignment) * self._alignment
         end = offset + length

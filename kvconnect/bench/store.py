@@ -1,0 +1,444 @@
+"""``kvconnect bench store``: the store's data path, lookups and master scale, beside Mooncake.
+
+Three phases:
+
+* **data** — per mode (``tcp``: the client owns no memory and every byte crosses TCP to a store
+  server process; ``same-host``: the same processes, bytes through shared memory), bytes-API
+  ``put``/``get`` and zero-copy ``batch_put_from``/``batch_get_into`` for 4 KiB, 1 MiB and
+  16 MiB values, and ``exists`` / ``batch_exists(128)`` latency. kvconnect and Mooncake Store
+  (when an interpreter with ``mooncake`` is given) alternate round by round; ratios printed.
+* **scale** — a master alone holding 10k → 1M objects (64-character keys, values 64 B to 64 KiB):
+  resident bytes per object and ``batch_exists(128)`` p50 at each size, beside Mooncake's master.
+* **eviction** — ``exists`` latency while a writer fills a full store (eviction running all the
+  time) against the same writer on a store with room (no eviction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvconnect.bench import master_load
+from kvconnect.bench.baselines import find_mooncake_python
+from kvconnect.config import StoreClientConfig, TransferConfig
+from kvconnect.store import messages as m
+from kvconnect.store.client import StoreClient
+from kvconnect.store.rpc import RpcClient
+from kvconnect.testing.cluster import Cluster, Process, free_port
+
+KiB, MiB = 1 << 10, 1 << 20
+# value size → (batch size, bytes-API ops per round, batch calls per round)
+CASES = {4 * KiB: (128, 400, 40), 1 * MiB: (16, 100, 30), 16 * MiB: (4, 16, 8)}
+SEGMENT = 4 << 30
+BUFFER = 256 * MiB
+SCALE_KEY = "kvconnect-scale-{:048d}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvconnect bench store``."""
+    parser.add_argument("--modes", default="tcp,same-host")
+    parser.add_argument("--phases", default="data,scale,eviction")
+    parser.add_argument("--rounds", type=int, default=3, help="A/B rounds per case")
+    parser.add_argument("--scale", default="10000,100000,1000000", help="object counts")
+    parser.add_argument("--mooncake-python", help="interpreter with the mooncake package")
+    parser.add_argument("--quick", action="store_true", help="a fraction of the work: a smoke run")
+    parser.add_argument("--out", default="bench-store.json")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen phases; print tables; write the JSON report."""
+    mooncake = find_mooncake_python(args.mooncake_python)
+    phases = args.phases.split(",")
+    report: dict[str, Any] = {"benchmark": "store", "mooncake": mooncake is not None}
+    if "data" in phases:
+        report["data"] = {m: _data_phase(m, mooncake, args) for m in args.modes.split(",")}
+        _print_data(report["data"])
+    if "scale" in phases:
+        counts = [int(n) for n in args.scale.split(",") if n]
+        report["scale"] = _scale_phase(counts, mooncake)
+        _print_scale(report["scale"])
+    if "eviction" in phases:
+        report["eviction"] = _eviction_phase(quick=args.quick)
+        _print_eviction(report["eviction"])
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"\nresults written to {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- data phase
+
+
+class _Kvconnect:
+    """The kvconnect side of the data phase: a store server process, a client here."""
+
+    def __init__(self, mode: str) -> None:
+        self.cluster = Cluster(servers=1, server_size=SEGMENT)
+        transport = "tcp" if mode == "tcp" else "auto"
+        config = StoreClientConfig(
+            master=self.cluster.master_endpoint, io_timeout=60, rpc_timeout=10
+        )
+        self.client = StoreClient(config, TransferConfig.from_mapping({"transport": transport}))
+        self.client.start()
+        self.buffer = self.client.register(np.ones(BUFFER, dtype=np.uint8))
+        self._round = 0
+        self._warm(0.9)
+
+    def _warm(self, fraction: float) -> None:
+        """Write most of the store once and remove it, as the Mooncake runner's ``warm`` does:
+        later timings then exclude first-touch costs on both sides."""
+        chunk, count = 64 * MiB, int(SEGMENT * fraction) // (64 * MiB)
+        keys = [f"warm-{i}" for i in range(count)]
+        for key in keys:
+            self.client.batch_put_from([key], self.buffer, [0], [chunk])
+        self.client.batch_remove(keys, force=True)
+
+    def close(self) -> None:
+        self.client.close()
+        self.cluster.close()
+
+    def run(self, command: dict[str, Any]) -> list[float]:
+        op = command["op"]
+        self._round += 1
+        prefix = f"r{self._round}-"
+        if op in ("put", "get"):
+            return self._bytes_api(op, command["size"], command["count"], prefix)
+        if op in ("batch_put_from", "batch_get_into"):
+            return self._zero_copy(op, command["size"], command["batch"], command["count"], prefix)
+        return self._exists(op, command["batch"], command["count"], prefix)
+
+    def _bytes_api(self, op: str, size: int, count: int, prefix: str) -> list[float]:
+        value = np.ones(size, dtype=np.uint8).tobytes()
+        keys = [f"{prefix}{i}" for i in range(count)]
+        seconds = []
+        if op == "get":
+            for key in keys:
+                self.client.put(key, value)
+        for key in keys:
+            start = time.perf_counter()
+            result = self.client.put(key, value) if op == "put" else self.client.get(key)
+            seconds.append(time.perf_counter() - start)
+            if op == "get" and result != value:
+                raise RuntimeError(f"kvconnect get of {size} bytes returned wrong data")
+        self.client.batch_remove(keys, force=True)
+        return seconds
+
+    def _zero_copy(self, op: str, size: int, batch: int, count: int, prefix: str) -> list[float]:
+        offsets = [i * size for i in range(batch)]
+        sizes = [size] * batch
+        calls = [[f"{prefix}{c}-{i}" for i in range(batch)] for c in range(count)]
+        if op == "batch_get_into":
+            for keys in calls:
+                self.client.batch_put_from(keys, self.buffer, offsets, sizes)
+        seconds = []
+        for keys in calls:
+            start = time.perf_counter()
+            if op == "batch_put_from":
+                result = self.client.batch_put_from(keys, self.buffer, offsets, sizes)
+            else:
+                result = self.client.batch_get_into(keys, self.buffer, offsets, sizes)
+            seconds.append(time.perf_counter() - start)
+            if result.leading() != batch:
+                raise RuntimeError(f"kvconnect {op} failed: {set(result.codes)}")
+        for keys in calls:
+            self.client.batch_remove(keys, force=True)
+        return seconds
+
+    def _exists(self, op: str, batch: int, count: int, prefix: str) -> list[float]:
+        keys = [f"{prefix}{i}" for i in range(batch)]
+        self.client.batch_put_from(keys, self.buffer, [0] * batch, [4 * KiB] * batch)
+        seconds = []
+        for n in range(count):
+            start = time.perf_counter()
+            found = (
+                self.client.batch_exists(keys)
+                if op == "batch_exists"
+                else [self.client.exists(keys[n % batch])]
+            )
+            seconds.append(time.perf_counter() - start)
+            if not all(found):
+                raise RuntimeError("kvconnect exists returned False for a stored key")
+        self.client.batch_remove(keys, force=True)
+        return seconds
+
+
+class _Mooncake:
+    """Mooncake Store through mooncake_store_runner.py (its own master and store server)."""
+
+    def __init__(self, python: str, mode: str) -> None:
+        runner = Path(__file__).with_name("mooncake_store_runner.py")
+        self.proc = subprocess.Popen(
+            [
+                python,
+                str(runner),
+                "--mode",
+                mode,
+                "--segment",
+                str(SEGMENT),
+                "--buffer",
+                str(BUFFER),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        if not self._read().get("ready"):
+            raise RuntimeError("mooncake store runner did not start")
+
+    def call(self, command: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("mooncake store runner exited")
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"mooncake: {reply['error']}")
+        return reply
+
+    def run(self, command: dict[str, Any]) -> list[float]:
+        seconds = [float(s) for s in self.call(command)["seconds"]]
+        self.call({"op": "remove_all"})
+        return seconds
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def _commands(quick: bool) -> list[dict[str, Any]]:
+    scale = 5 if quick else 1
+    commands: list[dict[str, Any]] = []
+    for size, (batch, ops, calls) in CASES.items():
+        commands.append({"op": "put", "size": size, "count": max(2, ops // scale)})
+        commands.append({"op": "get", "size": size, "count": max(2, ops // scale)})
+        commands.append(
+            {"op": "batch_put_from", "size": size, "batch": batch, "count": max(2, calls // scale)}
+        )
+        commands.append(
+            {"op": "batch_get_into", "size": size, "batch": batch, "count": max(2, calls // scale)}
+        )
+    commands.append({"op": "exists", "batch": 128, "count": 2000 // scale})
+    commands.append({"op": "batch_exists", "batch": 128, "count": 1000 // scale})
+    return commands
+
+
+def _data_phase(mode: str, mooncake: str | None, args: argparse.Namespace) -> list[dict[str, Any]]:
+    systems: dict[str, Any] = {"kvconnect": _Kvconnect(mode)}
+    try:
+        if mooncake is not None:
+            systems["mooncake"] = _Mooncake(mooncake, mode)
+            systems["mooncake"].call({"op": "warm", "fraction": 0.9})
+        rounds = 1 if args.quick else args.rounds
+        results = []
+        for command in _commands(args.quick):
+            samples: dict[str, list[list[float]]] = {name: [] for name in systems}
+            for n in range(rounds):
+                order = list(systems.items()) if n % 2 == 0 else list(reversed(systems.items()))
+                for name, system in order:
+                    print(
+                        f"[{mode}] {name} {_label(command)} round {n + 1}/{rounds}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    samples[name].append(system.run(command))
+            results.append(
+                {**command, **{name: _summary(command, runs) for name, runs in samples.items()}}
+            )
+        return results
+    finally:
+        for system in systems.values():
+            system.close()
+
+
+def _summary(command: dict[str, Any], runs: list[list[float]]) -> dict[str, float]:
+    per_call = command.get("size", 0) * command.get("batch", 1)
+    flat = sorted(s for run in runs for s in run)
+    result = {
+        "p50_ms": statistics.median(flat) * 1e3,
+        "p99_ms": flat[min(len(flat) - 1, int(len(flat) * 0.99))] * 1e3,
+    }
+    if per_call:
+        result["gbps"] = statistics.median(per_call * len(r) / sum(r) / 1e9 for r in runs)
+    return result
+
+
+def _label(command: dict[str, Any]) -> str:
+    size = command.get("size")
+    text = command["op"] if size is None else f"{command['op']} {_size(size)}"
+    return text + (f" x{command['batch']}" if "batch" in command and size else "")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // MiB}M" if nbytes >= MiB else f"{nbytes // KiB}K"
+
+
+def _print_data(data: dict[str, list[dict[str, Any]]]) -> None:
+    for mode, rows in data.items():
+        print(f"\nmode {mode}")
+        print(f"{'op':<24}{'kvconnect':>22}{'mooncake':>22}{'ratio':>8}")
+        for row in rows:
+            ours, theirs = row["kvconnect"], row.get("mooncake")
+            metric = "gbps" if "gbps" in ours else "p50_ms"
+            ratio = ""
+            if theirs:
+                value = (
+                    ours[metric] / theirs[metric]
+                    if metric == "gbps"
+                    else theirs[metric] / ours[metric]
+                )
+                ratio = f"{value:.2f}x"
+            print(f"{_label(row):<24}{_cell(ours):>22}{_cell(theirs):>22}{ratio:>8}")
+
+
+def _cell(summary: dict[str, float] | None) -> str:
+    if summary is None:
+        return "-"
+    if "gbps" in summary:
+        return f"{summary['gbps']:.2f} GB/s {summary['p50_ms']:.2f}ms"
+    return f"p50 {summary['p50_ms'] * 1e3:.0f}us p99 {summary['p99_ms'] * 1e3:.0f}us"
+
+
+# --------------------------------------------------------------------------- scale phase
+
+
+def _scale_phase(counts: list[int], mooncake: str | None) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = [{"objects": n} for n in counts]
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    master = Process(
+        ["master", "--master-listen", endpoint, "--master-heartbeat-ttl", "1e9"], "listening"
+    )
+    rpc = RpcClient(endpoint, 30.0)
+    try:
+        master_load.mount_virtual(rpc, 1 << 50)
+        base = master_load.rss_bytes(master.pid)
+        rng = random.Random(0)
+        keys: list[str] = []
+        for row in rows:
+            print(f"[scale] kvconnect filling to {row['objects']}", file=sys.stderr, flush=True)
+            keys += master_load.fill(
+                rpc, len(keys), row["objects"] - len(keys), rng, 64, 64 * KiB, SCALE_KEY
+            )
+            rss = master_load.rss_bytes(master.pid)
+            latency = master_load.summary(master_load.lookup_latencies(rpc, keys, 128, 2000))
+            row["kvconnect"] = {"bytes_per_object": (rss - base) / len(keys), **latency}
+    finally:
+        rpc.close()
+        master.stop()
+    if mooncake is not None:
+        runner = _Mooncake(mooncake, "tcp")
+        try:
+            base = runner.call({"op": "master_rss"})["rss"]
+            filled = 0
+            for row in rows:
+                print(f"[scale] mooncake filling to {row['objects']}", file=sys.stderr, flush=True)
+                runner.call(
+                    {
+                        "op": "fill",
+                        "objects": row["objects"] - filled,
+                        "min_size": 64,
+                        "max_size": 64 * KiB,
+                    }
+                )
+                filled = row["objects"]
+                rss = runner.call({"op": "master_rss"})["rss"]
+                seconds = runner.call({"op": "batch_exists_latency", "batch": 128, "count": 2000})[
+                    "seconds"
+                ]
+                row["mooncake"] = {
+                    "bytes_per_object": (rss - base) / filled,
+                    **master_load.summary(seconds),
+                }
+        finally:
+            runner.close()
+    return rows
+
+
+def _print_scale(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"\n{'objects':>10}{'kvconnect B/obj':>17}{'p50 us':>9}{'mooncake B/obj':>16}{'p50 us':>9}"
+    )
+    for row in rows:
+        ours, theirs = row["kvconnect"], row.get("mooncake", {})
+        nan = float("nan")
+        print(
+            f"{row['objects']:>10}{ours['bytes_per_object']:>17.0f}{ours['p50_us']:>9.0f}"
+            f"{theirs.get('bytes_per_object', nan):>16.0f}{theirs.get('p50_us', nan):>9.0f}"
+        )
+
+
+# ------------------------------------------------------------------------ eviction phase
+
+
+def _eviction_phase(*, quick: bool) -> dict[str, Any]:
+    seconds = 3.0 if quick else 10.0
+    result: dict[str, Any] = {}
+    for label, capacity in (("no_eviction", 1 << 50), ("evicting", 64 * MiB)):
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        master = Process(
+            ["master", "--master-listen", endpoint, "--master-heartbeat-ttl", "1e9"], "listening"
+        )
+        rpc = RpcClient(endpoint, 10.0)
+        try:
+            master_load.mount_virtual(rpc, capacity)
+            keys = master_load.fill(rpc, 0, 14_000, random.Random(1), 4 * KiB, 4 * KiB, SCALE_KEY)
+            idle = master_load.lookup_latencies(rpc, keys[-1000:], 1, 2000)
+            writer = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvconnect.bench.master_load",
+                    endpoint,
+                    "--seconds",
+                    str(seconds),
+                ]
+            )
+            time.sleep(0.5)
+            busy: list[float] = []
+            end = time.monotonic() + seconds - 1
+            while time.monotonic() < end:
+                busy += master_load.lookup_latencies(rpc, keys[-1000:], 1, 100, seed=len(busy))
+            writer.wait(timeout=60)
+            stats = rpc.call(m.Stats())
+            result[label] = {
+                "idle": master_load.summary(idle),
+                "with_writer": master_load.summary(busy),
+                "evictions": getattr(stats, "evictions", 0),
+            }
+        finally:
+            rpc.close()
+            master.stop()
+    return result
+
+
+def _print_eviction(result: dict[str, Any]) -> None:
+    print("\nexists latency (us): idle / while a writer puts (p50 / p99)")
+    for label, row in result.items():
+        idle, busy = row["idle"], row["with_writer"]
+        print(
+            f"{label:<12} idle {idle['p50_us']:.0f}/{idle['p99_us']:.0f}  with writer "
+            f"{busy['p50_us']:.0f}/{busy['p99_us']:.0f}  evictions {row['evictions']}"
+        )
+    if {"no_eviction", "evicting"} <= set(result):
+        ratio = (
+            result["evicting"]["with_writer"]["p99_us"]
+            / result["no_eviction"]["with_writer"]["p99_us"]
+        )
+        print(f"p99 while evicting / p99 with the same writer and no eviction: {ratio:.2f}x")
