@@ -104,7 +104,7 @@ def section_config(args: argparse.Namespace, section: str, cls: type[_C]) -> _C:
         for name, value in vars(args).items()
         if name.startswith(prefix) and value is not None
     }
-    return cls.from_env(**{**values, **flags})
+    return cls.from_env(defaults=values, **flags)
 
 
 def _master(args: argparse.Namespace) -> int:

@@ -44,14 +44,21 @@ class _Section:
         return _from_mapping(cls, data)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Self:
-        """Read ``<prefix><FIELD>`` variables (and shared ones); ``overrides`` win."""
+    def from_env(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        *,
+        defaults: Mapping[str, Any] | None = None,
+        **overrides: Any,
+    ) -> Self:
+        """``defaults`` (e.g. from a file), then ``<prefix><FIELD>`` variables (and shared
+        ones), then ``overrides``: later sources win."""
         env = os.environ if environ is None else environ
         values = _env_section(cls, env, cls._ENV_PREFIX)
         for variable, name in cls._SHARED_ENV.items():
             if variable in env and name not in values:
                 values[name] = env[variable]
-        return _from_mapping(cls, {**values, **overrides})
+        return _from_mapping(cls, {**(defaults or {}), **values, **overrides})
 
     def replace(self, **changes: Any) -> Self:
         """A copy with ``changes`` applied (validated again)."""

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvconnect.bench import master_load
 from kvconnect.bench.baselines import find_mooncake_python
-from kvconnect.config import StoreClientConfig, TransferConfig
+from kvconnect.config import StoreClientConfig, StoreServerConfig, TransferConfig
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
 from kvconnect.store.rpc import RpcClient
@@ -38,7 +38,6 @@ from kvconnect.testing.cluster import Cluster, Process, free_port
 KiB, MiB = 1 << 10, 1 << 20
 # value size → (batch size, bytes-API ops per round, batch calls per round)
 CASES = {4 * KiB: (128, 400, 40), 1 * MiB: (16, 100, 30), 16 * MiB: (4, 16, 8)}
-SEGMENT = 4 << 30
 BUFFER = 256 * MiB
 SCALE_KEY = "kvconnect-scale-{:048d}"
 
@@ -49,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--phases", default="data,scale,eviction")
     parser.add_argument("--rounds", type=int, default=3, help="A/B rounds per case")
     parser.add_argument("--scale", default="10000,100000,1000000", help="object counts")
+    parser.add_argument("--segment", default="4G", help="store memory (Mooncake; kvconnect 2x)")
     parser.add_argument("--mooncake-python", help="interpreter with the mooncake package")
     parser.add_argument("--quick", action="store_true", help="a fraction of the work: a smoke run")
     parser.add_argument("--out", default="bench-store.json")
@@ -80,8 +80,12 @@ def run(args: argparse.Namespace) -> int:
 class _Kvconnect:
     """The kvconnect side of the data phase: a store server process, a client here."""
 
-    def __init__(self, mode: str) -> None:
-        self.cluster = Cluster(servers=1, server_size=SEGMENT)
+    def __init__(self, mode: str, segment: int) -> None:
+        # Twice Mooncake's segment and a short lease: the forced removals between rounds free
+        # space only once leases lapse (correct for a cache, slow for back-to-back rounds).
+        self.cluster = Cluster(
+            servers=1, server_size=2 * segment, master_args=["--master-lease-ttl", "2"]
+        )
         transport = "tcp" if mode == "tcp" else "auto"
         config = StoreClientConfig(
             master=self.cluster.master_endpoint, io_timeout=60, rpc_timeout=10
@@ -90,12 +94,12 @@ class _Kvconnect:
         self.client.start()
         self.buffer = self.client.register(np.ones(BUFFER, dtype=np.uint8))
         self._round = 0
-        self._warm(0.9)
+        self._warm(2 * segment * 0.9)
 
-    def _warm(self, fraction: float) -> None:
+    def _warm(self, nbytes: float) -> None:
         """Write most of the store once and remove it, as the Mooncake runner's ``warm`` does:
         later timings then exclude first-touch costs on both sides."""
-        chunk, count = 64 * MiB, int(SEGMENT * fraction) // (64 * MiB)
+        chunk, count = 64 * MiB, int(nbytes) // (64 * MiB)
         keys = [f"warm-{i}" for i in range(count)]
         for key in keys:
             self.client.batch_put_from([key], self.buffer, [0], [chunk])
@@ -173,7 +177,7 @@ class _Kvconnect:
 class _Mooncake:
     """Mooncake Store through mooncake_store_runner.py (its own master and store server)."""
 
-    def __init__(self, python: str, mode: str) -> None:
+    def __init__(self, python: str, mode: str, segment: int) -> None:
         runner = Path(__file__).with_name("mooncake_store_runner.py")
         self.proc = subprocess.Popen(
             [
@@ -182,7 +186,7 @@ class _Mooncake:
                 "--mode",
                 mode,
                 "--segment",
-                str(SEGMENT),
+                str(segment),
                 "--buffer",
                 str(BUFFER),
             ],
@@ -241,10 +245,11 @@ def _commands(quick: bool) -> list[dict[str, Any]]:
 
 
 def _data_phase(mode: str, mooncake: str | None, args: argparse.Namespace) -> list[dict[str, Any]]:
-    systems: dict[str, Any] = {"kvconnect": _Kvconnect(mode)}
+    segment = _parse_size(args.segment)
+    systems: dict[str, Any] = {"kvconnect": _Kvconnect(mode, segment)}
     try:
         if mooncake is not None:
-            systems["mooncake"] = _Mooncake(mooncake, mode)
+            systems["mooncake"] = _Mooncake(mooncake, mode, segment)
             systems["mooncake"].call({"op": "warm", "fraction": 0.9})
         rounds = 1 if args.quick else args.rounds
         results = []
@@ -284,6 +289,10 @@ def _label(command: dict[str, Any]) -> str:
     size = command.get("size")
     text = command["op"] if size is None else f"{command['op']} {_size(size)}"
     return text + (f" x{command['batch']}" if "batch" in command and size else "")
+
+
+def _parse_size(text: str) -> int:
+    return StoreServerConfig.from_mapping({"size": text}).size
 
 
 def _size(nbytes: int) -> str:
@@ -343,7 +352,7 @@ def _scale_phase(counts: list[int], mooncake: str | None) -> list[dict[str, Any]
         rpc.close()
         master.stop()
     if mooncake is not None:
-        runner = _Mooncake(mooncake, "tcp")
+        runner = _Mooncake(mooncake, "tcp", 256 * MiB)
         try:
             base = runner.call({"op": "master_rss"})["rss"]
             filled = 0

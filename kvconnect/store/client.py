@@ -301,21 +301,18 @@ class StoreClient:
 
     def get(self, key: str, *, timeout: float | None = None) -> bytes | None:
         """The value of ``key``, or None when it is not stored (or cannot be read in time)."""
-        deadline = self._clock() + (self.config.io_timeout if timeout is None else timeout)
-        try:
-            reply = self._call(m.GetReplicas([key], self._host_id), deadline=deadline)
-        except StoreError:
-            return None
-        if not isinstance(reply, m.ReplicasReply) or reply.results[0].code is not Code.OK:
+        start = self._clock()
+        deadline = start + (self.config.io_timeout if timeout is None else timeout)
+        reply = self._lookup([key], deadline)
+        if reply is None or reply.results[0].code is not Code.OK:
             return None
         buffer = bytearray(reply.results[0].size)
         region = self.engine.register(buffer)
         try:
-            remaining = max(0.0, deadline - self._clock())
-            result = self.batch_get_into([key], region, [0], [len(buffer)], timeout=remaining)
+            result = self._read([key], region, [0], [len(buffer)], reply, start, deadline)
         finally:
             self.engine.unregister(region)
-        if result.codes[0] is not Code.OK or result.sizes[0] != len(buffer):
+        if result.codes[0] is not Code.OK:
             return None
         return bytes(buffer)
 
@@ -338,12 +335,32 @@ class StoreClient:
         self._check_ranges(keys, region, offsets, sizes)
         start = self._clock()
         deadline = start + (self.config.io_timeout if timeout is None else timeout)
+        reply = self._lookup(keys, deadline)
+        if reply is None:
+            return _all(Code.UNAVAILABLE, len(keys))
+        return self._read(keys, region, offsets, sizes, reply, start, deadline)
+
+    def _lookup(self, keys: list[str], deadline: float) -> m.ReplicasReply | None:
+        """Replicas of ``keys`` (with a lease), or None when the master cannot be asked."""
         try:
             reply = self._call(m.GetReplicas(keys, self._host_id), deadline=deadline)
         except StoreError:
-            return _all(Code.UNAVAILABLE, len(keys))
+            return None
         if not isinstance(reply, m.ReplicasReply) or len(reply.results) != len(keys):
-            return _all(Code.INTERNAL, len(keys))
+            return None
+        return reply
+
+    def _read(
+        self,
+        keys: list[str],
+        region: MemoryRegion,
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        reply: m.ReplicasReply,
+        start: float,
+        deadline: float,
+    ) -> BatchResult:
+        """Move the replicas of ``reply`` into ``region``; the lease started at ``start``."""
         lease_end = start + reply.lease_ms / 1000
         codes = [r.code for r in reply.results]
         found = [r.size for r in reply.results]

@@ -118,3 +118,15 @@ def test_shared_allocation_has_live_header_until_unregistered(registry: MemoryRe
     registry.unregister(region)
     assert read_shm_header(peer_view)[3] == 0
     peer_view.close()
+
+
+def test_hugepage_allocation_succeeds_or_explains(registry: MemoryRegistry) -> None:
+    with open("/proc/sys/vm/nr_hugepages", encoding="ascii") as handle:
+        reserved = int(handle.read())
+    if reserved >= 2:
+        region = registry.allocate(1 << 20, hugepages=True)
+        region.view[:4] = b"huge"
+        assert region.view[:4] == b"huge"
+    else:
+        with pytest.raises(RegistrationError, match="huge pages reserved"):
+            registry.allocate(1 << 20, hugepages=True)

@@ -58,6 +58,7 @@ class SegmentTable:
         self.strategy = strategy
         self.alignment = alignment
         self.all: list[Segment] = []
+        self.alive = bytearray()  # by segment index: 1 while mounted (the lookup fast path)
         self.by_name: dict[str, Segment] = {}
         self.by_mount: dict[str, Segment] = {}
         self._rng = random.Random(seed)
@@ -72,6 +73,7 @@ class SegmentTable:
             allocator=OffsetAllocator(spec.size, self.alignment),
         )
         self.all.append(segment)
+        self.alive.append(1)
         self.by_name[spec.name] = segment
         self.by_mount[mount_id] = segment
         return segment
@@ -79,6 +81,7 @@ class SegmentTable:
     def retire(self, segment: Segment) -> None:
         """Stop allocating on and returning replicas of ``segment`` (synchronous invalidation)."""
         segment.alive = False
+        self.alive[segment.index] = 0
         if self.by_name.get(segment.spec.name) is segment:
             del self.by_name[segment.spec.name]
         self.by_mount.pop(segment.mount_id, None)

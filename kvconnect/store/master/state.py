@@ -90,14 +90,17 @@ class MasterState:
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is a complete object with a live replica."""
-        objects = self.objects
-        found = []
-        for key in keys:
-            slot = objects.slots.get(key)
-            found.append(
-                slot is not None and objects.state[slot] == State.COMPLETE and self._readable(slot)
-            )
-        return found
+        # The hot lookup: locals, no call per key (a replica off the primary is the rare case).
+        get = self.objects.slots.get
+        state = self.objects.state
+        segment = self.objects.segment
+        alive = self.segments.alive
+        return [
+            (slot := get(key)) is not None
+            and state[slot] == State.COMPLETE
+            and (alive[segment[slot]] == 1 or self._readable(slot))
+            for key in keys
+        ]
 
     def put_start(
         self,
@@ -368,7 +371,7 @@ class MasterState:
         return [(s, o) for s, o in self.objects.replicas(slot) if self.segments.all[s].alive]
 
     def _readable(self, slot: int) -> bool:
-        if self.segments.all[self.objects.segment[slot]].alive:
+        if self.segments.alive[self.objects.segment[slot]]:
             return True
         return bool(self._live(slot))
 
