@@ -288,3 +288,16 @@ def _check_books(state: MasterState, now: float) -> None:
             assert end <= start, f"overlapping objects on segment {segment}"
         allocator = state.segments.all[segment].allocator
         assert allocator.used >= sum(e - s for s, e in spans)
+
+
+def test_a_batch_is_placed_contiguously_and_duplicate_keys_wait() -> None:
+    state = _state()
+    _mount(state, "a", size=MiB)
+    items = [PutItem(f"p{i}", 1000) for i in range(8)] + [PutItem("p3", 1000)]
+    placements = state.put_start("w", items, 1, "h1", False, 0.0)
+    offsets = [p.locations[0].offset for p in placements[:8]]
+    assert offsets == [offsets[0] + 1024 * i for i in range(8)], "one run, one search"
+    assert placements[8].code is Code.BUSY
+    assert state.put_end([f"p{i}" for i in range(8)], [0] * 8, 0.0) == [Code.OK] * 8
+    assert state.remove(["p2", "p5"], False, 0.0) == [Code.OK, Code.OK]  # pieces free alone
+    assert state.segments.all[0].allocator.used == 6 * 1024

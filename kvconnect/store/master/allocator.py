@@ -133,6 +133,24 @@ class OffsetAllocator:
         self._used += length
         return offset
 
+    def allocate_run(self, sizes: list[int]) -> list[int] | None:
+        """Reserve consecutive ranges for ``sizes`` (each rounded up) as one block; their
+        offsets, or None when no single free block holds them all. Each range is freed on its
+        own later, like any allocation: one search for a whole batch of pages."""
+        alignment = self._alignment
+        lengths = [-(-size // alignment) * alignment for size in sizes]
+        if not lengths or min(sizes) < 1:
+            raise ConfigError("allocate_run needs sizes of at least 1 byte")
+        start = self.allocate(sum(lengths))
+        if start is None:
+            return None
+        self._allocations += len(lengths) - 1
+        offsets = []
+        for length in lengths:
+            offsets.append(start)
+            start += length
+        return offsets
+
     def free(self, offset: int, size: int) -> int:
         """Release ``size`` bytes at ``offset`` (as allocated); return the rounded length.
 

@@ -25,6 +25,11 @@ class State(enum.IntEnum):
     COMPLETE = 2
 
 
+# Plain ints for the columns: storing an IntEnum member costs a conversion per element.
+_FREE = int(State.FREE)
+_PENDING = int(State.PENDING)
+
+
 @dataclass(slots=True)
 class Pending:
     """Bookkeeping of a put that is not complete yet."""
@@ -63,7 +68,7 @@ class ObjectTable:
             self.size[slot] = size
             self.segment[slot] = segment
             self.offset[slot] = offset
-            self.state[slot] = State.PENDING
+            self.state[slot] = _PENDING
             self.lease[slot] = 0.0
             self.access[slot] = 0.0
             self.pin[slot] = pin
@@ -73,12 +78,35 @@ class ObjectTable:
             self.size.append(size)
             self.segment.append(segment)
             self.offset.append(offset)
-            self.state.append(State.PENDING)
+            self.state.append(_PENDING)
             self.lease.append(0.0)
             self.access.append(0.0)
             self.pin.append(pin)
         self.slots[key] = slot
         return slot
+
+    def add_many(
+        self, keys: list[str], sizes: list[int], placed: list[tuple[int, int]], pin: float
+    ) -> list[int]:
+        """:meth:`add` for a batch (free slots first, then columns extended at once)."""
+        reuse = min(len(keys), len(self._free))
+        head = zip(keys[:reuse], sizes[:reuse], placed[:reuse], strict=True)
+        slots = [self.add(key, size, seg, off, pin) for key, size, (seg, off) in head]
+        rest = len(keys) - reuse
+        if rest:
+            first = len(self.keys)
+            new = range(first, first + rest)
+            self.keys.extend(keys[reuse:])
+            self.size.extend(sizes[reuse:])
+            self.segment.extend([s for s, _ in placed[reuse:]])
+            self.offset.extend([o for _, o in placed[reuse:]])
+            self.state.frombytes(bytes((_PENDING,)) * rest)
+            self.lease.extend(array("d", (0.0,)) * rest)
+            self.access.extend(array("f", (0.0,)) * rest)
+            self.pin.extend(array("f", (pin,)) * rest)
+            self.slots.update(zip(keys[reuse:], new, strict=True))
+            slots.extend(new)
+        return slots
 
     def drop(self, slot: int) -> None:
         """Forget a slot (its key becomes absent); the caller freed its space."""
@@ -86,7 +114,7 @@ class ObjectTable:
         if key is not None:
             del self.slots[key]
         self.keys[slot] = None
-        self.state[slot] = State.FREE
+        self.state[slot] = _FREE
         self.extra.pop(slot, None)
         self.pending.pop(slot, None)
         self._free.append(slot)

@@ -121,6 +121,23 @@ class SegmentTable:
                 break
         return placed
 
+    def place_run(
+        self, segments: list[Segment], sizes: list[int]
+    ) -> list[list[tuple[int, int]]] | None:
+        """Place a whole batch contiguously, one replica of the run on each of ``segments``
+        (all or nothing). Per object its placements, or None."""
+        runs: list[tuple[int, list[int]]] = []
+        for segment in segments:
+            offsets = segment.allocator.allocate_run(sizes)
+            if offsets is None:
+                for index, taken in runs:
+                    for offset, size in zip(taken, sizes, strict=True):
+                        self.release(index, offset, size)
+                return None
+            segment.objects += len(sizes)
+            runs.append((segment.index, offsets))
+        return [[(index, offsets[n]) for index, offsets in runs] for n in range(len(sizes))]
+
     def release(self, segment_index: int, offset: int, size: int) -> int:
         """Free one replica's space; returns the bytes released (0 on a retired segment)."""
         segment = self.all[segment_index]

@@ -29,6 +29,7 @@ from kvconnect.store.messages import (
 MAX_PARTS = 64
 _CLEANUP_STEP = 4096  # objects of lost segments cleaned per tick
 _EXPIRY_SCAN = 0.25  # seconds between scans for timed-out puts
+_COMPLETE = int(State.COMPLETE)
 
 
 class MasterState:
@@ -113,28 +114,54 @@ class MasterState:
     ) -> list[Placement]:
         """Allocate space for new objects; EXISTS for stored ones, a shared placement for the
         other parts of a multi-part put."""
-        per_object = self.segments.strategy != "local_first"
-        order: list[Segment] | None = None
         pin_until = now + self.config.put_timeout * 60 if pin else 0.0
-        results = []
+        results: list[Placement | None] = []
+        seen: set[str] = set()
         for item in items:
-            code = self._admit(item, replicas)
-            if code is not None:
-                results.append(code)
-                continue
-            if order is None or per_object:
-                order = self.segments.order(client, host_id)
-            placed = self._place(order, item.size, replicas, now)
-            if not placed:
-                results.append(Placement(Code.NO_SPACE, []))
-                continue
-            slot = self.objects.add(item.key, item.size, placed[0][0], placed[0][1], pin_until)
-            if len(placed) > 1:
-                self.objects.extra[slot] = placed[1:]
-            deadline = now + self.config.put_timeout
-            self.objects.pending[slot] = Pending(client, item.parts, 0, deadline)
-            results.append(Placement(Code.OK, self._locations(placed)))
-        return results
+            result = self._admit(item, replicas)
+            if result is None and item.key in seen:  # twice in one batch: the second one waits
+                result = Placement(Code.BUSY, [])
+            seen.add(item.key)
+            results.append(result)
+        fresh = [n for n, result in enumerate(results) if result is None]
+        placed = self._place_batch(client, host_id, [items[n].size for n in fresh], replicas, now)
+        stored = [n for n, where in zip(fresh, placed, strict=True) if where]
+        for n, where in zip(fresh, placed, strict=True):
+            if not where:
+                results[n] = Placement(Code.NO_SPACE, [])
+        where_of = [where for where in placed if where]
+        slots = self.objects.add_many(
+            [items[n].key for n in stored],
+            [items[n].size for n in stored],
+            [where[0] for where in where_of],
+            pin_until,
+        )
+        deadline = now + self.config.put_timeout
+        for n, slot, where in zip(stored, slots, where_of, strict=True):
+            if len(where) > 1:
+                self.objects.extra[slot] = where[1:]
+            self.objects.pending[slot] = Pending(client, items[n].parts, 0, deadline)
+            results[n] = Placement(Code.OK, self._locations(where))
+        return [r for r in results if r is not None]
+
+    def _place_batch(
+        self, client: str, host_id: str, sizes: list[int], replicas: int, now: float
+    ) -> list[list[tuple[int, int]]]:
+        """Placements for new objects, contiguous per batch where the strategy keeps a writer
+        on one segment (``local_first``); [] for an object that does not fit anywhere."""
+        if not sizes:
+            return []
+        if self.segments.strategy == "local_first":
+            # The common case: the writer's first choice takes the whole batch, in one search.
+            order = self.segments.order(client, host_id)
+            run = self.segments.place_run(order[:replicas], sizes) if order else None
+            if run is not None:
+                return run
+        placed = []
+        for size in sizes:  # per object: spread (random, free_ratio) or fill gaps
+            order = self.segments.order(client, host_id)
+            placed.append(self._place(order, size, replicas, now))
+        return placed
 
     def _admit(self, item: PutItem, replicas: int) -> Placement | None:
         """The answer for an item that needs no new allocation, or None to allocate."""
@@ -187,7 +214,7 @@ class MasterState:
                 continue
             pending.done_mask |= 1 << part
             if pending.done_mask == (1 << pending.parts) - 1:
-                objects.state[slot] = State.COMPLETE
+                objects.state[slot] = _COMPLETE
                 objects.access[slot] = now
                 del objects.pending[slot]
                 self.bytes_stored += objects.size[slot]
@@ -376,11 +403,11 @@ class MasterState:
         return bool(self._live(slot))
 
     def _locations(self, placed: list[tuple[int, int]]) -> list[Location]:
-        out = []
-        for index, offset in placed:
-            spec = self.segments.all[index].spec
-            out.append(Location(spec.engine_segment, spec.region, offset))
-        return out
+        segments = self.segments.all
+        return [
+            Location(segments[i].spec.engine_segment, segments[i].spec.region, offset)
+            for i, offset in placed
+        ]
 
     def _discard(self, slot: int, now: float) -> None:
         """Drop a pending put; its space waits out the quarantine (the writer may be late)."""
