@@ -32,6 +32,7 @@ from kvconnect.bench.baselines import find_mooncake_python
 from kvconnect.config import StoreClientConfig, StoreServerConfig, TransferConfig
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
+from kvconnect.store.messages import Code
 from kvconnect.store.rpc import RpcClient
 from kvconnect.testing.cluster import Cluster, Process, free_port
 
@@ -84,7 +85,7 @@ class _Kvconnect:
         # Twice Mooncake's segment and a short lease: the forced removals between rounds free
         # space only once leases lapse (correct for a cache, slow for back-to-back rounds).
         self.cluster = Cluster(
-            servers=1, server_size=2 * segment, master_args=["--master-lease-ttl", "2"]
+            servers=1, server_size=2 * segment, master_args=["--master-lease-ttl", "0.5"]
         )
         transport = "tcp" if mode == "tcp" else "auto"
         config = StoreClientConfig(
@@ -128,9 +129,15 @@ class _Kvconnect:
                 self.client.put(key, value)
         for key in keys:
             start = time.perf_counter()
-            result = self.client.put(key, value) if op == "put" else self.client.get(key)
+            if op == "put":
+                stored = self.client.put(key, value)
+                seconds.append(time.perf_counter() - start)
+                if stored not in (Code.OK, Code.EXISTS):
+                    raise RuntimeError(f"kvconnect put of {size} bytes failed: {stored.name}")
+                continue
+            read = self.client.get(key)
             seconds.append(time.perf_counter() - start)
-            if op == "get" and result != value:
+            if read is None or bytes(read) != value:
                 raise RuntimeError(f"kvconnect get of {size} bytes returned wrong data")
         self.client.batch_remove(keys, force=True)
         return seconds

@@ -299,8 +299,9 @@ class StoreClient:
 
     # ---------------------------------------------------------------------------------- get
 
-    def get(self, key: str, *, timeout: float | None = None) -> bytes | None:
-        """The value of ``key``, or None when it is not stored (or cannot be read in time)."""
+    def get(self, key: str, *, timeout: float | None = None) -> bytearray | None:
+        """The value of ``key`` (read straight into the returned buffer), or None when it is
+        not stored or cannot be read in time."""
         start = self._clock()
         deadline = start + (self.config.io_timeout if timeout is None else timeout)
         reply = self._lookup([key], deadline)
@@ -314,7 +315,7 @@ class StoreClient:
             self.engine.unregister(region)
         if result.codes[0] is not Code.OK:
             return None
-        return bytes(buffer)
+        return buffer
 
     def batch_get_into(
         self,

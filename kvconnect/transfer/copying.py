@@ -21,12 +21,24 @@ from kvconnect.transfer.transport import TransferOp
 log = logging.getLogger(__name__)
 
 
+_MIN_JOB = 1 << 20  # below this, handing work to a second thread costs more than it saves
+
+
 class CopyWorkers:
     """A fixed pool of copy threads."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, max_job: int) -> None:
+        self._threads = threads
+        self._max_job = max_job
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvconnect-copy")
         self._closed = False
+
+    def split(self, slices: Sequence[Slice]) -> Iterator[list[Slice]]:
+        """Jobs for ``slices``: one per thread when there is enough to share, none over
+        ``max_job`` bytes (so big batches complete piece by piece)."""
+        total = sum(piece.length for piece in slices)
+        share = -(-total // self._threads)
+        return group_slices(slices, min(max(share, _MIN_JOB), self._max_job))
 
     def run(self, job: Callable[[], None], slices: Sequence[Slice]) -> None:
         """Run ``job`` on a worker; if that is impossible, fail ``slices`` with ClosedError."""

@@ -129,12 +129,11 @@ class TransferEngine:
                 if cfg.metadata == "p2p"
                 else f"engine-{self._engine_id.hex()[:12]}"
             )
-        self._workers = CopyWorkers(cfg.copy_threads)
+        self._workers = CopyWorkers(cfg.copy_threads, cfg.slice_bytes * _COPY_JOB_SLICES)
         copier = Copier(datapath, self._device)
-        job_bytes = cfg.slice_bytes * _COPY_JOB_SLICES
         self._transports = {
-            "local": LocalTransport(copier, self._workers, job_bytes),
-            "shm": ShmTransport(cfg, copier, self._workers, job_bytes, self._peer_lost),
+            "local": LocalTransport(copier, self._workers),
+            "shm": ShmTransport(cfg, copier, self._workers, self._peer_lost),
             "tcp": TcpTransport(cfg, datapath, self._staging_pool, self._peer_lost),
         }
         self._identity = self._describe()  # routing needs only its host and process identity

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from kvconnect.errors import AccessDenied, PeerUnreachable
 from kvconnect.transfer.batch import Slice, complete_slices, pin_slices, unpin_slices
-from kvconnect.transfer.copying import Copier, CopyWorkers, group_slices
+from kvconnect.transfer.copying import Copier, CopyWorkers
 from kvconnect.transfer.memory import MemoryKind, MemoryRegion, MemoryRegistry
 from kvconnect.transfer.segment import SegmentDescriptor
 from kvconnect.transfer.stats import Counters, TransportStats
@@ -47,14 +47,13 @@ class LocalTransport:
     name = "local"
     capabilities = Capabilities(device_memory=True, same_host_only=True, same_process_only=True)
 
-    def __init__(self, copier: Copier, workers: CopyWorkers, job_bytes: int) -> None:
+    def __init__(self, copier: Copier, workers: CopyWorkers) -> None:
         self._copier = copier
         self._workers = workers
-        self._job_bytes = job_bytes
         self._counters = Counters(TransportStats)
 
     def submit(self, peer: SegmentDescriptor, op: TransferOp, slices: Sequence[Slice]) -> None:
-        for group in group_slices(slices, self._job_bytes):
+        for group in self._workers.split(slices):
             self._workers.run(functools.partial(self._run, peer, op, group), group)
 
     def forget(self, engine_id: str) -> None:

@@ -25,7 +25,7 @@ from kvconnect.config import TransferConfig
 from kvconnect.errors import AccessDenied, BrokenError, KVConnectError, PeerUnreachable
 from kvconnect.transfer import wire
 from kvconnect.transfer.batch import Slice, complete_slices, pin_slices, unpin_slices
-from kvconnect.transfer.copying import Copier, CopyWorkers, group_slices
+from kvconnect.transfer.copying import Copier, CopyWorkers
 from kvconnect.transfer.memory import SHM_HEADER, SHM_MAGIC, host_address, read_shm_header
 from kvconnect.transfer.segment import SegmentDescriptor
 from kvconnect.transfer.stats import Counters, TransportStats
@@ -79,14 +79,12 @@ class ShmTransport:
         config: TransferConfig,
         copier: Copier,
         workers: CopyWorkers,
-        job_bytes: int,
         on_lost: Callable[[SegmentDescriptor], None],
     ) -> None:
         self._config = config
         self._on_lost = on_lost
         self._copier = copier
         self._workers = workers
-        self._job_bytes = job_bytes
         self._counters = Counters(TransportStats)
         self._lock = threading.Lock()
         self._peers: dict[str, _ShmPeer] = {}
@@ -103,7 +101,7 @@ class ShmTransport:
                     target=self._watch_loop, name="kvconnect-shm-watch", daemon=True
                 )
                 self._watch.start()
-        for group in group_slices(slices, self._job_bytes):
+        for group in self._workers.split(slices):
             self._workers.run(functools.partial(self._run, state, op, group), group)
 
     def forget(self, engine_id: str) -> None:
