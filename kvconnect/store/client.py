@@ -19,7 +19,6 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 
 from kvconnect.config import StoreClientConfig, TransferConfig
 from kvconnect.errors import (
@@ -29,6 +28,7 @@ from kvconnect.errors import (
     MasterUnavailable,
     StoreError,
 )
+from kvconnect.lifecycle import Lifecycle
 from kvconnect.store import messages as m
 from kvconnect.store.messages import Code
 from kvconnect.store.resilience import CircuitBreaker, NegativeCache
@@ -67,7 +67,7 @@ class _Part:
     object_offsets: Sequence[int]
 
 
-class StoreClient:
+class StoreClient(Lifecycle):
     """Put, get, exists and remove objects of the kvconnect store."""
 
     def __init__(
@@ -102,18 +102,6 @@ class StoreClient:
         self._rpc.close()
         if self._own_engine:
             self.engine.close()
-
-    def __enter__(self) -> StoreClient:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     @property
     def breaker(self) -> CircuitBreaker:

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from kvconnect.config import StoreServerConfig, TransferConfig
 from kvconnect.errors import KVConnectError, StoreError
+from kvconnect.lifecycle import Lifecycle
 from kvconnect.store import messages as m
 from kvconnect.store.rpc import RpcClient
 from kvconnect.transfer.engine import TransferEngine
@@ -30,7 +31,7 @@ from kvconnect.transfer.memory import MemoryRegion
 log = logging.getLogger(__name__)
 
 
-class StoreServer:
+class StoreServer(Lifecycle):
     """One store server; ``start()`` mounts, ``close()`` unmounts and releases the memory."""
 
     def __init__(self, config: StoreServerConfig, transfer: TransferConfig | None = None) -> None:
@@ -102,13 +103,6 @@ class StoreServer:
             self._http.server_close()
             self._http = None
         self.engine.close()
-
-    def __enter__(self) -> StoreServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _mount(self) -> None:
         reply = self._rpc.call(m.Mount(self.server_id, self.mount_id, self.spec))

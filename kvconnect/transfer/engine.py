@@ -18,7 +18,6 @@ import uuid
 import warnings
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from types import TracebackType
 
 from kvconnect.config import TransferConfig
 from kvconnect.errors import (
@@ -29,6 +28,7 @@ from kvconnect.errors import (
     KVConnectError,
     PeerUnreachable,
 )
+from kvconnect.lifecycle import Lifecycle
 from kvconnect.transfer import local as local_registry
 from kvconnect.transfer.batch import DeadlineWatch, Slice, TransferBatch, make_slices
 from kvconnect.transfer.copying import Copier, CopyWorkers
@@ -62,7 +62,7 @@ _RESOLVER_THREADS = 4
 _COPY_JOB_SLICES = 4  # slices per copy job: amortizes hand-off cost, keeps threads busy
 
 
-class TransferEngine:
+class TransferEngine(Lifecycle):
     """Moves bytes between registered memory of this engine and peers' segments."""
 
     def __init__(
@@ -167,18 +167,6 @@ class TransferEngine:
         if self._workers is not None:
             self._workers.close()
         self._watch.close()
-
-    def __enter__(self) -> TransferEngine:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __del__(self) -> None:
         if getattr(self, "_state", "closed") == "started":
