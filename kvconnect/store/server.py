@@ -17,7 +17,7 @@ import uuid
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvconnect.config import StoreServerConfig, TransferConfig
@@ -130,7 +130,8 @@ class _ServerCollector(Collector):
         self._server = server
 
     def collect(self) -> Any:
-        stats = self._server.engine.stats().listener
+        engine_stats = self._server.engine.stats()
+        stats = engine_stats.listener
         labels = ["segment"]
         name = [self._server.spec.name]
         capacity = GaugeMetricFamily(
@@ -145,4 +146,16 @@ class _ServerCollector(Collector):
             "kvconnect_store_received_bytes", "Bytes written by peers", labels=labels
         )
         received.add_metric(name, stats.bytes_received)
-        return [capacity, served, received]
+        latency = engine_stats.served_latency
+        buckets = []
+        cumulative = 0
+        for bound, count in zip((*latency.bounds, float("inf")), latency.counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+        frames = HistogramMetricFamily(
+            "kvconnect_store_transfer_seconds",
+            "Time to serve one READ/WRITE frame over TCP",
+            labels=labels,
+        )
+        frames.add_metric(name, buckets, latency.total)
+        return [capacity, served, received, frames]

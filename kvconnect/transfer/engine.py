@@ -332,9 +332,12 @@ class TransferEngine(Lifecycle):
     def stats(self) -> EngineStats:
         """Counters per transport and of the listener."""
         listener = self._listener
+        if listener is None:
+            return EngineStats(transports={}, listener=ListenerStats())
         return EngineStats(
             transports={name: t.stats() for name, t in self._transports.items()},
-            listener=listener.stats() if listener is not None else ListenerStats(),
+            listener=listener.stats(),
+            served_latency=listener.latency.snapshot(),
         )
 
     # ------------------------------------------------------------------------------ helpers

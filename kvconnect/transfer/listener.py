@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 from kvconnect.config import TransferConfig
@@ -21,7 +22,7 @@ from kvconnect.transfer.iov import DataPath
 from kvconnect.transfer.memory import MemoryRegion, MemoryRegistry
 from kvconnect.transfer.segment import SegmentDescriptor, encode_descriptor
 from kvconnect.transfer.staging import StagedWindow, StagingPool, close_all, host_views
-from kvconnect.transfer.stats import Counters, ListenerStats
+from kvconnect.transfer.stats import Counters, LatencyHistogram, ListenerStats
 from kvconnect.transfer.wire import FrameKind, Status
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Listener:
         self._datapath = datapath
         self._staging = staging
         self.counters = Counters(ListenerStats)
+        self.latency = LatencyHistogram()
         self._lock = threading.Lock()
         self._servers: list[socket.socket] = []
         self._connections: set[socket.socket] = set()
@@ -177,7 +179,9 @@ class _Session:
                 return
             kind, _status, count, aux, frame_id = wire.HEADER.unpack(header)
             if kind in (FrameKind.READ, FrameKind.WRITE):
+                start = time.perf_counter()
                 self._data_frame(FrameKind(kind), count, frame_id)
+                self.listener.latency.observe(time.perf_counter() - start)
             elif kind == FrameKind.CONTROL:
                 self._control(aux, frame_id)
             else:

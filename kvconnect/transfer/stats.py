@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Generic, TypeVar
 
 
@@ -32,12 +33,48 @@ class ListenerStats:
     auth_failures: int = 0
 
 
+LATENCY_BOUNDS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
+
+
+@dataclass(frozen=True, slots=True)
+class LatencySnapshot:
+    """A histogram: ``counts[i]`` observations at most ``bounds[i]`` seconds (the last count
+    is everything slower), and their ``total`` seconds."""
+
+    bounds: tuple[float, ...] = LATENCY_BOUNDS
+    counts: tuple[int, ...] = (0,) * (len(LATENCY_BOUNDS) + 1)
+    total: float = 0.0
+
+
+class LatencyHistogram:
+    """Thread-safe fixed-bucket histogram of durations."""
+
+    def __init__(self) -> None:
+        self._counts = [0] * (len(LATENCY_BOUNDS) + 1)
+        self._total = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        """Count one duration."""
+        bucket = bisect.bisect_left(LATENCY_BOUNDS, seconds)
+        with self._lock:
+            self._counts[bucket] += 1
+            self._total += seconds
+
+    def snapshot(self) -> LatencySnapshot:
+        """Current counts."""
+        with self._lock:
+            return LatencySnapshot(LATENCY_BOUNDS, tuple(self._counts), self._total)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """Everything an engine counts, keyed by transport name."""
 
     transports: Mapping[str, TransportStats]
     listener: ListenerStats
+    served_latency: LatencySnapshot = field(default_factory=LatencySnapshot)
+    """Time the listener took per READ/WRITE frame (first header byte to last byte sent)."""
 
 
 _S = TypeVar("_S", TransportStats, ListenerStats)

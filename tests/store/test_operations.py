@@ -54,6 +54,12 @@ def test_prometheus_metrics_of_master_and_store_server() -> None:
         ]
         assert served
         assert float(served[0].split()[-1]) >= 4096
+        count = [
+            line
+            for line in store.splitlines()
+            if line.startswith("kvconnect_store_transfer_seconds_count")
+        ]
+        assert float(count[0].split()[-1]) >= 2, "the put and the get were each a frame"
 
 
 def test_config_file_then_environment_then_flags(
