@@ -25,6 +25,7 @@ from kvconnect.config import StoreClientConfig
 from kvconnect.store.client import StoreClient
 from kvconnect.testing.cluster import Process, free_port
 from kvconnect.testing.peer import pattern
+from kvconnect.transfer.memory import MemoryRegion
 
 _OPTIONS = ("clients", "seconds", "page_kib", "store_mib", "conversations", "system_pages")
 
@@ -110,7 +111,7 @@ def _client(endpoint: str, options: dict[str, Any]) -> dict[str, int]:
 
 
 def _serve_request(
-    client: StoreClient, buffer: Any, keys: list[str], page: int, stats: dict[str, int]
+    client: StoreClient, buffer: MemoryRegion, keys: list[str], page: int, stats: dict[str, int]
 ) -> None:
     offsets = [i * page for i in range(len(keys))]
     start = time.perf_counter_ns()
