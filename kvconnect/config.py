@@ -155,6 +155,12 @@ class MasterConfig(_Section):
 
     listen: str = "tcp://127.0.0.1:50051"
     """zmq endpoint the master answers on."""
+    ha: str = ""
+    """``etcd://host:port[,…]``: run as one of several masters, the elected one leads."""
+    ha_ttl: int = 2
+    """Seconds of the leader's etcd lease: a dead leader is replaced within about this long."""
+    advertise: str = ""
+    """Endpoint clients should dial (published in etcd); default: the bound endpoint."""
     metrics_port: int = 0
     """Prometheus metrics HTTP port on 127.0.0.1 (0: no metrics server)."""
     allocation: Literal["local_first", "random", "free_ratio"] = "local_first"
@@ -177,7 +183,9 @@ class MasterConfig(_Section):
     """Objects evicted per step between requests (bounds the latency eviction adds)."""
 
     def __post_init__(self) -> None:
-        _check_positive(self, "alignment", "lease_ttl", "put_timeout", "heartbeat_ttl")
+        _check_positive(self, "alignment", "lease_ttl", "put_timeout", "heartbeat_ttl", "ha_ttl")
+        if self.ha and not self.ha.startswith("etcd://"):
+            raise ConfigError(f"ha must be an etcd://host:port URL, got {self.ha!r}")
         _check_positive(self, "evict_fraction", "eviction_step")
         if not 0 < self.high_watermark <= 1:
             raise ConfigError(f"high_watermark must be in (0, 1], got {self.high_watermark}")

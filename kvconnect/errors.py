@@ -87,6 +87,14 @@ class MasterUnavailable(StoreError, BrokenError):
     """The store master did not answer within the timeout, or is not connected."""
 
 
+class NotLeader(StoreError):
+    """This master is a standby (or stepped down); ask the current leader."""
+
+
+class CoordinationUnavailable(BrokenError):
+    """etcd could not be reached or did not answer in time."""
+
+
 class CircuitOpen(StoreError):
     """The client fails fast: the store failed repeatedly and is cooling down."""
 
@@ -98,9 +106,11 @@ __all__ = [
     "CircuitOpen",
     "ClosedError",
     "ConfigError",
+    "CoordinationUnavailable",
     "InvalidRequest",
     "KVConnectError",
     "MasterUnavailable",
+    "NotLeader",
     "PeerUnreachable",
     "ProtocolError",
     "RegionBusy",

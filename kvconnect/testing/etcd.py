@@ -1,0 +1,88 @@
+"""A throwaway etcd server (Debian's ``etcd-server``) on 127.0.0.1 for tests and benchmarks."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+from types import TracebackType
+
+from kvconnect.testing.cluster import free_port
+
+
+def etcd_available() -> bool:
+    """Whether an ``etcd`` binary is installed."""
+    return shutil.which("etcd") is not None
+
+
+class EtcdServer:
+    """One etcd member with a temporary data dir; restartable on the same ports and data."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self._dir = tempfile.mkdtemp(prefix="kvconnect-etcd-")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        """``etcd://host:port`` for kvconnect."""
+        return f"etcd://{self.host}:{self.client_port}"
+
+    def start(self) -> None:
+        """Start (again) and wait until healthy."""
+        client = f"http://{self.host}:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.proc = subprocess.Popen(
+            [
+                "etcd", "--name", "n1", "--data-dir", self._dir,
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"n1={peer}", "--initial-cluster-state", "new",
+                "--heartbeat-interval", "10", "--election-timeout", "100",
+                "--log-level", "error",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{client}/health", timeout=1) as response:
+                    if b"true" in response.read():
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("etcd did not become healthy")
+
+    def kill(self) -> None:
+        """SIGKILL and reap (the data dir stays for a restart)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        """Stop and delete the data. Idempotent."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
