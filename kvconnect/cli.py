@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     master = commands.add_parser("master", help="run a store master (metadata only)")
+    master.add_argument(
+        "--ha", dest="master__ha", metavar="ETCD_URL", help="same as --master-ha: join an HA group"
+    )
     _config_flags(master, "master")
     master.set_defaults(handler=_master)
 

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from kvconnect.errors import ConfigError
+from kvconnect.etcd import parse_url
 
 KiB = 1024
 MiB = 1024 * KiB
 
 TransportName = Literal["auto", "local", "shm", "tcp"]
 NativeMode = Literal["auto", "on", "off"]
-MetadataKind = Literal["p2p", "embedded"]
 
 _C = TypeVar("_C")
 
@@ -73,15 +73,20 @@ class TransferConfig(_Section):
     _SHARED_ENV: ClassVar[dict[str, str]] = {"KVCONNECT_TOKEN": "token"}
 
     name: str | None = None
-    """Segment name. Default: ``host:port`` of the listener (p2p) or a unique name (embedded)."""
+    """Segment name. Default: ``host:port`` of the listener (p2p, etcd) or a unique name
+    (embedded). With p2p metadata it cannot be set."""
     listen_host: str = "127.0.0.1"
     """Interface the peer listener binds to; never widened behind the user's back."""
     listen_port: int = 0
     """TCP port of the peer listener; 0 picks a free one."""
     advertise_host: str | None = None
     """Address peers should dial; required when ``listen_host`` is a wildcard."""
-    metadata: MetadataKind = "p2p"
-    """Where descriptors live: ``p2p`` asks the peer's listener, ``embedded`` is in-process."""
+    metadata: str = "p2p"
+    """Where descriptors live: ``p2p`` asks the peer's listener, ``embedded`` is in-process,
+    ``etcd://host:port[,host:port…]`` publishes them in etcd (needs the ``etcd`` extra)."""
+    metadata_ttl: int = 5
+    """Seconds of the etcd lease on this engine's descriptor (etcd metadata only): the
+    descriptor of an engine that died without closing vanishes within about this long."""
     transport: TransportName = "auto"
     """``auto`` picks local → shm → tcp per peer; any other value forces that transport."""
     shm: bool = True
@@ -129,7 +134,9 @@ class TransferConfig(_Section):
             "idle_timeout",
             "max_connections",
             "max_frame_bytes",
+            "metadata_ttl",
         )
+        _check_metadata(self.metadata)
         if not 0 <= self.listen_port <= 65535:
             raise ConfigError(f"listen_port must be in 0..65535, got {self.listen_port}")
         if self.max_retries < 0:
@@ -248,6 +255,17 @@ class StoreClientConfig(_Section):
         _check_positive(self, "breaker_cooldown", "negative_entries")
         if self.negative_ttl < 0:
             raise ConfigError(f"negative_ttl must be >= 0, got {self.negative_ttl}")
+
+
+def _check_metadata(metadata: str) -> None:
+    if metadata in ("p2p", "embedded"):
+        return
+    if not metadata.startswith("etcd://"):
+        raise ConfigError(
+            "metadata must be p2p, embedded or an etcd://host:port[,host:port] URL; "
+            f"got {metadata!r}"
+        )
+    parse_url(metadata)  # ConfigError naming the bad endpoint
 
 
 def _check_positive(obj: object, *names: str) -> None:

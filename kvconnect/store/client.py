@@ -408,7 +408,13 @@ class StoreClient(Lifecycle):
         except MasterUnavailable:
             self._breaker.failure(self._clock())
             raise
+        # Every outcome must reach the breaker: a probe that is never judged would keep it
+        # half-open, refusing everything, for ever.
         if isinstance(reply, m.Error):
+            if reply.code is Code.NOT_LEADER:  # no leader serves (yet): the store is down
+                self._breaker.failure(self._clock())
+                raise MasterUnavailable(f"no master leads: {reply.message}")
+            self._breaker.success()  # the master is up; it refused this request
             raise StoreError(
                 f"master refused {type(request).__name__}: {reply.code.name}: {reply.message}"
             )

@@ -30,6 +30,7 @@ class Code(enum.IntEnum):
     VERSION = 7
     UNKNOWN_SEGMENT = 8
     INTERNAL = 9
+    NOT_LEADER = 15  # a standby master: ask the leader
     # Outcomes only the client produces:
     TIMEOUT = 10  # the transfer missed its deadline
     FAILED = 11  # the transfer failed (peer died, refused)
@@ -190,6 +191,7 @@ class StatsReply(msgspec.Struct, tag="stats"):
     evictions: int
     evicted_bytes: int
     segments: list[SegmentStats]
+    term: int = 0  # with HA: the leader's term (create revision of its etcd key); 0: standby
 
 
 class Error(msgspec.Struct, tag="error"):

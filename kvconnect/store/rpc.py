@@ -17,7 +17,8 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from kvconnect.errors import ClosedError, MasterUnavailable
+from kvconnect.errors import ClosedError, CoordinationUnavailable, MasterUnavailable
+from kvconnect.etcd import Etcd
 from kvconnect.store import messages as m
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ _request_decoder = msgspec.msgpack.Decoder(m.Envelope)
 _reply_decoder = msgspec.msgpack.Decoder(m.ReplyEnvelope)
 
 Handler = Callable[[m.Request], m.Reply]
+LEADER_KEY = "/kvconnect/master/leader"  # value: the HA leader's endpoint (see master/ha.py)
 
 
 class RpcServer:
@@ -113,11 +115,20 @@ class RpcServer:
 
 
 class RpcClient:
-    """Calls a server; thread-safe (a socket per calling thread)."""
+    """Calls the master; thread-safe (a socket per calling thread).
 
-    def __init__(self, endpoint: str, timeout: float) -> None:
-        self._endpoint = endpoint
+    ``target`` is a zmq endpoint, or ``etcd://…``: then the current HA leader is looked up in
+    etcd, and looked up again (one retry within the timeout) when the master it reached is gone
+    or answers that it is not the leader.
+    """
+
+    def __init__(self, target: str, timeout: float) -> None:
+        self._target = target
         self._timeout = timeout
+        self._etcd = (
+            Etcd(target, timeout=min(timeout, 2.0)) if target.startswith("etcd://") else None
+        )
+        self._endpoint: str | None = None if self._etcd is not None else target
         self._context = zmq.Context()
         self._local = threading.local()
         self._sockets: list[zmq.Socket[bytes]] = []
@@ -127,40 +138,18 @@ class RpcClient:
 
     def call(self, request: m.Request, timeout: float | None = None) -> m.Reply:
         """Send ``request`` and wait for its reply; MasterUnavailable after the timeout."""
-        sock = self._socket()
-        request_id = next(self._ids)
-        payload = _encoder.encode(m.Envelope(m.PROTOCOL_VERSION, request_id, request))
         deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
+        endpoint = self._current()
         try:
-            sock.send(payload, zmq.NOBLOCK)
-        except zmq.Again:
-            # IMMEDIATE: the socket is writable only while connected, so a dead master costs
-            # the timeout here instead of a queued request that would be answered much later.
-            if not sock.poll(_ms(deadline), zmq.POLLOUT):
-                raise MasterUnavailable(f"master {self._endpoint} is not connected") from None
-            try:
-                sock.send(payload, zmq.NOBLOCK)
-            except zmq.Again as exc:
-                raise MasterUnavailable(f"master {self._endpoint} is not connected") from exc
-        while True:
-            # A receive timeout instead of a poll: one call less per request on the hot path.
-            sock.setsockopt(zmq.RCVTIMEO, max(1, _ms(deadline)))
-            try:
-                data = sock.recv()
-            except zmq.Again:
-                raise MasterUnavailable(
-                    f"master {self._endpoint} did not answer {type(request).__name__} in time"
-                ) from None
-            try:
-                reply = _reply_decoder.decode(data)
-            except msgspec.DecodeError:
-                continue  # not ours to interpret; keep waiting for our reply
-            if reply.request_id == request_id:
-                return reply.body
-            if time.monotonic() >= deadline:
-                raise MasterUnavailable(
-                    f"master {self._endpoint} did not answer {type(request).__name__} in time"
-                )
+            reply = self._call_at(endpoint, request, deadline)
+        except MasterUnavailable:
+            if self._etcd is None or not self._relocate(endpoint) or time.monotonic() >= deadline:
+                raise
+            return self._call_at(self._current(), request, deadline)
+        standby = isinstance(reply, m.Error) and reply.code is m.Code.NOT_LEADER
+        if standby and self._etcd is not None and self._relocate(endpoint):
+            return self._call_at(self._current(), request, deadline)
+        return reply
 
     def close(self) -> None:
         """Close every socket and the context. Idempotent."""
@@ -172,23 +161,91 @@ class RpcClient:
         for sock in sockets:
             sock.close(0)
         self._context.term()
+        if self._etcd is not None:
+            self._etcd.close()
 
-    def _socket(self) -> zmq.Socket[bytes]:
+    def _current(self) -> str:
+        endpoint = self._endpoint
+        if endpoint is None:
+            assert self._etcd is not None
+            try:
+                endpoint = find_leader(self._etcd)
+            except CoordinationUnavailable as exc:
+                raise MasterUnavailable(f"cannot look up the master leader: {exc}") from exc
+            if endpoint is None:
+                raise MasterUnavailable("no master is the leader right now")
+            self._endpoint = endpoint
+        return endpoint
+
+    def _relocate(self, failed: str) -> bool:
+        """Forget ``failed`` as the leader; True if etcd now names another endpoint."""
+        self._endpoint = None
+        try:
+            return self._current() != failed
+        except MasterUnavailable:
+            return False
+
+    def _call_at(self, endpoint: str, request: m.Request, deadline: float) -> m.Reply:
+        sock = self._socket(endpoint)
+        request_id = next(self._ids)
+        payload = _encoder.encode(m.Envelope(m.PROTOCOL_VERSION, request_id, request))
+        try:
+            sock.send(payload, zmq.NOBLOCK)
+        except zmq.Again:
+            # IMMEDIATE: the socket is writable only while connected, so a dead master costs
+            # the timeout here instead of a queued request that would be answered much later.
+            if not sock.poll(_ms(deadline), zmq.POLLOUT):
+                raise MasterUnavailable(f"master {endpoint} is not connected") from None
+            try:
+                sock.send(payload, zmq.NOBLOCK)
+            except zmq.Again as exc:
+                raise MasterUnavailable(f"master {endpoint} is not connected") from exc
+        while True:
+            # A receive timeout instead of a poll: one call less per request on the hot path.
+            sock.setsockopt(zmq.RCVTIMEO, max(1, _ms(deadline)))
+            try:
+                data = sock.recv()
+            except zmq.Again:
+                raise MasterUnavailable(
+                    f"master {endpoint} did not answer {type(request).__name__} in time"
+                ) from None
+            try:
+                reply = _reply_decoder.decode(data)
+            except msgspec.DecodeError:
+                continue  # not ours to interpret; keep waiting for our reply
+            if reply.request_id == request_id:
+                return reply.body
+            if time.monotonic() >= deadline:
+                raise MasterUnavailable(
+                    f"master {endpoint} did not answer {type(request).__name__} in time"
+                )
+
+    def _socket(self, endpoint: str) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] | None = getattr(self._local, "socket", None)
-        if sock is not None:
+        if sock is not None and getattr(self._local, "endpoint", None) == endpoint:
             return sock
         with self._lock:
             if self._closed:
                 raise ClosedError("store client is closed")
+            if sock is not None:  # the leader moved: this thread's old socket goes
+                self._sockets.remove(sock)
+                sock.close(0)
             sock = self._context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-            sock.connect(self._endpoint)
+            sock.connect(endpoint)
             self._sockets.append(sock)
         self._local.socket = sock
+        self._local.endpoint = endpoint
         return sock
+
+
+def find_leader(etcd: Etcd) -> str | None:
+    """The current HA leader's endpoint, or None while there is none."""
+    value, _term = etcd.get(LEADER_KEY)
+    return value.decode() if value is not None else None
 
 
 def _ms(deadline: float) -> int:

@@ -31,8 +31,13 @@ def free_port() -> int:
 class Process:
     """A kvconnect command in a child process; ready once it printed its banner line."""
 
-    def __init__(self, args: Sequence[str], ready: str, timeout: float = 30.0) -> None:
+    def __init__(
+        self, args: Sequence[str], ready: str, timeout: float = 30.0, netns: str | None = None
+    ) -> None:
+        """``netns``: run inside that network namespace (``ip netns exec``)."""
         self.args = [sys.executable, "-m", "kvconnect.cli", *args]
+        if netns is not None:
+            self.args = ["ip", "netns", "exec", netns, *self.args]
         self._ready = ready
         self._timeout = timeout
         self.proc: subprocess.Popen[str] | None = None

@@ -21,8 +21,10 @@ def etcd_available() -> bool:
 class EtcdServer:
     """One etcd member with a temporary data dir; restartable on the same ports and data."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", extra_hosts: tuple[str, ...] = ()) -> None:
+        """``extra_hosts``: more addresses to serve clients on (same port)."""
         self.host = host
+        self.extra_hosts = extra_hosts
         self.client_port = free_port()
         self.peer_port = free_port()
         self._dir = tempfile.mkdtemp(prefix="kvconnect-etcd-")
@@ -37,15 +39,33 @@ class EtcdServer:
     def start(self) -> None:
         """Start (again) and wait until healthy."""
         client = f"http://{self.host}:{self.client_port}"
+        listen = ",".join(f"http://{h}:{self.client_port}" for h in (self.host, *self.extra_hosts))
         peer = f"http://127.0.0.1:{self.peer_port}"
         self.proc = subprocess.Popen(
             [
-                "etcd", "--name", "n1", "--data-dir", self._dir,
-                "--listen-client-urls", client, "--advertise-client-urls", client,
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"n1={peer}", "--initial-cluster-state", "new",
-                "--heartbeat-interval", "10", "--election-timeout", "100",
-                "--log-level", "error",
+                "etcd",
+                "--name",
+                "n1",
+                "--data-dir",
+                self._dir,
+                "--listen-client-urls",
+                listen,
+                "--advertise-client-urls",
+                client,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"n1={peer}",
+                "--initial-cluster-state",
+                "new",
+                "--heartbeat-interval",
+                "10",
+                "--election-timeout",
+                "100",
+                "--log-level",
+                "error",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -53,7 +73,8 @@ class EtcdServer:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(f"{client}/health", timeout=1) as response:
+                health = f"{client}/health"  # http on loopback, built here
+                with urllib.request.urlopen(health, timeout=1) as response:  # noqa: S310
                     if b"true" in response.read():
                         return
             except OSError:

@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 _RESOLVER_THREADS = 4
 _COPY_JOB_SLICES = 4  # slices per copy job: amortizes hand-off cost, keeps threads busy
+_ETCD_TIMEOUT = 2.0  # seconds, the longest one etcd call of the metadata backend may take
 
 
 class TransferEngine(Lifecycle):
@@ -80,9 +81,7 @@ class TransferEngine(Lifecycle):
         self.config = config = config or TransferConfig()
         if config.metadata == "p2p" and config.name is not None:
             raise ConfigError("with p2p metadata the segment name is the listener's host:port")
-        self._metadata = metadata or (
-            P2PMetadata(config.token) if config.metadata == "p2p" else EmbeddedMetadata()
-        )
+        self._metadata = metadata or _metadata_backend(config)
         self._engine_id = uuid.uuid4().bytes
         self._registry = MemoryRegistry()
         self._directory = SegmentDirectory(self._metadata, config.connect_timeout)
@@ -125,9 +124,9 @@ class TransferEngine(Lifecycle):
         self._listener.start()
         if not self._name:
             self._name = (
-                self._listener.endpoints["tcp"]
-                if cfg.metadata == "p2p"
-                else f"engine-{self._engine_id.hex()[:12]}"
+                f"engine-{self._engine_id.hex()[:12]}"
+                if cfg.metadata == "embedded"
+                else self._listener.endpoints["tcp"]
             )
         self._workers = CopyWorkers(cfg.copy_threads, cfg.slice_bytes * _COPY_JOB_SLICES)
         copier = Copier(datapath, self._device)
@@ -445,6 +444,21 @@ class TransferEngine(Lifecycle):
             raise ClosedError(
                 "engine is closed" if self._state == "closed" else "engine not started"
             )
+
+
+def _metadata_backend(config: TransferConfig) -> MetadataBackend:
+    """The backend ``config.metadata`` names (validated by TransferConfig)."""
+    if config.metadata == "p2p":
+        return P2PMetadata(config.token)
+    if config.metadata == "embedded":
+        return EmbeddedMetadata()
+    # Imported here: the etcd client (grpc) loads only for engines that use etcd.
+    from kvconnect.transfer.etcd_metadata import EtcdMetadata
+
+    # etcd answers in milliseconds; a short call timeout keeps lease refreshes (every ttl/3)
+    # from stalling, and it stays within connect_timeout, which bounds descriptor lookups.
+    timeout = min(config.connect_timeout, _ETCD_TIMEOUT)
+    return EtcdMetadata(config.metadata, ttl=config.metadata_ttl, timeout=timeout)
 
 
 def _fail(batch: TransferBatch, indices: Iterable[int], error: KVConnectError) -> None:

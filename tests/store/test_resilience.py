@@ -39,3 +39,14 @@ def test_negative_cache_expires_and_is_bounded() -> None:
     disabled = NegativeCache(ttl=0.0, limit=3)
     disabled.add(["a"], 0.0)
     assert disabled.failing(["a"], 0.0) == [False]
+
+
+def test_a_half_open_breaker_judges_its_probe_either_way() -> None:
+    breaker = CircuitBreaker(failures=1, cooldown=1.0)
+    breaker.failure(0.0)
+    assert breaker.allow(1.0)  # the probe
+    assert not breaker.allow(1.0)
+    breaker.failure(1.1)  # judged: open again, a new probe after the cool-down
+    assert breaker.allow(2.2)
+    breaker.success()
+    assert breaker.state is BreakerState.CLOSED

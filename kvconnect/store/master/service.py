@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from kvconnect.config import MasterConfig
 from kvconnect.store import messages as m
+from kvconnect.store.master.ha import Leadership
 from kvconnect.store.master.state import MasterState
 from kvconnect.store.rpc import RpcServer
 
@@ -32,6 +33,9 @@ class MasterService:
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
         self.state = MasterState(config)
+        self._leadership: Leadership | None = None
+        self._term = 0  # the term the current state belongs to
+        self._elected = 0  # the term Leadership reported last (applied by the service thread)
         self._t0 = time.monotonic()
         self._server = RpcServer(config.listen, self._handle, self._tick)
         self._thread: threading.Thread | None = None
@@ -68,6 +72,12 @@ class MasterService:
     def start(self) -> str:
         """Bind, start the service thread (and the metrics server); returns the endpoint."""
         endpoint = self._server.bind()
+        if self.config.ha:
+            advertise = self.config.advertise or endpoint
+            self._leadership = Leadership(
+                self.config.ha, advertise, self.config.ha_ttl, self._leader_changed
+            )
+            self._leadership.start()
         self._thread = threading.Thread(
             target=self._server.serve, name="kvconnect-master", daemon=True
         )
@@ -80,7 +90,10 @@ class MasterService:
         return endpoint
 
     def close(self) -> None:
-        """Stop serving. Idempotent."""
+        """Stop serving (a leader hands leadership over at once). Idempotent."""
+        if self._leadership is not None:
+            self._leadership.close()
+            self._leadership = None
         self._server.stop()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -96,14 +109,24 @@ class MasterService:
 
     # ------------------------------------------------------------------------------ serving
 
+    def _leader_changed(self, term: int) -> None:
+        self._elected = term  # applied by the service thread, which owns the state
+
     def _tick(self) -> float:
         now = self.now()
+        if self._elected != self._term:
+            # A new term starts from an empty index (store servers mount again when their
+            # heartbeat finds they are unknown); a standby keeps nothing.
+            self.state = MasterState(self.config)
+            self._term = self._elected
         self.state.tick(now)
         if now - self._snapshot_at >= _SNAPSHOT_EVERY:
             self._snapshot, self._snapshot_at = self._stats(), now
         return 0.0 if self.state.busy() else 0.05
 
     def _handle(self, request: m.Request) -> m.Reply:
+        if not self._serving() and not isinstance(request, m.Stats):
+            return m.Error(m.Code.NOT_LEADER, "this master is a standby")
         start = time.perf_counter()
         keys = getattr(request, "keys", None) or getattr(request, "items", None)
         if keys is not None and len(keys) > m.MAX_BATCH:
@@ -111,6 +134,13 @@ class MasterService:
         reply = self._handlers[type(request)](request)
         self._latency.labels(type(request).__name__).observe(time.perf_counter() - start)
         return reply
+
+    def _serving(self) -> bool:
+        """Without HA always; with HA only while leading and in the term of the state."""
+        leadership = self._leadership
+        if leadership is None:
+            return self.config.ha == ""
+        return leadership.leading() and self._term == leadership.term
 
     def _exists(self, request: m.Exists) -> m.Reply:
         return m.ExistsReply(self.state.exists(request.keys))
@@ -160,6 +190,7 @@ class MasterService:
             evictions=self.state.evictions,
             evicted_bytes=self.state.evicted_bytes,
             segments=segments,
+            term=self._term if self._serving() else 0,
         )
 
 

@@ -30,6 +30,7 @@ MAX_PARTS = 64
 _CLEANUP_STEP = 4096  # objects of lost segments cleaned per tick
 _EXPIRY_SCAN = 0.25  # seconds between scans for timed-out puts
 _COMPLETE = int(State.COMPLETE)
+_EVICT_ON_FAILURE = 8  # eviction steps one failed allocation may trigger
 
 
 class MasterState:
@@ -186,8 +187,8 @@ class MasterState:
         self, order: list[Segment], size: int, replicas: int, now: float
     ) -> list[tuple[int, int]]:
         placed = self.segments.place(order, size, replicas)
-        for _ in range(4):  # allocation failure: evict some, then try again (bounded)
-            if placed or not self._evict_step(now, self.config.eviction_step * 4):
+        for _ in range(_EVICT_ON_FAILURE):  # evict a little, try again: only what is needed
+            if placed or not self._evict_step(now, self.config.eviction_step):
                 break
             placed = self.segments.place(order, size, replicas)
         return placed

@@ -1,0 +1,204 @@
+"""Master high availability with a real etcd: three masters, store servers, a live workload."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from datetime import datetime
+
+import numpy as np
+import pytest
+
+from kvconnect.config import StoreClientConfig
+from kvconnect.errors import StoreError
+from kvconnect.etcd import Etcd
+from kvconnect.store.client import StoreClient
+from kvconnect.store.messages import Code
+from kvconnect.store.rpc import find_leader
+from kvconnect.testing.cluster import Process, free_port
+from kvconnect.testing.etcd import EtcdServer, etcd_available
+from kvconnect.testing.peer import pattern
+from tests.conftest import wait_for
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not etcd_available(), reason="etcd is not installed"),
+]
+MiB = 1 << 20
+SERVER = ["--store-size", "32M", "--store-heartbeat-interval", "0.3"]
+
+
+def _master(url: str, host: str = "127.0.0.1", netns: str | None = None) -> Process:
+    args = ["master", "--ha", url, "--master-listen", f"tcp://{host}:{free_port()}"]
+    return Process(args, "listening on", netns=netns)
+
+
+class _Workload:
+    """A client putting and reading back pages in a loop; every OK read is checked."""
+
+    def __init__(self, url: str) -> None:
+        config = StoreClientConfig(
+            master=url, rpc_timeout=0.5, io_timeout=1.0, breaker_cooldown=0.1
+        )
+        self.client = StoreClient(config)
+        self.client.start()
+        self.buffer = self.client.register(np.zeros(2 * MiB, dtype=np.uint8))
+        self.ok: list[float] = []
+        self.failed: list[float] = []
+        self.corrupt = 0
+        self.slowest = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def __enter__(self) -> _Workload:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.client.close()
+
+    def _run(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            key = f"page-{n}"
+            self.buffer.view[:MiB] = pattern(n, MiB).data
+            start = time.monotonic()
+            try:
+                put = self.client.batch_put_from([key], self.buffer, [0], [MiB]).codes[0]
+                got = self.client.batch_get_into([key], self.buffer, [MiB], [MiB]).codes[0]
+            except StoreError:
+                put = got = Code.UNAVAILABLE
+            self.slowest = max(self.slowest, time.monotonic() - start)
+            if got is Code.OK and self.buffer.view[MiB:] != pattern(n, MiB).data:
+                self.corrupt += 1
+            (self.ok if put is Code.OK and got is Code.OK else self.failed).append(time.monotonic())
+            time.sleep(0.01)
+
+
+@pytest.fixture
+def etcd() -> Iterator[EtcdServer]:
+    with EtcdServer() as server:
+        yield server
+
+
+def _leader(url: str) -> str | None:
+    etcd = Etcd(url)
+    try:
+        return find_leader(etcd)
+    finally:
+        etcd.close()
+
+
+def test_sigkill_of_the_leader_fails_over_within_three_seconds(etcd: EtcdServer) -> None:
+    masters = [_master(etcd.url) for _ in range(3)]
+    servers = [
+        Process(["store", "--store-master", etcd.url, *SERVER], "store server") for _ in range(2)
+    ]
+    try:
+        with _Workload(etcd.url) as work:
+            wait_for(lambda: len(work.ok) > 5, "the workload never succeeded", 15)
+            leader = _leader(etcd.url)
+            victim = next(m for m in masters if leader is not None and leader in m.args)
+            victim.kill()
+            killed = time.monotonic()
+            wait_for(lambda: _leader(etcd.url) not in (None, leader), "no new leader", 10)
+            elected = time.monotonic() - killed
+            wait_for(
+                lambda: bool(work.ok) and work.ok[-1] > killed, "the workload did not resume", 15
+            )
+            resumed = min(t for t in work.ok if t > killed) - killed
+        assert elected < 3.0, f"a standby took {elected:.2f}s to lead"
+        assert resumed < 5.0, f"the workload resumed after {resumed:.2f}s"
+        assert work.corrupt == 0
+        assert any(killed < t < killed + resumed for t in work.failed), "the gap failed cleanly"
+        assert work.slowest < 5.0, "an operation hung"
+    finally:
+        for process in (*servers, *masters):
+            process.stop()
+
+
+def test_etcd_restart_during_the_workload_hangs_nothing(etcd: EtcdServer) -> None:
+    masters = [_master(etcd.url) for _ in range(2)]
+    servers = [Process(["store", "--store-master", etcd.url, *SERVER], "store server")]
+    try:
+        with _Workload(etcd.url) as work:
+            wait_for(lambda: len(work.ok) > 5, "the workload never succeeded", 15)
+            etcd.kill()
+            time.sleep(1.0)
+            etcd.start()
+            restarted = time.monotonic()
+            wait_for(lambda: bool(work.ok) and work.ok[-1] > restarted, "no recovery", 20)
+            wait_for(lambda: _leader(etcd.url) is not None, "no leader after the restart", 10)
+        assert work.corrupt == 0
+        assert work.slowest < 5.0, "an operation hung"
+    finally:
+        for process in (*servers, *masters):
+            process.stop()
+
+
+_LOG = re.compile(r"^(\S+ \S+) .*master (\S+) (is the leader|steps down) \(term (\d+)\)")
+
+
+def _events(process: Process) -> list[tuple[datetime, str, int]]:
+    events = []
+    for line in process.stderr().splitlines():
+        match = _LOG.match(line)
+        if match:
+            when = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f")
+            events.append((when, match.group(3), int(match.group(4))))
+    return events
+
+
+@pytest.mark.netns
+def test_partitioned_leader_steps_down_before_another_is_elected() -> None:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 for a network namespace")
+    ns, outside, inside = f"kvc-ha-{os.getpid()}", "kvha0", "kvha1"
+    _ip(f"netns add {ns}")
+    try:
+        _ip(f"link add {outside} type veth peer name {inside} netns {ns}")
+        _ip(f"addr add 10.203.0.1/24 dev {outside}")
+        _ip(f"link set {outside} up")
+        _ip(f"-n {ns} addr add 10.203.0.2/24 dev {inside}")
+        _ip(f"-n {ns} link set {inside} up")
+        _ip(f"-n {ns} link set lo up")
+        with EtcdServer(extra_hosts=("10.203.0.1",)) as etcd:
+            isolated = _master(f"etcd://10.203.0.1:{etcd.client_port}", "10.203.0.2", netns=ns)
+            wait_for(lambda: _leader(etcd.url) is not None, "the first master did not lead", 10)
+            others = [_master(etcd.url) for _ in range(2)]
+            try:
+                old_term = _events(isolated)[-1][2]
+                _ip(f"link set {outside} down")  # the partition
+                wait_for(lambda: _leader(etcd.url) not in (None, *isolated.args), "no failover", 15)
+                wait_for(
+                    lambda: any(e[1] == "steps down" for e in _events(isolated)), "no step-down", 10
+                )
+                stepped = next(e for e in _events(isolated) if e[1] == "steps down")
+                elected = [e for p in others for e in _events(p) if e[1] == "is the leader"]
+                assert elected
+                assert min(e[0] for e in elected) > stepped[0], "two leaders at once"
+                assert all(e[2] > old_term for e in elected), "the new term must be later"
+                _ip(f"link set {outside} up")  # healed: the old leader stays a standby
+                time.sleep(2.0)
+                assert not any(
+                    e[1] == "is the leader" and e[0] > stepped[0] for e in _events(isolated)
+                )
+            finally:
+                for process in (*others, isolated):
+                    process.stop()
+    finally:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _ip(f"netns del {ns}")
+
+
+def _ip(command: str) -> None:
+    subprocess.run(["ip", *command.split()], check=True, capture_output=True)
