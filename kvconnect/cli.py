@@ -74,8 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_transfer.add_arguments(transfer)
     transfer.set_defaults(handler=bench_transfer.run)
+    from kvconnect.bench import failover as bench_failover
     from kvconnect.bench import store as bench_store
 
+    failover = benches.add_parser("failover", help="master failover time with etcd HA")
+    bench_failover.add_arguments(failover)
+    failover.set_defaults(handler=bench_failover.run)
     store_bench = benches.add_parser("store", help="store data path, lookups and master scale")
     bench_store.add_arguments(store_bench)
     store_bench.set_defaults(handler=bench_store.run)

@@ -40,11 +40,19 @@ def test_unknown_key_lists_valid_keys() -> None:
         ({"slice_bytes": 1 << 30}, "slice_bytes must not exceed"),
         ({"max_frame_entries": 5000}, "iovec"),
         ({"name": 5}, "name must be a string"),
+        ({"metadata": "zk://h:1"}, "metadata must be p2p, embedded or an etcd://"),
+        ({"metadata": "etcd://h"}, "bad etcd endpoint"),
+        ({"metadata_ttl": 0}, "metadata_ttl must be > 0"),
     ],
 )
 def test_invalid_values_are_rejected(data: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         TransferConfig.from_mapping(data)
+
+
+def test_metadata_accepts_etcd_urls() -> None:
+    env = {"KVCONNECT_TRANSFER_METADATA": "etcd://10.0.0.1:2379,10.0.0.2:2379"}
+    assert TransferConfig.from_env(env).metadata == env["KVCONNECT_TRANSFER_METADATA"]
 
 
 def test_from_env_reads_prefixed_variables_and_shared_token() -> None:

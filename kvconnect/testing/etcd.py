@@ -29,7 +29,11 @@ class EtcdServer:
         self.peer_port = free_port()
         self._dir = tempfile.mkdtemp(prefix="kvconnect-etcd-")
         self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)  # nobody can close() us
+            raise
 
     @property
     def url(self) -> str:
@@ -72,6 +76,12 @@ class EtcdServer:
         )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                # Typically a port taken since free_port() chose it: say so now, not in 20 s.
+                raise RuntimeError(
+                    f"etcd exited with status {self.proc.returncode} "
+                    f"(ports {self.client_port}, {self.peer_port} taken?)"
+                )
             try:
                 health = f"{client}/health"  # http on loopback, built here
                 with urllib.request.urlopen(health, timeout=1) as response:  # noqa: S310
@@ -79,6 +89,7 @@ class EtcdServer:
                         return
             except OSError:
                 time.sleep(0.05)
+        self.kill()  # reaped: an unreaped Popen warns when collected (an error under pytest)
         raise RuntimeError("etcd did not become healthy")
 
     def kill(self) -> None:

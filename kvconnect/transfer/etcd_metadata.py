@@ -21,6 +21,7 @@ engine's cache) can hold.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import threading
@@ -57,8 +58,11 @@ class EtcdMetadata:
 
     def __init__(self, url: str, ttl: int = 5, timeout: float = 2.0) -> None:
         """``url``: ``etcd://host:port[,host:port…]``; ``ttl``: seconds a descriptor outlives
-        its engine. Raises ConfigError for a bad URL, ``ttl < 1`` or ``timeout <= 0``."""
+        its engine. Raises ConfigError for a bad URL, ``ttl < 1``, ``timeout <= 0`` or a missing
+        etcd client."""
         parse_url(url)  # fail at construction, where the configuration is, not at start()
+        if importlib.util.find_spec("pyetcd") is None:
+            raise ConfigError("etcd metadata needs the etcd client: pip install 'kvconnect[etcd]'")
         if ttl < 1:
             raise ConfigError(f"etcd lease ttl must be >= 1 second, got {ttl!r}")
         if timeout <= 0:
@@ -83,6 +87,7 @@ class EtcdMetadata:
         self._owned = False  # our key holds our descriptor under self._lease
         self._dirty = False  # etcd may lack our newest descriptor
         self._stop = threading.Event()
+        self._wake = threading.Event()  # run a keepalive round now (stop, or a failed publish)
         self._keepalive: threading.Thread | None = None
         self._failing = False
         self._last_warning = -math.inf
@@ -123,6 +128,7 @@ class EtcdMetadata:
             self._closed = True
             etcd, self._etcd = self._etcd, None
         self._stop.set()
+        self._wake.set()
         if self._keepalive is not None:
             self._keepalive.join(timeout=_CALLS_PER_ROUND * self._timeout + 1)
         if etcd is not None:
@@ -149,6 +155,7 @@ class EtcdMetadata:
                 self._warn(
                     "cannot publish segment %s to etcd yet (%s); retrying", descriptor.name, exc
                 )
+                self._wake.set()  # retry at the short interval, not a whole ttl/3 from now
 
     def withdraw(self, name: str) -> None:
         """Revoke our lease, which deletes our descriptor with it (and never a descriptor
@@ -170,7 +177,7 @@ class EtcdMetadata:
                 log.warning(
                     "could not withdraw segment %s from etcd (%s); it vanishes within %ss",
                     name,
-                    exc,
+                    str(exc),  # not the exception: see _warn
                     self._ttl,
                 )
 
@@ -237,7 +244,11 @@ class EtcdMetadata:
 
     def _run(self, etcd: Etcd) -> None:
         delay = self._interval
-        while not self._stop.wait(delay):
+        while True:
+            self._wake.wait(delay)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             delay = self._interval if self._keep_alive(etcd) else min(_RETRY, self._interval)
 
     def _keep_alive(self, etcd: Etcd) -> bool:
@@ -260,9 +271,12 @@ class EtcdMetadata:
             log.info("etcd keepalive of segment %s works again", self._key)
         return True
 
-    def _warn(self, message: str, *args: object) -> None:
+    def _warn(self, message: str, name: object, error: Exception) -> None:
         """WARNING at most every few seconds, DEBUG in between: an outage is one story."""
         self._failing = True
+        # The text, not the exception: a buffered log record holding it would keep the
+        # caller's frames alive through its traceback (e.g. memory being registered).
+        args = (name, str(error))
         now = time.monotonic()
         if now - self._last_warning >= _WARN_EVERY:
             self._last_warning = now
