@@ -77,7 +77,7 @@ run_bench() {
 }
 
 run_tests() {
-    apt_packages iproute2 iptables
+    apt_packages iproute2 iptables etcd-server
     setup_venv
     log "ruff (lint + format)"
     "$VENV/bin/ruff" check .

@@ -216,8 +216,9 @@ class StoreServerConfig(_Section):
     """Back the memory with huge pages (needs vm.nr_hugepages)."""
     server_id: str = ""
     """Identity at the master; default: host name, pid and a random suffix."""
-    heartbeat_interval: float = 1.0
-    """Seconds between heartbeats."""
+    heartbeat_interval: float = 0.5
+    """Seconds between heartbeats. Each also acknowledges the master's journal, and released
+    space is reused only once acknowledged, so this bounds how soon evicted space returns."""
     rpc_timeout: float = 2.0
     """Timeout of one call to the master."""
     metrics_port: int = 0

@@ -12,12 +12,19 @@ import pytest
 
 from kvconnect.config import TransferConfig
 from kvconnect.testing.conformance import TARGET_BYTES
+from kvconnect.testing.etcd import etcd_available
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import TransferEngine
 from kvconnect.transfer.cuda import cuda_device_count
 from kvconnect.transfer.iov import native_available
 
 DATAPATHS = ["native", "python"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In CI, etcd is part of the set-up (``dev.sh test`` installs it): its tests must run."""
+    if os.environ.get("CI") and not etcd_available():
+        pytest.exit("CI: etcd is not installed (dev.sh test installs etcd-server)", returncode=1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

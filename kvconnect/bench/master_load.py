@@ -13,14 +13,39 @@ from kvconnect.store import messages as m
 from kvconnect.store.rpc import RpcClient
 
 FILL_BATCH = 1000
+SERVER = "bench-server"
+MOUNT = "mount-virtual"
 
 
-def mount_virtual(rpc: RpcClient, size: int, name: str = "virtual") -> None:
+def mount_virtual(rpc: RpcClient, size: int) -> None:
     """Mount a segment the master only accounts for: the master never touches memory."""
-    spec = m.SegmentSpec(name=name, engine_segment=name, region=1, size=size, host_id="bench")
-    reply = rpc.call(m.Mount("bench-server", f"mount-{name}", spec))
+    spec = m.SegmentSpec(name="virtual", engine_segment="virtual", region=1, size=size, host_id="b")
+    reply = rpc.call(m.Mount(SERVER, MOUNT, spec))
     if reply != m.CodesReply([m.Code.OK]):
         raise RuntimeError(f"mount refused: {reply!r}")
+
+
+def drain_journal(rpc: RpcClient) -> None:
+    """Do what the virtual segment's store server would: take the journal and acknowledge it
+    (the master reuses released space only then, and keeps changes until then)."""
+    applied = 0
+    while True:
+        reply = rpc.call(m.Heartbeat(SERVER, [MOUNT], [applied]), timeout=30)
+        if not isinstance(reply, m.HeartbeatReply) or not reply.changes:
+            raise RuntimeError(f"heartbeat refused: {reply!r}")
+        changes = reply.changes[0]
+        if not changes.changes:
+            return
+        applied = changes.first + len(changes.changes)
+
+
+def _put(rpc: RpcClient, client: str, items: list[m.PutItem]) -> None:
+    reply = rpc.call(m.PutStart(client, items), timeout=30)
+    if not isinstance(reply, m.PutStartReply):
+        raise RuntimeError(f"put_start refused: {reply!r}")
+    done = [(item.key, p.put) for item, p in zip(items, reply.results, strict=True) if p.put]
+    keys = [key for key, _ in done]
+    rpc.call(m.PutEnd(client, keys, [0] * len(keys), [put for _, put in done]), timeout=30)
 
 
 def fill(
@@ -36,9 +61,8 @@ def fill(
     keys = []
     for base in range(start, start + count, FILL_BATCH):
         batch = [key_format.format(i) for i in range(base, min(base + FILL_BATCH, start + count))]
-        items = [m.PutItem(k, rng.randint(low, high)) for k in batch]
-        rpc.call(m.PutStart("bench", items), timeout=30)
-        rpc.call(m.PutEnd("bench", batch, [0] * len(batch)), timeout=30)
+        _put(rpc, "bench", [m.PutItem(k, rng.randint(low, high)) for k in batch])
+        drain_journal(rpc)
         keys += batch
     return keys
 
@@ -76,15 +100,18 @@ def rss_bytes(pid: int) -> int:
 
 
 def _writer(endpoint: str, rate: float, seconds: float, size: int) -> None:
-    """Put ``rate`` objects per second (in batches of 100) for ``seconds``."""
+    """Put ``rate`` objects per second (in batches of 100) for ``seconds``, acknowledging the
+    journal like a store server does (every 50 ms)."""
     rpc = RpcClient(endpoint, 10.0)
     end = time.monotonic() + seconds
     n = 0
+    next_ack = 0.0
     while time.monotonic() < end:
-        batch = [f"writer-{n + i:012d}" for i in range(100)]
+        _put(rpc, "writer", [m.PutItem(f"writer-{n + i:012d}", size) for i in range(100)])
         n += 100
-        rpc.call(m.PutStart("writer", [m.PutItem(k, size) for k in batch]))
-        rpc.call(m.PutEnd("writer", batch, [0] * 100))
+        if time.monotonic() >= next_ack:
+            drain_journal(rpc)
+            next_ack = time.monotonic() + 0.05
         time.sleep(max(0.0, 100 / rate - 0.001))
     rpc.close()
 

@@ -249,41 +249,48 @@ class StoreClient(Lifecycle):
                 )
                 owners.append(i)
         outcome = self._transfer(TransferOp.WRITE, requests, owners, len(keys), deadline)
-        written = [k for i, k in enumerate(keys) if codes[i] is Code.OK and outcome[i] is Code.OK]
-        failed = [
-            k for i, k in enumerate(keys) if codes[i] is Code.OK and outcome[i] is not Code.OK
-        ]
-        for i in range(len(keys)):
-            if codes[i] is Code.OK:
-                codes[i] = outcome[i]
-        self._finish_puts(written, failed, part, keys, codes)
-        self._negative.discard(written)
+        started = [i for i in range(len(keys)) if codes[i] is Code.OK]
+        written = [i for i in started if outcome[i] is Code.OK]
+        failed = [i for i in started if outcome[i] is not Code.OK]
+        for i in started:
+            codes[i] = outcome[i]
+        self._finish_puts(keys, [p.put for p in reply.results], written, failed, part, codes)
+        self._negative.discard([keys[i] for i in written])
         return BatchResult(tuple(codes), tuple(sizes))
 
     def _finish_puts(
         self,
-        written: list[str],
-        failed: list[str],
-        part: _Part | None,
         keys: list[str],
+        puts: list[int],
+        written: list[int],
+        failed: list[int],
+        part: _Part | None,
         codes: list[Code],
     ) -> None:
-        position = {key: i for i, key in enumerate(keys)}
+        """End the puts whose bytes are in (their codes become the master's verdict), revoke
+        the others. ``written``/``failed``: indices into ``keys``."""
         if written:
+            index = part.index if part else 0
+            end = m.PutEnd(
+                self.client_id,
+                [keys[i] for i in written],
+                [index] * len(written),
+                [puts[i] for i in written],
+            )
             try:
-                reply = self._call(
-                    m.PutEnd(self.client_id, written, [part.index if part else 0] * len(written))
-                )
-                ends = _codes(reply, len(written))
+                ends = _codes(self._call(end), len(written))
             except StoreError:
                 ends = [Code.UNAVAILABLE] * len(written)
-            for key, end in zip(written, ends, strict=True):
-                if end is not Code.OK:
-                    codes[position[key]] = Code.FAILED if end is Code.DISCARDED else end
+            for i, code in zip(written, ends, strict=True):
+                if code is not Code.OK:
+                    codes[i] = Code.FAILED if code is Code.DISCARDED else code
         if failed:
             # If the master is unreachable, it discards the pending put at its timeout anyway.
+            revoke = m.PutRevoke(
+                self.client_id, [keys[i] for i in failed], [puts[i] for i in failed]
+            )
             with contextlib.suppress(StoreError):
-                self._call(m.PutRevoke(self.client_id, failed))
+                self._call(revoke)
 
     # ---------------------------------------------------------------------------------- get
 

@@ -12,7 +12,7 @@ from typing import Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2  # 2: store servers keep and report what they hold (journal)
 MAX_KEY_BYTES: Final = 1024
 MAX_BATCH: Final = 65536
 
@@ -56,10 +56,13 @@ class PutItem(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Placement(msgspec.Struct, array_like=True, frozen=True):
-    """Answer to one PutItem: where to write (code OK) or why not."""
+    """Answer to one PutItem: where to write (code OK) or why not. ``put`` names this put in
+    PutEnd/PutRevoke, so a late writer never completes or revokes another writer's put of the
+    same key (after a timeout, or across a master failover)."""
 
     code: Code
     locations: list[Location]
+    put: int = 0
 
 
 class Replicas(msgspec.Struct, array_like=True, frozen=True):
@@ -68,6 +71,23 @@ class Replicas(msgspec.Struct, array_like=True, frozen=True):
     code: Code
     size: int
     locations: list[Location]
+
+
+class Change(msgspec.Struct, array_like=True, frozen=True):
+    """One change to what a segment holds: an object committed there (``key`` set) or the space
+    of the object at ``offset`` released (``key`` empty). Also one held object in a report."""
+
+    key: str
+    offset: int
+    size: int
+
+
+class Changes(msgspec.Struct, array_like=True, frozen=True):
+    """The master's journal of one mount from sequence number ``first`` on."""
+
+    mount_id: str
+    first: int
+    changes: list[Change]
 
 
 class SegmentSpec(msgspec.Struct, frozen=True):
@@ -89,6 +109,7 @@ class SegmentStats(msgspec.Struct, frozen=True):
     capacity: int
     used: int
     objects: int
+    backlog: int = 0  # journal changes its server has not acknowledged
 
 
 # ---------------------------------------------------------------------------------- requests
@@ -110,11 +131,13 @@ class PutEnd(msgspec.Struct, tag="put_end"):
     client: str
     keys: list[str]
     parts: list[int]
+    puts: list[int]  # Placement.put of each key
 
 
 class PutRevoke(msgspec.Struct, tag="put_revoke"):
     client: str
     keys: list[str]
+    puts: list[int]  # Placement.put of each key
 
 
 class GetReplicas(msgspec.Struct, tag="get_replicas"):
@@ -128,9 +151,24 @@ class Remove(msgspec.Struct, tag="remove"):
 
 
 class Mount(msgspec.Struct, tag="mount"):
+    """Offer a segment. ``held``: objects the segment already holds (after a master restart or
+    failover), sorted by offset; ``more``: further ones follow in Report messages, and the
+    master allocates nothing there until the last one."""
+
     server: str
     mount_id: str
     segment: SegmentSpec
+    held: list[Change] = []
+    more: bool = False
+
+
+class Report(msgspec.Struct, tag="report"):
+    """More held objects of a mount (see Mount), continuing in offset order."""
+
+    server: str
+    mount_id: str
+    held: list[Change]
+    more: bool
 
 
 class Unmount(msgspec.Struct, tag="unmount"):
@@ -139,8 +177,12 @@ class Unmount(msgspec.Struct, tag="unmount"):
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    """Liveness, and per mount how many journal changes the server has applied (an ack: the
+    master reuses released space only once the server knows it no longer holds that object)."""
+
     server: str
     mount_ids: list[str]
+    applied: list[int]
 
 
 class Stats(msgspec.Struct, tag="stats"):
@@ -155,6 +197,7 @@ Request = (
     | GetReplicas
     | Remove
     | Mount
+    | Report
     | Unmount
     | Heartbeat
     | Stats
@@ -182,6 +225,7 @@ class ReplicasReply(msgspec.Struct, tag="replicas"):
 
 class HeartbeatReply(msgspec.Struct, tag="heartbeat"):
     unknown: list[str]  # mount ids the master does not have: mount them again
+    changes: list[Changes]  # journal changes the server has not applied yet
 
 
 class StatsReply(msgspec.Struct, tag="stats"):

@@ -2,9 +2,16 @@
 
 The memory is shared memory from the transfer engine (``allocate``: pre-faulted, optionally
 huge pages), so same-host clients copy straight from it and remote ones go through the engine's
-listener. The server holds no metadata: the master decides what lives where. Heartbeats run on
-their own thread; when the master answers that it does not know our mount (it restarted), the
-server mounts again — with empty contents, as far as the master knows.
+listener. The master decides what lives where; the server follows the master's journal of its
+segment (objects committed, space released — delivered with heartbeat replies and acknowledged
+by the next heartbeat), so it always knows which objects it holds.
+
+When the master answers that it does not know our mount (a master restart, a failover to a
+standby, or heartbeats lost for ``heartbeat_ttl``), the server first *fences* its memory — the
+engine publishes it under a new region id, so every transfer the old master arranged fails
+from then on — waits for transfers in progress to end, and mounts again, reporting the objects
+it holds. The new master indexes them: the cache survives, and no late write or read arranged
+by the previous master can touch space the new one hands out.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -24,11 +32,15 @@ from kvconnect.config import StoreServerConfig, TransferConfig
 from kvconnect.errors import KVConnectError, StoreError
 from kvconnect.lifecycle import Lifecycle
 from kvconnect.store import messages as m
+from kvconnect.store.held import HeldObjects
 from kvconnect.store.rpc import RpcClient
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
 
 log = logging.getLogger(__name__)
+
+_SYNC_INTERVAL = 0.05  # seconds between heartbeats while the journal has changes for us
+_DRAIN_POLL = 0.01  # seconds between checks that transfers of a fenced region are over
 
 
 class StoreServer(Lifecycle):
@@ -47,13 +59,15 @@ class StoreServer(Lifecycle):
         self._thread: threading.Thread | None = None
         self._http: Any = None
         self._mounted = False
+        self.held = HeldObjects()  # used by the heartbeat thread only
+        """What this server holds, as the master's journal told it."""
 
     @property
     def spec(self) -> m.SegmentSpec:
         """What this server mounts at the master."""
         assert self.region is not None
         return m.SegmentSpec(
-            name=f"{self.engine.name}/{self.region.id}",
+            name=self.engine.name,
             engine_segment=self.engine.name,
             region=self.region.id,
             size=self.region.length,
@@ -105,20 +119,61 @@ class StoreServer(Lifecycle):
         self.engine.close()
 
     def _mount(self) -> None:
-        reply = self._rpc.call(m.Mount(self.server_id, self.mount_id, self.spec))
-        if not isinstance(reply, m.CodesReply) or reply.codes != [m.Code.OK]:
-            raise StoreError(f"master refused the mount: {reply!r}")
+        """Mount (again, with the same mount id, if a previous attempt broke off), reporting
+        what we hold in offset order, in batches."""
+        changes = self.held.report()
+        batches = [changes[i : i + m.MAX_BATCH] for i in range(0, len(changes), m.MAX_BATCH)]
+        first = batches[0] if batches else []
+        request: m.Request = m.Mount(
+            self.server_id, self.mount_id, self.spec, first, more=len(batches) > 1
+        )
+        for n in range(len(batches) or 1):
+            if n:
+                more = n + 1 < len(batches)
+                request = m.Report(self.server_id, self.mount_id, batches[n], more)
+            reply = self._rpc.call(request)
+            if not isinstance(reply, m.CodesReply) or reply.codes != [m.Code.OK]:
+                raise StoreError(f"master refused the mount: {reply!r}")
         self._mounted = True
+        if changes:
+            log.info("mounted %s, reporting %d held objects", self.spec.name, len(changes))
+
+    def _remount(self) -> None:
+        """The master lost our mount: fence, wait for old transfers to end, mount anew."""
+        assert self.region is not None
+        old, self.region = self.region, self.engine.fence(self.region)
+        self.mount_id = uuid.uuid4().hex
+        self.held.new_mount()
+        self._mounted = False
+        deadline = time.monotonic() + self.config.rpc_timeout
+        while self.engine.users(old) and not self._stop.wait(_DRAIN_POLL):
+            if time.monotonic() > deadline:
+                log.warning(
+                    "waiting for %d transfer(s) of the fenced region", self.engine.users(old)
+                )
+                deadline = time.monotonic() + self.config.rpc_timeout
+        self._mount()
 
     def _heartbeats(self) -> None:
-        while not self._stop.wait(self.config.heartbeat_interval):
+        delay = self.config.heartbeat_interval
+        while not self._stop.wait(delay):
+            delay = self.config.heartbeat_interval
             try:
-                reply = self._rpc.call(m.Heartbeat(self.server_id, [self.mount_id]))
+                if not self._mounted:
+                    self._mount()
+                # A heartbeat waits no longer than its interval: a dead leader is then noticed,
+                # and the new one found in etcd, within about one interval.
+                heartbeat = m.Heartbeat(self.server_id, [self.mount_id], [self.held.applied])
+                reply = self._rpc.call(heartbeat, timeout=self.config.heartbeat_interval)
                 if not isinstance(reply, m.HeartbeatReply):
                     raise StoreError(f"unexpected heartbeat reply {reply!r}")
                 if reply.unknown:
                     log.warning("master does not know our segment (restarted?): mounting again")
-                    self._mount()
+                    self._remount()
+                for changes in reply.changes:
+                    if changes.mount_id == self.mount_id and changes.changes:
+                        self.held.apply(changes)
+                        delay = _SYNC_INTERVAL  # acknowledge soon: the master waits to reuse
             except KVConnectError as exc:
                 log.warning("heartbeat failed: %s", exc)
 

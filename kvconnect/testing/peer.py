@@ -101,6 +101,12 @@ class PeerProcess:
         """Overwrite a region with :func:`pattern` of ``seed``."""
         self.call({"cmd": "fill", "region": self._region(region), "seed": seed})
 
+    def fence(self, region: str) -> int:
+        """Fence one of the peer's regions (``TransferEngine.fence``); returns the new id."""
+        reply = self.call({"cmd": "fence", "region": self._region(region)})
+        self.regions[region] = int(reply["region"])
+        return self.regions[region]
+
     def transfer(
         self,
         op: str,
@@ -207,6 +213,10 @@ def _handle(
         ]
         batch = engine.submit(TransferOp(command["op"]), requests, timeout=command["timeout"])
         return {"statuses": [s.value for s in batch.wait()]}
+    if cmd == "fence":
+        fresh = engine.fence(regions.pop(command["region"]))
+        regions[fresh.id] = fresh
+        return {"region": fresh.id}
     if cmd == "stats":
         stats = engine.stats()
         reply = dataclasses.asdict(stats.listener)

@@ -236,6 +236,25 @@ class TransferEngine(Lifecycle):
         self._registry.unregister(region)
         self._republish()
 
+    def fence(self, region: MemoryRegion) -> MemoryRegion:
+        """Cut off every peer that addressed ``region``: it is published again under a new id
+        (same memory, same bytes) and requests naming the old id fail from now on — over TCP,
+        and through shared memory for peers that mapped it. Returns the new region; the old
+        one is no longer registered. Accesses that began before may still run until
+        :meth:`users` of the old region is 0.
+
+        A store server does this before it mounts its memory at a new master, which knows
+        nothing of the transfers the old master started: none of them can land afterwards.
+        """
+        self._require_open()
+        fresh = self._registry.fence(region)
+        self._republish()
+        return fresh
+
+    def users(self, region: MemoryRegion) -> int:
+        """How many transfers (served or initiated) use ``region`` now."""
+        return self._registry.users(region)
+
     def _republish(self) -> None:
         if self._state == "started":
             self._metadata.publish(self._describe())

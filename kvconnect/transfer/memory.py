@@ -190,6 +190,41 @@ class MemoryRegistry:
             del self._users[region.id]
         _withdraw(region)
 
+    def fence(self, region: MemoryRegion) -> MemoryRegion:
+        """The same memory under a new id; the old id is refused from now on (shared regions
+        say so in their header, so peers that mapped it fail too). Accesses that began before
+        may still run: :meth:`users` of the old region tells when they are over."""
+        region_id = self._take_id()
+        fresh = MemoryRegion(
+            region_id=region_id,
+            kind=region.kind,
+            address=region.address,
+            length=region.length,
+            writable=region.writable,
+            device=region.device,
+            view=region._view,
+            keepalive=region._keepalive,
+            shared=region._shared,
+        )
+        with self._lock:
+            if self._regions.get(region.id) is not region:
+                raise RegistrationError(f"region {region.id} is not registered here")
+            del self._regions[region.id]
+            self._regions[region_id] = fresh
+            self._users[region_id] = 0
+            if not self._users[region.id]:
+                del self._users[region.id]
+            if fresh._shared is not None:
+                _SHM_HEADER_FMT.pack_into(
+                    fresh._shared.mapping, 0, SHM_MAGIC, region_id, fresh.length, 1
+                )
+        return fresh
+
+    def users(self, region: MemoryRegion) -> int:
+        """Accesses (served or initiated) still using ``region``, registered or fenced."""
+        with self._lock:
+            return self._users.get(region.id, 0)
+
     def get(self, region_id: int) -> MemoryRegion | None:
         """The region with ``region_id`` or None."""
         with self._lock:
@@ -248,8 +283,13 @@ class MemoryRegistry:
         """End one use of each region (from :meth:`acquire` or :meth:`hold_many`)."""
         with self._lock:
             for region in regions:
-                if region.id in self._users:
-                    self._users[region.id] -= 1
+                users = self._users.get(region.id)
+                if users is None:
+                    continue
+                if users > 1 or region.id in self._regions:
+                    self._users[region.id] = users - 1
+                else:
+                    del self._users[region.id]  # the last use of a fenced id
 
     def regions(self) -> tuple[MemoryRegion, ...]:
         """Snapshot of the registered regions, by id."""

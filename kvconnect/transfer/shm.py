@@ -96,6 +96,8 @@ class ShmTransport:
             state = self._peers.get(peer.engine_id)
             if state is None:
                 state = self._peers[peer.engine_id] = _ShmPeer(peer, self._config)
+            else:
+                state.update(peer)
             if self._watch is None and not self._stop.is_set():
                 self._watch = threading.Thread(
                     target=self._watch_loop, name="kvconnect-shm-watch", daemon=True
@@ -210,6 +212,7 @@ class ShmTransport:
         if mapped is None:
             mapped = state.mapping(piece.remote_region)
             if not mapped.live(piece.remote_region):
+                state.unmap(piece.remote_region)  # withdrawn or fenced: it never comes back
                 raise AccessDenied(f"region {piece.remote_region}: UNKNOWN_REGION")
             maps[piece.remote_region] = mapped
         if piece.remote_offset + piece.length > mapped.length:
@@ -239,6 +242,17 @@ class _ShmPeer:
             if mapped is None:
                 mapped = self._maps[region_id] = self._map(region_id)
             return mapped
+
+    def update(self, peer: SegmentDescriptor) -> None:
+        """Take the peer's newest descriptor (it lists the regions we may map)."""
+        with self._lock:
+            self.peer = peer
+
+    def unmap(self, region_id: int) -> None:
+        """Forget a region's mapping; it is unmapped with its last reference (a copy running
+        in another thread may still hold it, so it is not closed here)."""
+        with self._lock:
+            self._maps.pop(region_id, None)
 
     def mappings(self) -> list[_Mapping]:
         """The mapped regions (a snapshot)."""

@@ -31,7 +31,8 @@ pytestmark = [
     pytest.mark.skipif(not etcd_available(), reason="etcd is not installed"),
 ]
 MiB = 1 << 20
-SERVER = ["--store-size", "32M", "--store-heartbeat-interval", "0.3"]
+# Big enough that the workload never evicts: every page it stored must survive a failover.
+SERVER = ["--store-size", "256M", "--store-heartbeat-interval", "0.3"]
 
 
 def _master(url: str, host: str = "127.0.0.1", netns: str | None = None) -> Process:
@@ -51,6 +52,7 @@ class _Workload:
         self.buffer = self.client.register(np.zeros(2 * MiB, dtype=np.uint8))
         self.ok: list[float] = []
         self.failed: list[float] = []
+        self.stored: list[tuple[float, int]] = []  # (when, n) of each page put and read back
         self.corrupt = 0
         self.slowest = 0.0
         self._stop = threading.Event()
@@ -61,9 +63,20 @@ class _Workload:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.pause()
+        self.client.close()
+
+    def pause(self) -> None:
+        """Stop the loop (the client stays open)."""
         self._stop.set()
         self._thread.join(timeout=30)
-        self.client.close()
+
+    def read(self, n: int) -> Code:
+        """Read page ``n`` back; a wrong byte counts as corrupt."""
+        codes = self.client.batch_get_into([f"page-{n}"], self.buffer, [MiB], [MiB]).codes
+        if codes[0] is Code.OK and self.buffer.view[MiB:] != pattern(n, MiB).data:
+            self.corrupt += 1
+        return codes[0]
 
     def _run(self) -> None:
         n = 0
@@ -80,8 +93,13 @@ class _Workload:
             self.slowest = max(self.slowest, time.monotonic() - start)
             if got is Code.OK and self.buffer.view[MiB:] != pattern(n, MiB).data:
                 self.corrupt += 1
-            (self.ok if put is Code.OK and got is Code.OK else self.failed).append(time.monotonic())
-            time.sleep(0.01)
+            now = time.monotonic()
+            if put is Code.OK and got is Code.OK:
+                self.ok.append(now)
+                self.stored.append((now, n))
+            else:
+                self.failed.append(now)
+            time.sleep(0.05)
 
 
 @pytest.fixture
@@ -106,6 +124,10 @@ def test_sigkill_of_the_leader_fails_over_within_three_seconds(etcd: EtcdServer)
     try:
         with _Workload(etcd.url) as work:
             wait_for(lambda: len(work.ok) > 5, "the workload never succeeded", 15)
+            # Pages stored by now reach their store server's journal long before the kill
+            # (heartbeats every 0.3 s): the new leader must index every one of them.
+            durable = [n for _when, n in work.stored]
+            time.sleep(2.0)
             leader = _leader(etcd.url)
             victim = next(m for m in masters if leader is not None and leader in m.args)
             victim.kill()
@@ -116,6 +138,9 @@ def test_sigkill_of_the_leader_fails_over_within_three_seconds(etcd: EtcdServer)
                 lambda: bool(work.ok) and work.ok[-1] > killed, "the workload did not resume", 15
             )
             resumed = min(t for t in work.ok if t > killed) - killed
+            work.pause()
+            survived = [work.read(n) for n in durable]
+        assert survived == [Code.OK] * len(durable), "pages stored before the failover were lost"
         assert elected < 3.0, f"a standby took {elected:.2f}s to lead"
         assert resumed < 5.0, f"the workload resumed after {resumed:.2f}s"
         assert work.corrupt == 0
@@ -183,10 +208,15 @@ def test_partitioned_leader_steps_down_before_another_is_elected() -> None:
                     lambda: any(e[1] == "steps down" for e in _events(isolated)), "no step-down", 10
                 )
                 stepped = next(e for e in _events(isolated) if e[1] == "steps down")
-                elected = [e for p in others for e in _events(p) if e[1] == "is the leader"]
-                assert elected
-                assert min(e[0] for e in elected) > stepped[0], "two leaders at once"
-                assert all(e[2] > old_term for e in elected), "the new term must be later"
+
+                def elected() -> list[tuple[datetime, str, int]]:
+                    return [e for p in others for e in _events(p) if e[1] == "is the leader"]
+
+                # etcd may name the new leader a moment before its log line is written
+                wait_for(lambda: bool(elected()), "the new leader logged nothing", 5)
+                elected_events = elected()
+                assert min(e[0] for e in elected_events) > stepped[0], "two leaders at once"
+                assert all(e[2] > old_term for e in elected_events), "the new term is later"
                 _ip(f"link set {outside} up")  # healed: the old leader stays a standby
                 time.sleep(2.0)
                 assert not any(
@@ -198,6 +228,8 @@ def test_partitioned_leader_steps_down_before_another_is_elected() -> None:
     finally:
         with contextlib.suppress(subprocess.CalledProcessError):
             _ip(f"netns del {ns}")
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _ip(f"link del {outside}")  # may outlive the namespace for a while
 
 
 def _ip(command: str) -> None:

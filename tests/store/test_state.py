@@ -31,13 +31,22 @@ def _mount(
     return mount_id
 
 
+def _acknowledge(state: MasterState, now: float) -> None:
+    """What every store server's next two heartbeats do: fetch the journal, acknowledge it."""
+    for segment in state.segments.live():
+        server, mount = segment.server, segment.mount_id
+        base = segment.journal_base
+        _unknown, changes = state.heartbeat(server, [mount], [base], now)
+        state.heartbeat(server, [mount], [base + len(changes[0].changes)], now)
+
+
 def _put(
     state: MasterState, key: str, size: int = 1000, now: float = 0.0, client: str = "c"
 ) -> Code:
     placement = state.put_start(client, [PutItem(key, size)], 1, "h1", False, now)[0]
     if placement.code is not Code.OK:
         return placement.code
-    return state.put_end([key], [0], now)[0]
+    return state.put_end([key], [0], [placement.put], now)[0]
 
 
 def test_put_lifecycle_and_write_once() -> None:
@@ -49,8 +58,9 @@ def test_put_lifecycle_and_write_once() -> None:
     assert state.exists(["k"]) == [False], "a pending object is not readable"
     assert state.get_replicas(["k"], 0.0)[0].code is Code.NOT_FOUND
     assert state.put_start("c2", [PutItem("k", 1000)], 1, "h1", False, 0.0)[0].code is Code.BUSY
-    assert state.put_end(["k"], [0], 0.0) == [Code.OK]
-    assert state.put_end(["k"], [0], 0.0) == [Code.OK], "idempotent"
+    assert state.put_end(["k"], [0], [placement.put + 1], 0.0) == [Code.DISCARDED], "not its put"
+    assert state.put_end(["k"], [0], [placement.put], 0.0) == [Code.OK]
+    assert state.put_end(["k"], [0], [placement.put], 0.0) == [Code.OK], "idempotent"
     assert state.exists(["k", "other"]) == [True, False]
     assert state.put_start("c2", [PutItem("k", 1000)], 1, "h1", False, 0.0)[0].code is Code.EXISTS
     replicas = state.get_replicas(["k"], 0.0)[0]
@@ -76,16 +86,21 @@ def test_invalid_items_are_refused() -> None:
     assert state.put_start("c", [PutItem("k", 10)], 0, "", False, 0.0)[0].code is Code.INVALID
 
 
-def test_no_space_then_eviction_on_allocation_failure() -> None:
+def test_no_space_starts_eviction_and_the_space_returns_once_acknowledged() -> None:
     state = _state()
     _mount(state, "a", size=4 * MiB)
     for i in range(4):
         assert _put(state, f"k{i}", MiB) is Code.OK
-    # full: the next put evicts (no lease, nothing pending) and succeeds
-    assert _put(state, "new", MiB, now=1.0) is Code.OK
+    # full: this put fails and starts an eviction round of at least its size
+    assert _put(state, "new", MiB, now=1.0) is Code.NO_SPACE
+    state.tick(1.0)
     assert state.evictions >= 1
-    assert sum(state.exists([f"k{i}" for i in range(4)])) <= 3
-    assert _put(state, "huge", 8 * MiB, now=1.0) is Code.NO_SPACE
+    assert sum(state.exists([f"k{i}" for i in range(4)])) == 4 - state.evictions
+    # the store server has not acknowledged the release yet: the space is not reused
+    assert _put(state, "new", MiB, now=1.0) is Code.NO_SPACE
+    _acknowledge(state, 1.1)
+    assert _put(state, "new", MiB, now=1.1) is Code.OK
+    assert _put(state, "huge", 8 * MiB, now=1.1) is Code.NO_SPACE
 
 
 def test_leased_and_pending_objects_are_never_evicted() -> None:
@@ -111,6 +126,7 @@ def test_remove_respects_leases_unless_forced_and_quarantines_space() -> None:
     # a reader may still hold the lease: the space comes back only after it expires
     assert _put(state, "k2", MiB, now=2.0) is Code.NO_SPACE
     state.tick(10.5)
+    _acknowledge(state, 10.5)
     assert _put(state, "k2", MiB, now=10.5) is Code.OK
     assert state.remove(["nope"], False, 11.0) == [Code.NOT_FOUND]
 
@@ -118,9 +134,10 @@ def test_remove_respects_leases_unless_forced_and_quarantines_space() -> None:
 def test_pending_put_times_out_and_late_end_is_refused() -> None:
     state = _state()
     _mount(state, "a", size=MiB)
-    assert state.put_start("c", [PutItem("k", MiB)], 1, "h1", False, 0.0)[0].code is Code.OK
+    late = state.put_start("c", [PutItem("k", MiB)], 1, "h1", False, 0.0)[0]
+    assert late.code is Code.OK
     state.tick(6.0)  # put_timeout 5
-    assert state.put_end(["k"], [0], 6.0) == [Code.DISCARDED]
+    assert state.put_end(["k"], [0], [late.put], 6.0) == [Code.DISCARDED]
     assert state.exists(["k"]) == [False]
     # quarantined until 6 + 3: a late writer cannot overwrite a new object in that space
     assert _put(state, "k", MiB, now=7.0) is Code.NO_SPACE
@@ -131,8 +148,9 @@ def test_pending_put_times_out_and_late_end_is_refused() -> None:
 def test_revoke_frees_after_quarantine() -> None:
     state = _state()
     _mount(state, "a", size=MiB)
-    assert state.put_start("c", [PutItem("k", MiB)], 1, "h1", False, 0.0)[0].code is Code.OK
-    assert state.put_revoke(["k", "unknown"], 0.0) == [Code.OK, Code.NOT_FOUND]
+    put = state.put_start("c", [PutItem("k", MiB)], 1, "h1", False, 0.0)[0].put
+    assert state.put_revoke(["k"], [put + 1], 0.0) == [Code.NOT_FOUND], "another put's id"
+    assert state.put_revoke(["k", "unknown"], [put, put], 0.0) == [Code.OK, Code.NOT_FOUND]
     state.tick(3.5)
     assert _put(state, "k", MiB, now=3.5) is Code.OK
 
@@ -148,10 +166,11 @@ def test_multi_part_objects_complete_when_all_parts_are_in() -> None:
         state.put_start("x", [PutItem("page", 4000, parts=3)], 1, "h1", False, 0.0)[0].code
         is Code.BUSY
     )
-    assert state.put_end(["page"], [1], 0.0) == [Code.OK]
+    assert first.put == second.put
+    assert state.put_end(["page"], [1], [first.put], 0.0) == [Code.OK]
     assert state.exists(["page"]) == [False]
-    assert state.put_end(["page"], [5], 0.0) == [Code.INVALID]
-    assert state.put_end(["page"], [0], 0.0) == [Code.OK]
+    assert state.put_end(["page"], [5], [first.put], 0.0) == [Code.INVALID]
+    assert state.put_end(["page"], [0], [first.put], 0.0) == [Code.OK]
     assert state.exists(["page"]) == [True]
     assert state.bytes_stored == 4000
 
@@ -163,18 +182,19 @@ def test_segment_loss_invalidates_at_once_and_cleans_up_in_background() -> None:
     keys_a = []
     for i in range(20):
         placement = state.put_start("c", [PutItem(f"k{i}", 1000)], 1, "h1", False, 0.0)[0]
-        state.put_end([f"k{i}"], [0], 0.0)
+        state.put_end([f"k{i}"], [0], [placement.put], 0.0)
         if placement.locations[0].segment == "engine-a":
             keys_a.append(f"k{i}")
     assert keys_a, "local_first puts the writer's host first"
-    state.heartbeat("server-b", [other], 2.5)
+    state.heartbeat("server-b", [other], [0], 2.5)
     state.tick(2.5)  # server-a silent for > 2 s: its segment is gone
     assert state.exists(keys_a) == [False] * len(keys_a)
     assert all(r.code is Code.NOT_FOUND for r in state.get_replicas(keys_a, 2.5))
     assert [s.name for s in state.stats()[2]] == ["b"]
     state.tick(2.6)
     assert state.stats()[0] == 20 - len(keys_a)
-    assert state.heartbeat("server-a", ["mount-a"], 3.0) == ["mount-a"], "must mount again"
+    unknown, _changes = state.heartbeat("server-a", ["mount-a"], [0], 3.0)
+    assert unknown == ["mount-a"], "must mount again"
 
 
 def test_remount_of_a_name_replaces_the_old_mount() -> None:
@@ -225,11 +245,12 @@ def test_eviction_above_watermark_frees_to_target_and_prefers_unpinned_old_objec
     for i in range(5):
         placement = state.put_start("c", [PutItem(f"pinned{i}", 1024)], 1, "h1", True, float(i))[0]
         assert placement.code is Code.OK
-        state.put_end([f"pinned{i}"], [0], float(i))
+        state.put_end([f"pinned{i}"], [0], [placement.put], float(i))
     for i in range(60):
         assert _put(state, f"k{i:02d}", 1024, now=10.0 + i) is Code.OK
     for step in range(100):
         state.tick(100.0 + step)
+        _acknowledge(state, 100.0 + step)
     used, capacity = state.segments.capacity()
     assert used <= 0.25 * capacity + 1024 * 4
     assert state.exists([f"pinned{i}" for i in range(5)]) == [True] * 5
@@ -264,8 +285,8 @@ def test_random_operations_keep_the_books_balanced(ops: list[tuple[str, int, int
         elif op == "remove":
             state.remove([key], False, now)
         elif op == "revoke":
-            state.put_start("c", [PutItem(key, kib * 1024)], 1, "h1", False, now)
-            state.put_revoke([key], now)
+            put = state.put_start("c", [PutItem(key, kib * 1024)], 1, "h1", False, now)[0].put
+            state.put_revoke([key], [put], now)
         else:
             state.tick(now)
         _check_books(state, now)
@@ -298,6 +319,8 @@ def test_a_batch_is_placed_contiguously_and_duplicate_keys_wait() -> None:
     offsets = [p.locations[0].offset for p in placements[:8]]
     assert offsets == [offsets[0] + 1024 * i for i in range(8)], "one run, one search"
     assert placements[8].code is Code.BUSY
-    assert state.put_end([f"p{i}" for i in range(8)], [0] * 8, 0.0) == [Code.OK] * 8
+    puts = [p.put for p in placements[:8]]
+    assert state.put_end([f"p{i}" for i in range(8)], [0] * 8, puts, 0.0) == [Code.OK] * 8
     assert state.remove(["p2", "p5"], False, 0.0) == [Code.OK, Code.OK]  # pieces free alone
+    _acknowledge(state, 0.0)
     assert state.segments.all[0].allocator.used == 6 * 1024

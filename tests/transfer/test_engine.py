@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 
@@ -15,6 +16,7 @@ from kvconnect.errors import (
     ConfigError,
     InvalidRequest,
     PeerUnreachable,
+    RegistrationError,
     SegmentNotFound,
 )
 from kvconnect.testing.peer import PeerProcess, pattern
@@ -223,3 +225,53 @@ def test_close_without_start_releases_shared_memory() -> None:
     assert not os.path.exists(f"/proc/self/fd/{fd}") or not os.readlink(
         f"/proc/self/fd/{fd}"
     ).startswith("/memfd:kvconnect-region")
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_fence_refuses_the_old_region_id_and_keeps_the_bytes(transport: str) -> None:
+    config = {"transport": transport}
+    with (
+        PeerProcess(config=config, shared=MiB, seed=5) as owner,
+        TransferEngine(TransferConfig(transport=transport)) as engine,
+    ):
+        local = engine.register(np.zeros(MiB, dtype=np.uint8))
+        old = owner.regions["shared"]
+        engine.read(local, 0, owner.name, old, 0, MiB)  # connected / mapped under the old id
+        new = owner.fence("shared")
+        assert new != old
+        for op in (TransferOp.READ, TransferOp.WRITE):
+            request = TransferRequest(local, 0, owner.name, old, 0, 4096)
+            batch = engine.submit(op, [request], timeout=5)
+            assert batch.wait(timeout=10) == (TransferStatus.FAILED,)
+            assert isinstance(batch.errors[0], AccessDenied), batch.errors
+        assert owner.sha256("shared", 0, MiB) == hashlib.sha256(pattern(5, MiB)).hexdigest()
+        local.view[:] = b"\0" * MiB
+        engine.read(local, 0, owner.name, new, 0, MiB)
+        assert local.view == pattern(5, MiB).data
+        local.view[:4096] = b"\x07" * 4096
+        engine.write(local, 0, owner.name, new, 100, 4096)
+        expected = bytearray(pattern(5, MiB).tobytes())
+        expected[100:4196] = b"\x07" * 4096
+        assert owner.sha256("shared", 0, MiB) == hashlib.sha256(expected).hexdigest()
+
+
+def test_fence_in_process_waits_for_nothing_and_refuses_twice() -> None:
+    with TransferEngine() as owner, TransferEngine() as reader:
+        region = owner.allocate(MiB)
+        region.view[:] = pattern(6, MiB).data
+        local = reader.register(np.zeros(MiB, dtype=np.uint8))
+        reader.read(local, 0, owner.name, region.id, 0, MiB)  # the local (memcpy) transport
+        fresh = owner.fence(region)
+        assert owner.users(region) == 0
+        assert not owner.owns(region)
+        assert owner.owns(fresh)
+        assert [r.id for r in owner.segment.regions] == [fresh.id]
+        request = TransferRequest(local, 0, owner.name, region.id, 0, 10)
+        batch = reader.submit(TransferOp.READ, [request], timeout=5)
+        assert batch.wait(timeout=10) == (TransferStatus.FAILED,)
+        assert isinstance(batch.errors[0], AccessDenied)
+        del batch
+        with pytest.raises(RegistrationError):
+            owner.fence(region)
+        reader.read(local, 0, owner.name, fresh.id, 0, MiB)
+        assert local.view == pattern(6, MiB).data

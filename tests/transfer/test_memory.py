@@ -130,3 +130,25 @@ def test_hugepage_allocation_succeeds_or_explains(registry: MemoryRegistry) -> N
     else:
         with pytest.raises(RegistrationError, match="huge pages reserved"):
             registry.allocate(1 << 20, hugepages=True)
+
+
+def test_fence_moves_a_region_to_a_new_id_and_counts_old_accesses(
+    registry: MemoryRegistry,
+) -> None:
+    region = registry.allocate(4096)
+    region.view[:5] = b"bytes"
+    access, held = registry.acquire(region.id, 0, 64, write=True)  # a served access in flight
+    assert access is Access.OK
+    fresh = registry.fence(region)
+    assert fresh.id != region.id
+    assert fresh.view[:5] == b"bytes"
+    assert fresh.shared_fd == region.shared_fd, "same memory"
+    assert read_shm_header(fresh._shared.mapping)[1:] == (fresh.id, 4096, 1)  # type: ignore[union-attr]
+    assert registry.acquire(region.id, 0, 1, write=False)[0] is Access.UNKNOWN_REGION
+    assert registry.users(region) == 1
+    assert held is not None
+    registry.release(held)
+    assert registry.users(region) == 0
+    assert registry.get(fresh.id) is fresh
+    with pytest.raises(RegistrationError, match="not registered"):
+        registry.fence(region)

@@ -66,8 +66,12 @@ class OffsetAllocator:
         "_used",
     )
 
-    def __init__(self, capacity: int, alignment: int = 64) -> None:
-        """Raise ``ConfigError`` unless ``capacity >= 1`` and ``alignment`` is a power of two."""
+    def __init__(self, capacity: int, alignment: int = 64, *, empty: bool = True) -> None:
+        """Raise ``ConfigError`` unless ``capacity >= 1`` and ``alignment`` is a power of two.
+
+        ``empty=False`` starts with every byte in use and no allocation: recovery then adopts
+        the objects a segment reports (:meth:`adopt`) and frees the gaps (:meth:`release_span`).
+        """
         if capacity < 1:
             raise ConfigError(f"capacity must be at least 1 byte, got {capacity}")
         if alignment < 1 or alignment & (alignment - 1):
@@ -84,7 +88,10 @@ class OffsetAllocator:
         self._bitmap = 0
         self._offset_bits = capacity.bit_length()
         self._offset_mask = (1 << self._offset_bits) - 1
-        self._insert_free(0, capacity)
+        if empty:
+            self._insert_free(0, capacity)
+        else:
+            self._used = capacity
 
     @property
     def capacity(self) -> int:
@@ -172,8 +179,28 @@ class OffsetAllocator:
         ):
             raise KeyError(f"no allocation of {size} bytes at {offset}")
         self._allocations -= 1
-        self._used -= length
-        start = offset
+        self._merge_free(offset, end)
+        return length
+
+    def adopt(self, offset: int, size: int) -> None:
+        """Count an allocation of ``size`` bytes at ``offset`` that lies in space already in
+        use (recovery, see ``empty=False``); it is freed like any allocation later. Raises
+        ``KeyError`` for a range not aligned or beyond the segment."""
+        length = -(-size // self._alignment) * self._alignment
+        if size < 1 or offset % self._alignment or offset + length > self._capacity:
+            raise KeyError(f"cannot adopt {size} bytes at {offset}")
+        self._allocations += 1
+
+    def release_span(self, start: int, end: int) -> None:
+        """Return the in-use range [start, end) that no allocation covers (recovery: a gap
+        between adopted objects) to the free space."""
+        if not 0 <= start < end <= self._capacity or start % self._alignment:
+            raise KeyError(f"cannot release [{start}, {end})")
+        self._merge_free(start, end)
+
+    def _merge_free(self, start: int, end: int) -> None:
+        """Make [start, end) free, merged with free neighbours."""
+        self._used -= end - start
         left = self._free_by_end.get(start)
         if left is not None:
             self._remove_free(left, start - left)
@@ -183,7 +210,6 @@ class OffsetAllocator:
             self._remove_free(end, right_size)
             end += right_size
         self._insert_free(start, end - start)
-        return length
 
     def __repr__(self) -> str:
         return (

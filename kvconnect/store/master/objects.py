@@ -38,6 +38,7 @@ class Pending:
     parts: int
     done_mask: int
     deadline: float
+    put: int  # the put's identity (Placement.put)
 
 
 class ObjectTable:

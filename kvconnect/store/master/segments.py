@@ -11,19 +11,29 @@ Placement strategies (``MasterConfig.allocation``):
 - ``free_ratio``: the segment with the largest free fraction.
 
 Replicas always land on distinct segments; fewer than asked is success (best effort).
+
+Each segment keeps a *journal* for its store server: objects committed there and object space
+released there, in order, until the server acknowledges them (heartbeats). The server thus
+always knows which objects it holds, and reports them to a new master (failover, restart).
+Released space becomes allocatable only once acknowledged: were it reused earlier, a server
+that missed the release would report the old object over the new object's bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
 from kvconnect.store.master.allocator import OffsetAllocator
-from kvconnect.store.messages import SegmentSpec
+from kvconnect.store.messages import Change, Changes, SegmentSpec
 
 Strategy = Literal["local_first", "random", "free_ratio"]
+
+_CHANGES_PER_REPLY = 16384  # journal changes sent in one heartbeat reply
 
 
 @dataclass(slots=True, eq=False)
@@ -37,6 +47,12 @@ class Segment:
     allocator: OffsetAllocator
     alive: bool = True
     objects: int = 0
+    recovering: int | None = None  # while held objects are reported: the end of the last one
+    journal: deque[Change] = field(default_factory=deque)  # not yet acknowledged by the server
+    journal_base: int = 0  # sequence number of journal[0]
+    journal_sent: int = 0  # changes before this one were sent to the server
+    releasing: deque[tuple[int, int, int]] = field(default_factory=deque)  # (seq, offset, size)
+    releasing_bytes: int = 0
     _ranks: dict[str, int] = field(default_factory=dict)
 
     def rank(self, writer: str) -> int:
@@ -48,6 +64,43 @@ class Segment:
             if len(self._ranks) > 4096:  # writers come and go; keep the cache bounded
                 self._ranks.clear()
         return weight
+
+    @property
+    def used(self) -> int:
+        """Bytes in use, not counting released space waiting for the server's acknowledgement
+        (eviction must not evict more because of it)."""
+        return self.allocator.used - self.releasing_bytes
+
+    def commit(self, key: str, offset: int, size: int) -> None:
+        """Journal an object completed here."""
+        self.journal.append(Change(key, offset, size))
+
+    def journal_release(self, offset: int, size: int) -> None:
+        """Journal a committed object's release; its space is freed once acknowledged."""
+        self.releasing.append((self.journal_base + len(self.journal), offset, size))
+        self.releasing_bytes += size
+        self.journal.append(Change("", offset, size))
+
+    def forget(self, offset: int) -> None:
+        """Journal that the server should drop what it holds at ``offset`` (a reported object
+        the master could not adopt); no space changes hands."""
+        self.journal.append(Change("", offset, 0))
+
+    def acknowledge(self, applied: int) -> Changes:
+        """The server applied the journal up to sequence ``applied``: drop that part, free the
+        space whose release it knows; returns the changes it still lacks (a bounded batch)."""
+        # Never past what was sent: a confused server must not make us drop unseen changes.
+        count = max(min(applied, self.journal_sent) - self.journal_base, 0)
+        for _ in range(count):
+            self.journal.popleft()
+        self.journal_base += count
+        while self.releasing and self.releasing[0][0] < self.journal_base:
+            _seq, offset, size = self.releasing.popleft()
+            self.releasing_bytes -= size
+            self.allocator.free(offset, size)
+        pending = list(itertools.islice(self.journal, _CHANGES_PER_REPLY))
+        self.journal_sent = max(self.journal_sent, self.journal_base + len(pending))
+        return Changes(self.mount_id, self.journal_base, pending)
 
 
 class SegmentTable:
@@ -63,14 +116,17 @@ class SegmentTable:
         self.by_mount: dict[str, Segment] = {}
         self._rng = random.Random(seed)
 
-    def mount(self, server: str, mount_id: str, spec: SegmentSpec) -> Segment:
-        """Add a live segment (the caller retired any previous mount of the same name)."""
+    def mount(self, server: str, mount_id: str, spec: SegmentSpec, recovering: bool) -> Segment:
+        """Add a live segment (the caller retired any previous mount of the same name).
+        ``recovering``: it holds objects, reported next (see :meth:`recover`); nothing is
+        allocated there until :meth:`recovered`."""
         segment = Segment(
             index=len(self.all),
             spec=spec,
             server=server,
             mount_id=mount_id,
-            allocator=OffsetAllocator(spec.size, self.alignment),
+            allocator=OffsetAllocator(spec.size, self.alignment, empty=not recovering),
+            recovering=0 if recovering else None,
         )
         self.all.append(segment)
         self.alive.append(1)
@@ -90,17 +146,42 @@ class SegmentTable:
         """Mounted segments, by index."""
         return [s for s in self.by_name.values() if s.alive]
 
+    def adopt(self, segment: Segment, offset: int, size: int) -> bool:
+        """Take a reported object's range into a recovering segment's books; False (and
+        nothing changes) unless it is aligned, inside the segment and after the previous one."""
+        cursor = segment.recovering
+        if cursor is None or offset < cursor:
+            return False
+        try:
+            segment.allocator.adopt(offset, size)
+        except KeyError:
+            return False
+        if offset > cursor:
+            segment.allocator.release_span(cursor, offset)  # the gap before it was free
+        segment.recovering = offset + -(-size // self.alignment) * self.alignment
+        segment.objects += 1
+        return True
+
+    def recovered(self, segment: Segment) -> None:
+        """The report is complete: the rest of the segment is free, allocation may start."""
+        cursor = segment.recovering
+        if cursor is None:
+            return
+        if cursor < segment.allocator.capacity:
+            segment.allocator.release_span(cursor, segment.allocator.capacity)
+        segment.recovering = None
+
     def capacity(self) -> tuple[int, int]:
         """(used, capacity) bytes over live segments."""
         used = capacity = 0
         for segment in self.by_name.values():
-            used += segment.allocator.used
+            used += segment.used
             capacity += segment.allocator.capacity
         return used, capacity
 
     def order(self, writer: str, host_id: str) -> list[Segment]:
         """Candidate segments for a writer, in the order the strategy prefers."""
-        live = self.live()
+        live = [s for s in self.live() if s.recovering is None]
         if self.strategy == "random":
             self._rng.shuffle(live)
             return live
@@ -132,19 +213,23 @@ class SegmentTable:
             if offsets is None:
                 for index, taken in runs:
                     for offset, size in zip(taken, sizes, strict=True):
-                        self.release(index, offset, size)
+                        self.release(index, offset, size, committed=False)
                 return None
             segment.objects += len(sizes)
             runs.append((segment.index, offsets))
         return [[(index, offsets[n]) for index, offsets in runs] for n in range(len(sizes))]
 
-    def release(self, segment_index: int, offset: int, size: int) -> int:
-        """Free one replica's space; returns the bytes released (0 on a retired segment)."""
+    def release(self, segment_index: int, offset: int, size: int, committed: bool) -> None:
+        """Free one replica's space: at once if the object never completed (the server never
+        heard of it), else through the journal."""
         segment = self.all[segment_index]
         segment.objects -= 1
         if not segment.alive:
-            return 0
-        return segment.allocator.free(offset, size)
+            return
+        if committed:
+            segment.journal_release(offset, size)
+        else:
+            segment.allocator.free(offset, size)
 
 
 def _free_ratio(segment: Segment) -> float:

@@ -59,6 +59,7 @@ class MasterService:
             m.GetReplicas: self._get_replicas,
             m.Remove: self._remove,
             m.Mount: self._mount,
+            m.Report: self._report,
             m.Unmount: self._unmount,
             m.Heartbeat: self._heartbeat,
             m.Stats: lambda _request: self._stats(),
@@ -115,8 +116,9 @@ class MasterService:
     def _tick(self) -> float:
         now = self.now()
         if self._elected != self._term:
-            # A new term starts from an empty index (store servers mount again when their
-            # heartbeat finds they are unknown); a standby keeps nothing.
+            # A new term starts from an empty index: store servers mount again when their
+            # heartbeat finds they are unknown, reporting what they hold. A standby keeps
+            # nothing.
             self.state = MasterState(self.config)
             self._term = self._elected
         self.state.tick(now)
@@ -128,7 +130,11 @@ class MasterService:
         if not self._serving() and not isinstance(request, m.Stats):
             return m.Error(m.Code.NOT_LEADER, "this master is a standby")
         start = time.perf_counter()
-        keys = getattr(request, "keys", None) or getattr(request, "items", None)
+        keys = (
+            getattr(request, "keys", None)
+            or getattr(request, "items", None)
+            or getattr(request, "held", None)
+        )
         if keys is not None and len(keys) > m.MAX_BATCH:
             return m.Error(m.Code.INVALID, f"batch of {len(keys)} exceeds {m.MAX_BATCH}")
         reply = self._handlers[type(request)](request)
@@ -157,12 +163,15 @@ class MasterService:
         return m.PutStartReply(results)
 
     def _put_end(self, request: m.PutEnd) -> m.Reply:
-        if len(request.parts) != len(request.keys):
-            return m.Error(m.Code.INVALID, "put_end: keys and parts differ in length")
-        return m.CodesReply(self.state.put_end(request.keys, request.parts, self.now()))
+        if not len(request.parts) == len(request.puts) == len(request.keys):
+            return m.Error(m.Code.INVALID, "put_end: keys, parts and puts differ in length")
+        codes = self.state.put_end(request.keys, request.parts, request.puts, self.now())
+        return m.CodesReply(codes)
 
     def _put_revoke(self, request: m.PutRevoke) -> m.Reply:
-        return m.CodesReply(self.state.put_revoke(request.keys, self.now()))
+        if len(request.puts) != len(request.keys):
+            return m.Error(m.Code.INVALID, "put_revoke: keys and puts differ in length")
+        return m.CodesReply(self.state.put_revoke(request.keys, request.puts, self.now()))
 
     def _get_replicas(self, request: m.GetReplicas) -> m.Reply:
         results = self.state.get_replicas(request.keys, self.now(), request.host_id)
@@ -172,14 +181,32 @@ class MasterService:
         return m.CodesReply(self.state.remove(request.keys, request.force, self.now()))
 
     def _mount(self, request: m.Mount) -> m.Reply:
-        code = self.state.mount(request.server, request.mount_id, request.segment, self.now())
+        code = self.state.mount(
+            request.server,
+            request.mount_id,
+            request.segment,
+            self.now(),
+            request.held,
+            request.more,
+        )
+        return m.CodesReply([code])
+
+    def _report(self, request: m.Report) -> m.Reply:
+        code = self.state.report(
+            request.server, request.mount_id, request.held, request.more, self.now()
+        )
         return m.CodesReply([code])
 
     def _unmount(self, request: m.Unmount) -> m.Reply:
         return m.CodesReply(self.state.unmount(request.server, request.mount_ids))
 
     def _heartbeat(self, request: m.Heartbeat) -> m.Reply:
-        return m.HeartbeatReply(self.state.heartbeat(request.server, request.mount_ids, self.now()))
+        if len(request.applied) != len(request.mount_ids):
+            return m.Error(m.Code.INVALID, "heartbeat: mount_ids and applied differ in length")
+        unknown, changes = self.state.heartbeat(
+            request.server, request.mount_ids, request.applied, self.now()
+        )
+        return m.HeartbeatReply(unknown, changes)
 
     def _stats(self) -> m.StatsReply:
         keys, pending, segments = self.state.stats()
@@ -221,8 +248,15 @@ class _StateCollector(Collector):
         capacity = GaugeMetricFamily(
             "kvconnect_segment_capacity_bytes", "Capacity per segment", labels=["segment"]
         )
+        backlog = GaugeMetricFamily(
+            "kvconnect_segment_journal_backlog",
+            "Journal changes the segment's store server has not acknowledged",
+            labels=["segment"],
+        )
         for segment in stats.segments:
             used.add_metric([segment.name], segment.used)
             capacity.add_metric([segment.name], segment.capacity)
+            backlog.add_metric([segment.name], segment.backlog)
         yield used
         yield capacity
+        yield backlog

@@ -8,6 +8,8 @@ does a bounded amount of background work, so no request waits long behind it.
 from __future__ import annotations
 
 import heapq
+import itertools
+import secrets
 from collections.abc import Sequence
 
 import numpy as np
@@ -16,6 +18,8 @@ from kvconnect.config import MasterConfig
 from kvconnect.store.master.objects import ObjectTable, Pending, State
 from kvconnect.store.master.segments import Segment, SegmentTable
 from kvconnect.store.messages import (
+    Change,
+    Changes,
     Code,
     Location,
     Placement,
@@ -30,7 +34,6 @@ MAX_PARTS = 64
 _CLEANUP_STEP = 4096  # objects of lost segments cleaned per tick
 _EXPIRY_SCAN = 0.25  # seconds between scans for timed-out puts
 _COMPLETE = int(State.COMPLETE)
-_EVICT_ON_FAILURE = 8  # eviction steps one failed allocation may trigger
 
 
 class MasterState:
@@ -42,19 +45,36 @@ class MasterState:
         self.segments = SegmentTable(config.allocation, config.alignment, seed)
         self._servers: dict[str, float] = {}
         self._next_expiry_scan = 0.0
-        self._quarantine: list[tuple[float, int, int, int]] = []  # (at, segment, offset, size)
+        # (at, segment, offset, size, committed): space reused only after ``at``
+        self._quarantine: list[tuple[float, int, int, int, bool]] = []
         self._cleanup: list[int] = []  # slots that referenced a lost segment
         self._lost: list[int] = []  # lost segment indices awaiting a cleanup scan
         self._evict_target = 0  # bytes still to evict in the current round
         self._rng = np.random.default_rng(seed)
+        # Put ids: consecutive from a random start, so two masters (a restart, a failover)
+        # practically never hand out the same id.
+        self._put_ids = itertools.count(secrets.randbits(62))
         self.bytes_stored = 0
         self.evictions = 0
         self.evicted_bytes = 0
 
     # ------------------------------------------------------------------------------ segments
 
-    def mount(self, server: str, mount_id: str, spec: SegmentSpec, now: float) -> Code:
-        """Mount a segment; a new mount of a known name replaces (and loses) the old one."""
+    def mount(
+        self,
+        server: str,
+        mount_id: str,
+        spec: SegmentSpec,
+        now: float,
+        held: Sequence[Change] = (),
+        more: bool = False,
+    ) -> Code:
+        """Mount a segment; a new mount of a known name replaces (and loses) the old one.
+
+        ``held``: objects the segment holds already (its server learned them from a previous
+        master's journal), in offset order; ``more``: :meth:`report` sends the rest, and
+        nothing is allocated in the segment until then. A repeated mount (a lost reply) is OK.
+        """
         if spec.size <= 0 or not spec.name or not spec.engine_segment:
             return Code.INVALID
         self._servers[server] = now
@@ -63,8 +83,54 @@ class MasterState:
         previous = self.segments.by_name.get(spec.name)
         if previous is not None:
             self._lose(previous)
-        self.segments.mount(server, mount_id, spec)
+        segment = self.segments.mount(server, mount_id, spec, recovering=bool(held) or more)
+        if segment.recovering is None:
+            return Code.OK
+        return self.report(server, mount_id, held, more, now)
+
+    def report(
+        self, server: str, mount_id: str, held: Sequence[Change], more: bool, now: float
+    ) -> Code:
+        """Objects a recovering segment holds (see :meth:`mount`). Entries out of order,
+        misaligned or outside the segment are ignored (a repeated report is harmless)."""
+        segment = self.segments.by_mount.get(mount_id)
+        if segment is None or segment.server != server:
+            return Code.UNKNOWN_SEGMENT
+        if segment.recovering is None:
+            return Code.OK  # already complete: a repeated last report
+        for change in held:
+            if change.key and self.segments.adopt(segment, change.offset, change.size):
+                self._recover(segment, change, now)
+            elif (segment.index, change.offset) not in self._replicas_of(change.key):
+                segment.forget(change.offset)  # unusable (not a repeat): the server drops it
+        if not more:
+            self.segments.recovered(segment)
         return Code.OK
+
+    def _recover(self, segment: Segment, change: Change, now: float) -> None:
+        """Index a reported object: a new key, or one more replica of a stored one. A copy the
+        index cannot use (the key is being written again, or has another size) is released."""
+        objects = self.objects
+        slot = objects.slots.get(change.key)
+        if slot is not None and objects.state[slot] == State.COMPLETE and not self._readable(slot):
+            self._free(slot, now)  # its replicas were lost: this copy replaces them
+            slot = None
+        if slot is None:
+            slot = objects.add(change.key, change.size, segment.index, change.offset, 0.0)
+            objects.state[slot] = _COMPLETE
+            objects.access[slot] = now
+            self.bytes_stored += change.size
+            return
+        replicas = objects.replicas(slot)
+        usable = (
+            objects.state[slot] == State.COMPLETE
+            and objects.size[slot] == change.size
+            and all(index != segment.index for index, _ in replicas)
+        )
+        if usable:
+            objects.set_replicas(slot, [*replicas, (segment.index, change.offset)])
+        else:
+            self.segments.release(segment.index, change.offset, change.size, committed=True)
 
     def unmount(self, server: str, mount_ids: Sequence[str]) -> list[Code]:
         """Retire segments at their server's request."""
@@ -78,10 +144,21 @@ class MasterState:
             codes.append(Code.OK)
         return codes
 
-    def heartbeat(self, server: str, mount_ids: Sequence[str], now: float) -> list[str]:
-        """Record liveness; returns the mount ids the master does not know (remount them)."""
+    def heartbeat(
+        self, server: str, mount_ids: Sequence[str], applied: Sequence[int], now: float
+    ) -> tuple[list[str], list[Changes]]:
+        """Record liveness and the journal changes each mount has applied; returns the mount
+        ids the master does not know (remount them) and the changes each mount still lacks."""
         self._servers[server] = now
-        return [m for m in mount_ids if m not in self.segments.by_mount]
+        unknown = []
+        changes = []
+        for mount_id, count in zip(mount_ids, applied, strict=True):
+            segment = self.segments.by_mount.get(mount_id)
+            if segment is None or segment.server != server:
+                unknown.append(mount_id)
+            else:
+                changes.append(segment.acknowledge(count))
+        return unknown, changes
 
     def _lose(self, segment: Segment) -> None:
         # Synchronous part: no more allocation there, no more replicas returned from there.
@@ -125,7 +202,7 @@ class MasterState:
             seen.add(item.key)
             results.append(result)
         fresh = [n for n, result in enumerate(results) if result is None]
-        placed = self._place_batch(client, host_id, [items[n].size for n in fresh], replicas, now)
+        placed = self._place_batch(client, host_id, [items[n].size for n in fresh], replicas)
         stored = [n for n, where in zip(fresh, placed, strict=True) if where]
         for n, where in zip(fresh, placed, strict=True):
             if not where:
@@ -141,12 +218,13 @@ class MasterState:
         for n, slot, where in zip(stored, slots, where_of, strict=True):
             if len(where) > 1:
                 self.objects.extra[slot] = where[1:]
-            self.objects.pending[slot] = Pending(client, items[n].parts, 0, deadline)
-            results[n] = Placement(Code.OK, self._locations(where))
+            put = next(self._put_ids)
+            self.objects.pending[slot] = Pending(client, items[n].parts, 0, deadline, put)
+            results[n] = Placement(Code.OK, self._locations(where), put)
         return [r for r in results if r is not None]
 
     def _place_batch(
-        self, client: str, host_id: str, sizes: list[int], replicas: int, now: float
+        self, client: str, host_id: str, sizes: list[int], replicas: int
     ) -> list[list[tuple[int, int]]]:
         """Placements for new objects, contiguous per batch where the strategy keeps a writer
         on one segment (``local_first``); [] for an object that does not fit anywhere."""
@@ -161,7 +239,7 @@ class MasterState:
         placed = []
         for size in sizes:  # per object: spread (random, free_ratio) or fill gaps
             order = self.segments.order(client, host_id)
-            placed.append(self._place(order, size, replicas, now))
+            placed.append(self._place(order, size, replicas))
         return placed
 
     def _admit(self, item: PutItem, replicas: int) -> Placement | None:
@@ -180,24 +258,27 @@ class MasterState:
             return None
         pending = self.objects.pending[slot]
         if item.parts > 1 and item.parts == pending.parts and item.size == self.objects.size[slot]:
-            return Placement(Code.OK, self._locations(self.objects.replicas(slot)))  # join
+            locations = self._locations(self.objects.replicas(slot))
+            return Placement(Code.OK, locations, pending.put)  # join
         return Placement(Code.BUSY, [])
 
-    def _place(
-        self, order: list[Segment], size: int, replicas: int, now: float
-    ) -> list[tuple[int, int]]:
+    def _place(self, order: list[Segment], size: int, replicas: int) -> list[tuple[int, int]]:
         placed = self.segments.place(order, size, replicas)
-        for _ in range(_EVICT_ON_FAILURE):  # evict a little, try again: only what is needed
-            if placed or not self._evict_step(now, self.config.eviction_step):
-                break
-            placed = self.segments.place(order, size, replicas)
+        if not placed:
+            # Evicted space returns once the store server acknowledges its release (see
+            # segments.py), so this put fails; the eviction started here serves the next ones.
+            self._evict_target = max(self._evict_target, size * replicas)
         return placed
 
-    def put_end(self, keys: Sequence[str], parts: Sequence[int], now: float) -> list[Code]:
-        """Mark parts written; an object completes when all its parts are in."""
+    def put_end(
+        self, keys: Sequence[str], parts: Sequence[int], puts: Sequence[int], now: float
+    ) -> list[Code]:
+        """Mark parts of puts written; an object completes when all its parts are in. The
+        end of a put that is no longer pending (it timed out and the key was put again) is
+        DISCARDED."""
         objects = self.objects
         codes = []
-        for key, part in zip(keys, parts, strict=True):
+        for key, part, put in zip(keys, parts, puts, strict=True):
             slot = objects.slots.get(key)
             if slot is None:
                 codes.append(Code.DISCARDED)
@@ -206,6 +287,9 @@ class MasterState:
                 codes.append(Code.OK)  # a repeated put_end: idempotent
                 continue
             pending = objects.pending[slot]
+            if pending.put != put:
+                codes.append(Code.DISCARDED)
+                continue
             if not 0 <= part < pending.parts:
                 codes.append(Code.INVALID)
                 continue
@@ -218,16 +302,23 @@ class MasterState:
                 objects.state[slot] = _COMPLETE
                 objects.access[slot] = now
                 del objects.pending[slot]
-                self.bytes_stored += objects.size[slot]
+                size = objects.size[slot]
+                self.bytes_stored += size
+                for index, offset in objects.replicas(slot):
+                    self.segments.all[index].commit(key, offset, size)
             codes.append(Code.OK)
         return codes
 
-    def put_revoke(self, keys: Sequence[str], now: float) -> list[Code]:
+    def put_revoke(self, keys: Sequence[str], puts: Sequence[int], now: float) -> list[Code]:
         """Give up pending puts (their space is quarantined, then reused)."""
         codes = []
-        for key in keys:
+        for key, put in zip(keys, puts, strict=True):
             slot = self.objects.slots.get(key)
-            if slot is None or self.objects.state[slot] != State.PENDING:
+            if (
+                slot is None
+                or self.objects.state[slot] != State.PENDING
+                or self.objects.pending[slot].put != put
+            ):
                 codes.append(Code.NOT_FOUND)
                 continue
             self._discard(slot, now)
@@ -285,6 +376,7 @@ class MasterState:
                 capacity=s.allocator.capacity,
                 used=s.allocator.used,
                 objects=s.objects,
+                backlog=len(s.journal),
             )
             for s in self.segments.live()
         ]
@@ -326,8 +418,8 @@ class MasterState:
 
     def _release_quarantine(self, now: float) -> None:
         while self._quarantine and self._quarantine[0][0] <= now:
-            _at, segment, offset, size = heapq.heappop(self._quarantine)
-            self.segments.release(segment, offset, size)
+            _at, segment, offset, size, committed = heapq.heappop(self._quarantine)
+            self.segments.release(segment, offset, size, committed)
 
     def _cleanup_lost(self) -> None:
         if self._lost and not self._cleanup:
@@ -395,6 +487,10 @@ class MasterState:
 
     # ------------------------------------------------------------------------------ helpers
 
+    def _replicas_of(self, key: str) -> list[tuple[int, int]]:
+        slot = self.objects.slots.get(key)
+        return [] if slot is None else self.objects.replicas(slot)
+
     def _live(self, slot: int) -> list[tuple[int, int]]:
         return [(s, o) for s, o in self.objects.replicas(slot) if self.segments.all[s].alive]
 
@@ -415,7 +511,7 @@ class MasterState:
         release = now + self.config.quarantine
         size = self.objects.size[slot]
         for segment, offset in self.objects.replicas(slot):
-            heapq.heappush(self._quarantine, (release, segment, offset, size))
+            heapq.heappush(self._quarantine, (release, segment, offset, size, False))
         self.objects.drop(slot)
 
     def _free(self, slot: int, now: float) -> None:
@@ -429,7 +525,7 @@ class MasterState:
         lease = objects.lease[slot]
         for segment, offset in objects.replicas(slot):
             if lease > now:
-                heapq.heappush(self._quarantine, (lease, segment, offset, size))
+                heapq.heappush(self._quarantine, (lease, segment, offset, size, True))
             else:
-                self.segments.release(segment, offset, size)
+                self.segments.release(segment, offset, size, committed=True)
         objects.drop(slot)

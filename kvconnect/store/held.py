@@ -1,0 +1,64 @@
+"""What a store server holds, followed from the master's journal of its segment. Pure: no I/O.
+
+The master journals every object committed in a segment and every release of one (see
+kvconnect/store/master/segments.py); the server applies the journal in order and acknowledges
+how far it got. After a master restart or failover it reports :meth:`HeldObjects.report` to the
+new master, which indexes those objects again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvconnect.store.messages import Change, Changes
+
+log = logging.getLogger(__name__)
+
+
+class HeldObjects:
+    """key → (offset, size) of one segment, and how many journal changes were applied."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, tuple[int, int]] = {}
+        self._by_offset: dict[int, str] = {}
+        self.applied = 0
+        """Journal changes of the current mount applied so far (the acknowledgement)."""
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def get(self, key: str) -> tuple[int, int] | None:
+        """(offset, size) of a held object."""
+        return self._by_key.get(key)
+
+    def new_mount(self) -> None:
+        """A new mount's journal starts at 0; what is held stays."""
+        self.applied = 0
+
+    def apply(self, changes: Changes) -> None:
+        """Apply the changes not applied yet (a reply may repeat some we applied)."""
+        skip = self.applied - changes.first
+        if skip < 0:  # cannot happen: the master keeps every change until acknowledged
+            log.error("journal gap: applied %d, master sent from %d", self.applied, changes.first)
+            return
+        for change in changes.changes[skip:]:
+            self._apply(change)
+        self.applied = max(self.applied, changes.first + len(changes.changes))
+
+    def report(self) -> list[Change]:
+        """Every held object, in offset order (how the master adopts them)."""
+        ordered = sorted(self._by_offset.items())
+        return [Change(key, offset, self._by_key[key][1]) for offset, key in ordered]
+
+    def _apply(self, change: Change) -> None:
+        # Whatever was at this offset is gone: released, or overwritten by the new object.
+        key = self._by_offset.pop(change.offset, None)
+        if key is not None:
+            del self._by_key[key]
+        if not change.key:
+            return
+        previous = self._by_key.pop(change.key, None)
+        if previous is not None:
+            del self._by_offset[previous[0]]
+        self._by_key[change.key] = (change.offset, change.size)
+        self._by_offset[change.offset] = change.key
