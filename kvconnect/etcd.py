@@ -10,7 +10,9 @@ away meanwhile it tells the callback to resynchronize (``events`` is None) and c
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,7 @@ from kvconnect.errors import ConfigError, CoordinationUnavailable
 log = logging.getLogger(__name__)
 
 _RETRY = 0.2  # seconds between attempts to re-create a broken watch
+_LOG_EVERY = 5.0  # seconds between INFO lines about a broken watch
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +159,7 @@ class _Watch:
         self._cancel_current: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvconnect-etcd-watch", daemon=True)
+        self._last_warning = -math.inf
 
     def start(self) -> None:
         self._thread.start()
@@ -177,10 +181,27 @@ class _Watch:
             try:
                 self._follow()
             except Exception as exc:  # etcd restarted or unreachable: watch again
-                log.info("etcd watch on %s broke (%s); resuming", self._prefix, exc)
+                self._broke(str(exc))  # the text only: a record must not keep frames alive
                 if type(exc).__name__ == "RevisionCompactedError":
                     self._resync()
             self._stop.wait(_RETRY)
+
+    def _broke(self, reason: str) -> None:
+        """One line per outage at INFO (every few seconds), the retries at DEBUG."""
+        now = time.monotonic()
+        if now - self._last_warning >= _LOG_EVERY:
+            self._last_warning = now
+            log.info("etcd watch on %s broke (%s); resuming", self._prefix, reason)
+        else:
+            log.debug("etcd watch on %s broke (%s); resuming", self._prefix, reason)
+
+    def _deliver(self, events: list[WatchEvent] | None) -> None:
+        """Hand events to the consumer; its failure is logged, never a reason to re-watch
+        (which would skip past the event)."""
+        try:
+            self._callback(events)
+        except Exception as exc:
+            log.error("etcd watch consumer of %s failed: %s", self._prefix, exc)
 
     def _resync(self) -> None:
         """Changes were compacted away: the consumer must reload, then we follow from now."""
@@ -189,7 +210,7 @@ class _Watch:
         except CoordinationUnavailable:
             return
         self._next = revision + 1
-        self._callback(None)
+        self._deliver(None)
 
     def _follow(self) -> None:
         client = self._etcd._client
@@ -206,4 +227,4 @@ class _Watch:
                 raise event
             value = None if type(event).__name__ == "DeleteEvent" else bytes(event.value)
             self._next = int(event.mod_revision) + 1
-            self._callback([WatchEvent(event.key.decode(), value, int(event.mod_revision))])
+            self._deliver([WatchEvent(event.key.decode(), value, int(event.mod_revision))])

@@ -63,8 +63,9 @@ def run_status(endpoint: str, timeout: float) -> int:
     if not isinstance(reply, m.StatsReply):
         print(f"unexpected reply: {reply!r}")
         return 1
+    term = f" (leader, term {reply.term})" if reply.term else ""
     print(
-        f"master {endpoint}: {reply.keys} keys, {reply.pending} pending puts, "
+        f"master {endpoint}{term}: {reply.keys} keys, {reply.pending} pending puts, "
         f"{reply.bytes_stored} bytes stored, {reply.evictions} evictions"
     )
     print(f"{'segment':<40}{'server':<28}{'used':>14}{'capacity':>14}{'use':>7}{'objects':>10}")

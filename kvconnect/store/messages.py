@@ -93,7 +93,7 @@ class Changes(msgspec.Struct, array_like=True, frozen=True):
 class SegmentSpec(msgspec.Struct, frozen=True):
     """A block of store-server memory offered to the master."""
 
-    name: str  # unique in the cluster: "<engine segment>/<region id>"
+    name: str  # unique in the cluster and stable across remounts: the engine segment name
     engine_segment: str
     region: int
     size: int
