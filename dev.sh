@@ -13,6 +13,8 @@ cd "$(dirname "$0")"
 CACHE="${KVCONNECT_CACHE:-$HOME/.cache/kvconnect}"
 VENV="$CACHE/venv"
 MOONCAKE_VENV="$CACHE/mooncake-venv"
+SGLANG_VENV="$CACHE/sglang-venv"
+SGLANG_VERSION=0.5.23
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
@@ -46,6 +48,20 @@ setup_venv() {
         | grep -v -e "WARNING: Location" -e "is ignored" || true
     "$VENV/bin/python" -c "import kvconnect._native" \
         || { log "the native extension did not build"; exit 1; }
+}
+
+setup_sglang() {
+    # SGLang in its own venv (~10 GiB: it brings its own torch build); kvconnect goes in
+    # editable, which also registers its SGLang plugin entry point there.
+    if ! "$SGLANG_VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '$SGLANG_VERSION')" 2>/dev/null; then
+        log "installing SGLang $SGLANG_VERSION into $SGLANG_VENV (a few minutes the first time)"
+        rm -rf "$SGLANG_VENV"
+        "$PYTHON" -m venv "$SGLANG_VENV"
+        "$SGLANG_VENV/bin/pip" install -q --upgrade pip
+    fi
+    log "installing kvconnect into SGLang's environment"
+    KVCONNECT_REQUIRE_NATIVE=1 "$SGLANG_VENV/bin/pip" install -q -e ".[sglang]" \
+        "pytest>=8" "pytest-timeout>=2.3" 2>&1 | grep -v -e "WARNING: Location" -e "is ignored" || true
 }
 
 setup_mooncake() {
@@ -85,10 +101,29 @@ run_tests() {
     log "mypy --strict kvconnect/"
     "$VENV/bin/mypy"
     log "pytest (all tests; gpu/rdma tests skip without the hardware)"
-    local status=0
-    "$VENV/bin/python" -m pytest "$@" || status=$?
-    if [ "$status" -eq 5 ]; then log "pytest collected no tests: that is a failure"; exit 1; fi
-    exit "$status"
+    local main=0 sglang=5
+    "$VENV/bin/python" -m pytest "$@" || main=$?
+    [ "$main" -eq 0 ] || [ "$main" -eq 5 ] || exit "$main"
+    # SGLang's tests run in SGLang's environment: all of them, or the selected ones.
+    local sglang_args=()
+    if [ $# -eq 0 ]; then sglang_args=(tests/sglang); else
+        for arg in "$@"; do case "$arg" in *sglang*) sglang_args+=("$arg") ;; esac; done
+    fi
+    if [ ${#sglang_args[@]} -gt 0 ]; then
+        setup_sglang
+        log "pytest ${sglang_args[*]} in SGLang $SGLANG_VERSION's environment"
+        sglang=0
+        KVCONNECT_REQUIRE_SGLANG=1 "$SGLANG_VENV/bin/python" -m pytest "${sglang_args[@]}" \
+            || sglang=$?
+        [ "$sglang" -eq 0 ] || [ "$sglang" -eq 5 ] || exit "$sglang"
+    fi
+    # pytest exits 5 when it ran nothing: never acceptable for the whole suite, and with a
+    # selection only when the other environment ran something.
+    if { [ $# -eq 0 ] && { [ "$main" -eq 5 ] || [ "$sglang" -eq 5 ]; }; } \
+        || { [ "$main" -eq 5 ] && [ "$sglang" -eq 5 ]; }; then
+        log "pytest collected no tests: that is a failure"; exit 1
+    fi
+    exit 0
 }
 
 case "${1:-}" in

@@ -60,6 +60,18 @@ class _Section:
                 values[name] = env[variable]
         return _from_mapping(cls, {**(defaults or {}), **values, **overrides})
 
+    @classmethod
+    def from_layers(
+        cls, *layers: Mapping[str, Any], environ: Mapping[str, str] | None = None
+    ) -> Self:
+        """The environment, then each of ``layers`` in turn: later layers win (e.g. a file,
+        then an engine's inline settings)."""
+        env = os.environ if environ is None else environ
+        merged = _env_section(cls, env, cls._ENV_PREFIX)
+        for layer in layers:
+            merged.update(layer)
+        return _from_mapping(cls, merged)
+
     def replace(self, **changes: Any) -> Self:
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
@@ -256,6 +268,50 @@ class StoreClientConfig(_Section):
         _check_positive(self, "breaker_cooldown", "negative_entries")
         if self.negative_ttl < 0:
             raise ConfigError(f"negative_ttl must be >= 0, got {self.negative_ttl}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HiCacheConfig(_Section):
+    """Configuration of the SGLang HiCache L3 backend (``kvconnect.sglang``), one per SGLang
+    scheduler process (TP rank)."""
+
+    _ENV_PREFIX: ClassVar[str] = "KVCONNECT_SGLANG_"
+
+    master: str = "tcp://127.0.0.1:50051"
+    """The store master: ``tcp://host:port``, or ``etcd://host:port[,…]`` with master HA."""
+    config_file: str = ""
+    """A JSON file with more of these settings (below the extra-config, above the
+    environment)."""
+    namespace: str = ""
+    """Prefix of every key: separate caches (deployments, tenants) that share one store."""
+    transport: TransportName = "auto"
+    """Transfer transport to the store servers (``auto``: shared memory on the same host)."""
+    listen_host: str = "127.0.0.1"
+    """Interface of this process's transfer engine (matters with ``local_store_size``)."""
+    read_timeout: float = 1.0
+    """Deadline of one read of up to 128 pages: the pages that arrived by then, from the
+    first on, are used and the rest is recomputed."""
+    write_timeout: float = 5.0
+    """Deadline of one write of up to 128 pages (the backup thread's)."""
+    rpc_timeout: float = 0.5
+    """Timeout of one call to the master."""
+    breaker_failures: int = 3
+    """Consecutive failures after which the backend runs local-only (no L3)."""
+    breaker_cooldown: float = 2.0
+    """Seconds of local-only operation before one probe of the store."""
+    negative_ttl: float = 10.0
+    """Seconds a page whose read failed is reported absent (no repeated timeouts on it)."""
+    local_store_size: int = 0
+    """Bytes of memory this process adds to the store as an embedded store server (0: none;
+    engines then hold no store memory)."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "read_timeout", "write_timeout", "rpc_timeout")
+        _check_positive(self, "breaker_failures", "breaker_cooldown")
+        if self.negative_ttl < 0 or self.local_store_size < 0:
+            raise ConfigError("negative_ttl and local_store_size must be >= 0")
+        if not self.master.startswith(("tcp://", "etcd://")):
+            raise ConfigError(f"master must be tcp://host:port or etcd://…, got {self.master!r}")
 
 
 def _check_metadata(metadata: str) -> None:

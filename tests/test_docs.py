@@ -7,13 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from kvconnect.config import MasterConfig, StoreClientConfig, StoreServerConfig, TransferConfig
+from kvconnect.config import (
+    HiCacheConfig,
+    MasterConfig,
+    StoreClientConfig,
+    StoreServerConfig,
+    TransferConfig,
+)
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 @pytest.mark.parametrize(
-    "cls", [TransferConfig, MasterConfig, StoreServerConfig, StoreClientConfig]
+    "cls", [TransferConfig, MasterConfig, StoreServerConfig, StoreClientConfig, HiCacheConfig]
 )
 def test_configuration_reference_lists_every_field_with_its_default(cls: type) -> None:
     text = (DOCS / "configuration.md").read_text()

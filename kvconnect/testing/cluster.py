@@ -139,9 +139,9 @@ class Cluster:
             self.close()
             raise
 
-    def add_server(self) -> Process:
-        """Start one more store server."""
-        server = Process(self._server_args, "kvconnect store server")
+    def add_server(self, *args: str) -> Process:
+        """Start one more store server (``args`` override the cluster's, e.g. its size)."""
+        server = Process([*self._server_args, *args], "kvconnect store server")
         self.servers.append(server)
         return server
 

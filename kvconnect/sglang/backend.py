@@ -1,0 +1,379 @@
+"""``KVConnectStore``: SGLang HiCache's L3 tier on the kvconnect store.
+
+SGLang calls this from its scheduler thread (attach, ``batch_exists``) and from the cache
+controller's backup and prefetch threads (``batch_set_v1``, ``batch_get_v1``), each with at
+most 128 pages. Pages move without a copy: the whole host KV pool is registered once with the
+transfer engine, and every page is read or written straight between its place in the pool and
+store-server memory.
+
+Contract with SGLang, and why:
+
+* Nothing raises into SGLang's threads (an exception ends its prefetch or backup thread):
+  store trouble is logged, counted and returned as a miss or a failed write.
+* ``batch_get_v1`` ends by ``read_timeout``; SGLang uses the leading pages that arrived and
+  recomputes the rest, and nothing lands in the pool after the call returns (the transfer
+  engine settles every request before it reports it).
+* While the store fails, the client's circuit breaker makes every call fail fast: lookups
+  report 0 pages, writes are skipped — SGLang runs on its local tiers alone — and one probe
+  per ``breaker_cooldown`` finds the store again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+from sglang.srt.observability.metrics_collector import StorageMetrics
+
+from kvconnect.config import HiCacheConfig, StoreClientConfig, StoreServerConfig, TransferConfig
+from kvconnect.errors import ConfigError, StoreError
+from kvconnect.sglang.config import parse_config
+from kvconnect.sglang.keys import PageFormat, PageKeys, page_keys
+from kvconnect.store.client import StoreClient
+from kvconnect.store.messages import Code
+from kvconnect.store.server import StoreServer
+from kvconnect.transfer.memory import MemoryRegion
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_LAYOUTS = ("page_first", "page_first_direct")
+_WARN_EVERY = 10.0  # seconds between WARNING lines about the same kind of store trouble
+_MAX_SAMPLES = 10_000  # per-call samples kept for SGLang's metrics between two collections
+
+
+@dataclass
+class BackendStats:
+    """What the backend did (``KVConnectStore.stats``); counters only grow."""
+
+    pages_read: int = 0
+    pages_missed: int = 0  # asked for, not delivered (absent, late or failed)
+    pages_written: int = 0
+    pages_write_failed: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    errors: int = 0  # unexpected exceptions turned into misses
+
+
+class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
+    """SGLang ``HiCacheStorage`` with the zero-copy (v1) interface; see the module docstring.
+
+    Built by SGLang's factory as ``KVConnectStore(storage_config, host_pool)`` (the
+    ``kvconnect`` backend name, through the plugin) or ``KVConnectStore(storage_config, {})``
+    (the ``dynamic`` route); the host pool is then given by ``register_mem_pool_host``.
+    Raises ConfigError for bad settings (at SGLang's start, not in its IO threads).
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, host_pool: Any = None) -> None:
+        super().__init__()
+        self.storage_config = storage_config
+        self.config: HiCacheConfig = parse_config(storage_config.extra_config)
+        self.stats = BackendStats()
+        self._metrics = StorageMetrics()  # per-call samples for SGLang's --enable-metrics
+        self._lock = threading.Lock()  # guards stats, metrics and the warning clock
+        self._last_warning: dict[str, float] = {}
+        self._healthy = True
+        self._keys: PageKeys | None = None
+        self._memory: _PoolMemory | None = None
+        self._server = self._start_local_store()
+        self._client = StoreClient(
+            StoreClientConfig(
+                master=self.config.master,
+                rpc_timeout=self.config.rpc_timeout,
+                io_timeout=self.config.read_timeout,
+                breaker_failures=self.config.breaker_failures,
+                breaker_cooldown=self.config.breaker_cooldown,
+                negative_ttl=self.config.negative_ttl,
+            ),
+            TransferConfig(transport=self.config.transport, listen_host=self.config.listen_host),
+        )
+        self._client.start()
+        if host_pool is not None and not isinstance(host_pool, dict):
+            self.register_mem_pool_host(host_pool)
+
+    # ---------------------------------------------------------------------------- lifecycle
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Learn the page format and register the host KV pool once (SGLang's attach)."""
+        if self._memory is not None and getattr(self, "mem_pool_host", None) is mem_pool_host:
+            return
+        super().register_mem_pool_host(mem_pool_host)
+        layout = getattr(mem_pool_host, "layout", "")
+        if layout not in SUPPORTED_LAYOUTS:
+            raise ConfigError(
+                f"kvconnect stores pages of the {' or '.join(SUPPORTED_LAYOUTS)} host layouts, "
+                f"not {layout!r}: start SGLang with --hicache-mem-layout page_first"
+            )
+        self._keys = page_keys(_page_format(self.storage_config, mem_pool_host, self.config))
+        self._memory = _PoolMemory(self._client, mem_pool_host)
+        log.info(
+            "kvconnect HiCache backend: %s, keys %s*, store %s",
+            type(mem_pool_host).__name__,
+            self._keys.prefix,
+            self.config.master,
+        )
+
+    def close(self) -> None:
+        """Close the store client (and the embedded store server). Idempotent."""
+        self._client.close()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    @property
+    def local_only(self) -> bool:
+        """Whether the store is considered down (SGLang then runs on its local tiers)."""
+        return self.breaker_state != "closed"
+
+    @property
+    def breaker_state(self) -> str:
+        """``closed`` (store in use), ``open`` (failing fast) or ``half_open`` (probing)."""
+        return self._client.breaker.state.value
+
+    # ---------------------------------------------------------------------------- zero-copy
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """How many pages from the first are stored (0 while the store is unhealthy)."""
+        try:
+            naming = self._require_keys()
+            found = self._client.batch_exists(naming.keys(keys))
+            self._set_healthy(True)
+            return naming.leading_pages(found)
+        except StoreError as exc:
+            self._store_trouble("exists", exc)
+            return 0
+        except Exception:
+            self._unexpected("batch_exists")
+            return 0
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Read pages into the host pool by ``read_timeout``; True for each page that
+        arrived whole (SGLang uses the leading run)."""
+        try:
+            return self._transfer(keys, host_indices, write=False)
+        except Exception:
+            self._unexpected("batch_get_v1")
+            return [False] * len(keys)
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Write pages from the host pool (pages already stored are skipped and count as
+        written); False for pages not stored."""
+        try:
+            if not self.storage_config.is_storage_writer:
+                return [True] * len(keys)  # MLA: another rank writes the shared pages
+            return self._transfer(keys, host_indices, write=True)
+        except Exception:
+            self._unexpected("batch_set_v1")
+            return [False] * len(keys)
+
+    # ------------------------------------------------------------------- legacy (copy) API
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        """Not used: kvconnect is selected with the zero-copy interface (``interface_v1``)."""
+        return None
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[None]:
+        """Not used (zero-copy only): every page is a miss."""
+        return [None] * len(keys)
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        """Not used (zero-copy only): nothing is stored."""
+        return False
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        """Not used (zero-copy only): nothing is stored."""
+        return False
+
+    def exists(self, key: str) -> bool:
+        """Whether one page is stored."""
+        return self.batch_exists([key]) == 1
+
+    def get_stats(self) -> StorageMetrics | None:
+        """Pages and bandwidth of each read and write since the last call (SGLang's metrics
+        collector asks with ``--enable-metrics``)."""
+        with self._lock:
+            metrics, self._metrics = self._metrics, StorageMetrics()
+        return metrics
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _transfer(self, keys: list[str], host_indices: torch.Tensor, *, write: bool) -> list[bool]:
+        naming = self._require_keys()
+        assert self._memory is not None
+        region, offsets, sizes = self._memory.locate(host_indices)
+        object_keys = naming.keys(keys)
+        if len(offsets) != len(object_keys):
+            raise ConfigError(
+                f"the host pool gave {len(offsets)} ranges for {len(keys)} pages; "
+                f"expected {naming.objects} per page"
+            )
+        start = time.monotonic()
+        if write:
+            timeout = self.config.write_timeout
+            result = self._client.batch_put_from(
+                object_keys, region, offsets, sizes, timeout=timeout
+            )
+            done = result.ok()
+        else:
+            result = self._client.batch_get_into(object_keys, region, offsets, sizes)
+            # A smaller object than the page is not this page (it cannot happen with these
+            # keys; refuse it rather than hand SGLang a half-filled page).
+            done = [
+                code is Code.OK and got == size
+                for code, got, size in zip(result.codes, result.sizes, sizes, strict=True)
+            ]
+        pages = [all(done[i : i + naming.objects]) for i in range(0, len(done), naming.objects)]
+        self._account(write, pages, sizes, time.monotonic() - start, result.codes)
+        return pages
+
+    def _account(
+        self,
+        write: bool,
+        pages: list[bool],
+        sizes: Sequence[int],
+        seconds: float,
+        codes: Sequence[Code],
+    ) -> None:
+        moved = sum(pages)
+        page_bytes = sum(sizes) // max(len(pages), 1)
+        gbps = moved * page_bytes / seconds / 1e9 if seconds > 0 else 0.0
+        with self._lock:
+            if write:
+                self.stats.pages_written += moved
+                self.stats.pages_write_failed += len(pages) - moved
+                self.stats.bytes_written += moved * page_bytes
+                self.stats.write_seconds += seconds
+                samples = (self._metrics.backup_pgs, self._metrics.backup_bandwidth)
+            else:
+                self.stats.pages_read += moved
+                self.stats.pages_missed += len(pages) - moved
+                self.stats.bytes_read += moved * page_bytes
+                self.stats.read_seconds += seconds
+                samples = (self._metrics.prefetch_pgs, self._metrics.prefetch_bandwidth)
+            if len(samples[0]) < _MAX_SAMPLES:  # nobody collects without --enable-metrics
+                samples[0].append(moved)
+                samples[1].append(gbps)
+        unavailable = any(code is Code.UNAVAILABLE for code in codes)
+        self._set_healthy(not unavailable)
+
+    def _require_keys(self) -> PageKeys:
+        if self._keys is None:
+            raise ConfigError("the host KV pool is not registered yet")
+        return self._keys
+
+    def _start_local_store(self) -> StoreServer | None:
+        if not self.config.local_store_size:
+            return None
+        server = StoreServer(
+            StoreServerConfig(master=self.config.master, size=self.config.local_store_size),
+            TransferConfig(listen_host=self.config.listen_host),
+        )
+        server.start()
+        return server
+
+    def _set_healthy(self, healthy: bool) -> None:
+        if healthy == self._healthy:
+            return
+        self._healthy = healthy
+        if healthy:
+            log.info("kvconnect store reachable again: L3 reads and writes resume")
+        else:
+            log.warning(
+                "kvconnect store unavailable: running local-only (no L3) until it answers; "
+                "probing every %.1fs",
+                self.config.breaker_cooldown,
+            )
+
+    def _store_trouble(self, what: str, exc: Exception) -> None:
+        self._set_healthy(False)
+        self._warn(what, "kvconnect store %s failed: %s", what, exc)
+
+    def _unexpected(self, what: str) -> None:
+        with self._lock:
+            self.stats.errors += 1
+        self._warn(what, "kvconnect HiCache %s failed; treated as a miss", what, exc_info=True)
+
+    def _warn(self, kind: str, message: str, *args: object, exc_info: bool = False) -> None:
+        """At most one WARNING per kind every few seconds (an outage is one story)."""
+        now = time.monotonic()
+        with self._lock:
+            quiet = now - self._last_warning.get(kind, -_WARN_EVERY) < _WARN_EVERY
+            if not quiet:
+                self._last_warning[kind] = now
+        log.log(logging.DEBUG if quiet else logging.WARNING, message, *args, exc_info=exc_info)
+
+
+class _PoolMemory:
+    """The host pool's backing tensor, registered once; page pointers → offsets in it."""
+
+    def __init__(self, client: StoreClient, host_pool: Any) -> None:
+        self._pool = host_pool
+        buffer = host_pool.kv_buffer
+        if not isinstance(buffer, torch.Tensor) or not buffer.is_contiguous():
+            raise ConfigError("the host KV pool has no contiguous kv_buffer tensor to register")
+        self.region: MemoryRegion = client.register(buffer)
+        self._start = self.region.address
+        self._end = self._start + self.region.length
+
+    def locate(self, host_indices: torch.Tensor) -> tuple[MemoryRegion, list[int], list[int]]:
+        """Offsets and sizes in the registered pool of every object of the pages at
+        ``host_indices`` (SGLang's ``get_page_buffer_meta`` order: page by page)."""
+        pointers, sizes = self._pool.get_page_buffer_meta(host_indices)
+        offsets = [pointer - self._start for pointer in pointers]
+        for pointer, size in zip(pointers, sizes, strict=True):
+            if pointer < self._start or pointer + size > self._end:
+                raise ConfigError(f"page memory at {pointer:#x} is outside the registered pool")
+        return self.region, offsets, list(sizes)
+
+
+def _page_format(storage: HiCacheStorageConfig, pool: Any, config: HiCacheConfig) -> PageFormat:
+    dtype = str(getattr(pool, "dtype", "unknown")).removeprefix("torch.")
+    return PageFormat(
+        model=storage.model_name or "unnamed-model",
+        layout=pool.layout,
+        dtype=dtype,
+        page_size=int(pool.page_size),
+        mla=bool(storage.is_mla_model),
+        tp_rank=storage.tp_rank,
+        tp_size=storage.tp_size,
+        pp_rank=storage.pp_rank,
+        pp_size=storage.pp_size,
+        cp_rank=storage.attn_cp_rank,
+        cp_size=storage.attn_cp_size,
+        dcp_rank=storage.dcp_rank,
+        dcp_size=storage.dcp_size,
+        namespace=config.namespace,
+    )

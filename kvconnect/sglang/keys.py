@@ -1,0 +1,76 @@
+"""How SGLang's pages become store keys. Pure: no sglang, no torch.
+
+SGLang names a page by a chained SHA-256 of its tokens. That name says nothing about the
+bytes' format, so the store key adds what makes two pages' bytes interchangeable: the model,
+the host memory layout (``page_first`` and ``page_first_direct`` order bytes differently), the
+dtype and the page size — and, for MHA models, which shard of the heads this TP rank holds.
+MLA pages hold the whole latent KV on every rank: one object per page, shared by all ranks and
+written by one. Each MHA page is two objects, its K and its V (two separate ranges of the
+host pool); a page counts as stored only when all its objects are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class PageFormat:
+    """What determines a page's bytes, besides its tokens."""
+
+    model: str
+    layout: str
+    dtype: str
+    page_size: int
+    mla: bool
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    dcp_rank: int = 0
+    dcp_size: int = 1
+    namespace: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PageKeys:
+    """Turns page hashes into store keys: ``objects`` keys per page, page by page."""
+
+    prefix: str
+    suffixes: tuple[str, ...]
+
+    @property
+    def objects(self) -> int:
+        """Store objects per page."""
+        return len(self.suffixes)
+
+    def keys(self, hashes: Sequence[str]) -> list[str]:
+        """Every object key of ``hashes``, grouped by page, in page order."""
+        return [f"{self.prefix}{h}{suffix}" for h in hashes for suffix in self.suffixes]
+
+    def leading_pages(self, found: Sequence[bool]) -> int:
+        """Pages from the first whose every object is in ``found`` (one flag per object)."""
+        per_page = self.objects
+        for page in range(len(found) // per_page):
+            if not all(found[page * per_page : (page + 1) * per_page]):
+                return page
+        return len(found) // per_page
+
+
+def page_keys(fmt: PageFormat) -> PageKeys:
+    """The key scheme of one rank for pages of ``fmt``."""
+    model = fmt.model.replace("/", "--")
+    namespace = f"{fmt.namespace}/" if fmt.namespace else ""
+    prefix = f"{namespace}sglang/{model}/{fmt.layout}/{fmt.dtype}/p{fmt.page_size}/"
+    where = f"/pp{fmt.pp_rank}" if fmt.pp_size > 1 else ""
+    if fmt.cp_size > 1:
+        where += f"/cp{fmt.cp_rank}of{fmt.cp_size}"
+    if fmt.dcp_size > 1:  # decode context parallelism shards the tokens of a page
+        where += f"/dcp{fmt.dcp_rank}of{fmt.dcp_size}"
+    if fmt.mla:
+        return PageKeys(prefix, (f"{where}/kv",))
+    shard = f"{where}/tp{fmt.tp_rank}of{fmt.tp_size}"
+    return PageKeys(prefix, (f"{shard}/k", f"{shard}/v"))

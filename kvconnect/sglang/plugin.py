@@ -1,0 +1,79 @@
+"""SGLang plugin: makes ``--hicache-storage-backend kvconnect`` work.
+
+SGLang runs the functions of the ``sglang.srt.plugins`` entry-point group (kvconnect's is
+:func:`register`) before it parses arguments, and again in every scheduler process. SGLang's
+list of storage backends is closed in three places, so the plugin hooks each (through SGLang's
+own ``HookRegistry``):
+
+1. the storage factory builds only names it knows: kvconnect's is added;
+2. the command line accepts only listed names: ``kvconnect`` is added to the choices;
+3. the cache controller picks the zero-copy page functions by name: kvconnect gets them.
+
+These targets are SGLang internals, so the plugin only patches the version it was built for
+and refuses others with a clear message (the ``dynamic`` route, docs/sglang.md, needs no
+patch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+from typing import Any
+
+SGLANG_VERSION = "0.5.23"
+"""The SGLang release whose internals the plugin patches."""
+NAME = "kvconnect"
+BACKEND = ("kvconnect.sglang.backend", "KVConnectStore")
+
+_FACTORY = "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory"
+_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
+_ATTACH = "sglang.srt.managers.cache_controller.HiCacheController.attach_storage_backend"
+
+
+def register() -> None:
+    """Entry point: register the backend and hook SGLang (raises RuntimeError, which SGLang
+    logs, on another SGLang version)."""
+    installed = importlib.metadata.version("sglang")
+    if installed != SGLANG_VERSION:
+        raise RuntimeError(
+            f"kvconnect's SGLang plugin supports SGLang {SGLANG_VERSION}, found {installed}: "
+            "'--hicache-storage-backend kvconnect' is unavailable. Use "
+            "'--hicache-storage-backend dynamic' with backend_name/module_path/class_name/"
+            "interface_v1 in --hicache-storage-backend-extra-config (docs/sglang.md)."
+        )
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    StorageBackendFactory.register_backend(NAME, *BACKEND)
+    HookRegistry.register(f"{_FACTORY}._create_builtin_backend", _build, HookType.AROUND)
+    HookRegistry.register(_ARGS, _accept_name, HookType.AFTER)
+    HookRegistry.register(_ATTACH, _zero_copy, HookType.AFTER)
+
+
+def _build(
+    original: Any,
+    cls: Any,
+    backend_name: str,
+    backend_class: Any,
+    storage_config: Any,
+    mem_pool_host: Any,
+) -> Any:
+    """The factory's branch for kvconnect: the backend gets the host pool at once."""
+    if backend_name == NAME:
+        return backend_class(storage_config, mem_pool_host)
+    return original(cls, backend_name, backend_class, storage_config, mem_pool_host)
+
+
+def _accept_name(result: Any, parser: argparse.ArgumentParser) -> None:
+    """After SGLang defined its flags: let ``--hicache-storage-backend`` take ``kvconnect``."""
+    for action in parser._actions:
+        flag = "--hicache-storage-backend" in action.option_strings
+        if flag and action.choices is not None and NAME not in action.choices:
+            action.choices = [*action.choices, NAME]
+
+
+def _zero_copy(result: Any, controller: Any, *args: Any, **kwargs: Any) -> None:
+    """After the controller attached a backend: kvconnect moves pages without a copy."""
+    if getattr(controller, "storage_backend_type", None) == NAME and controller.storage_backend:
+        controller.page_get_func = controller._page_get_zero_copy
+        controller.page_set_func = controller._page_set_zero_copy

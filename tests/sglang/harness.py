@@ -1,0 +1,241 @@
+"""SGLang's real HiCache controller and host KV pools, driven on a CPU.
+
+The production controller (``HybridCacheController`` over a ``HostPoolGroup``, as SGLang's
+radix cache builds it) runs its own backup, prefetch and ack threads; these helpers play the
+scheduler's side: queue a backup and wait for its ack; queue a prefetch, give it host slots
+for the hit, and collect the acks as the scheduler would. The device side is a stand-in: the
+storage path never touches it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+from sglang.srt.mem_cache.device_pool_info import (
+    KVBufferLayout,
+    KVBuffers,
+    MHABufferInfo,
+    MLABufferInfo,
+)
+from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+LAYERS, HEADS, HEAD_DIM, PAGE = 4, 2, 8, 16
+MLA_WIDTH = 24  # kv_lora_rank 16 + rope 8
+DTYPE = torch.bfloat16
+PAGE_BYTES = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * DTYPE.itemsize  # K and V of one MHA page
+DEVICE_TOKENS = 256
+ACK_TIMEOUT = 60.0
+
+
+def mha_pool(layout: str = "page_first", pages: int = 800) -> MHATokenToKVPoolHost:
+    """A real MHA host pool in ordinary (unpinned) memory."""
+    k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=DTYPE) for _ in range(LAYERS))
+    v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=DTYPE) for _ in range(LAYERS))
+    info = MHABufferInfo(
+        buffers=KVBuffers(
+            k=k,
+            v=v,
+            k_data_ptrs=torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64),
+            v_data_ptrs=torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64),
+            layout=KVBufferLayout.NHD,
+        ),
+        page_size=PAGE,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM,
+        dtype=DTYPE,
+        device=torch.device("cpu"),
+    )
+    return MHATokenToKVPoolHost(
+        info,
+        host_to_device_ratio=2.0,
+        host_size=0,
+        page_size=PAGE,
+        layout=layout,
+        pin_memory=False,  # pinning needs a CUDA driver
+        device="cpu",
+        device_capacity_tokens=DEVICE_TOKENS,
+        start_layer=0,
+        end_layer=LAYERS - 1,
+        host_token_capacity=pages * PAGE,
+    )
+
+
+def mla_pool(layout: str = "page_first", pages: int = 200) -> MLATokenToKVPoolHost:
+    """A real MLA host pool in ordinary memory."""
+    buffers = tuple(torch.zeros(DEVICE_TOKENS, 1, MLA_WIDTH, dtype=DTYPE) for _ in range(LAYERS))
+    info = MLABufferInfo(
+        buffers=buffers,
+        data_ptrs=torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64),
+        layer_indices=tuple(range(LAYERS)),
+        device_layer_num=LAYERS,
+        page_size=PAGE,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        kv_cache_dim=MLA_WIDTH,
+        dtype=DTYPE,
+        device=torch.device("cpu"),
+    )
+    return MLATokenToKVPoolHost(
+        info,
+        2.0,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=DEVICE_TOKENS,
+        start_layer=0,
+        end_layer=LAYERS - 1,
+        target_layer_num=LAYERS,
+        host_token_capacity=pages * PAGE,
+    )
+
+
+class _DevicePool:
+    """The device-pool surface the controller's constructor touches."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.layer_num = LAYERS
+        self.start_layer = 0
+        self.end_layer = LAYERS - 1
+
+    def register_layer_transfer_counter(self, counter: Any) -> None:
+        self.layer_transfer_counter = counter
+
+
+class _Allocator:
+    def __init__(self, device_pool: _DevicePool) -> None:
+        self._pool = device_pool
+
+    def get_kvcache(self) -> _DevicePool:
+        return self._pool
+
+
+def controller(
+    host_pool: Any, backend: str, extra_config: dict[str, Any], model: str = "test/model"
+) -> HybridCacheController:
+    """SGLang's production cache controller with ``backend`` attached (its threads run)."""
+    device = _DevicePool()
+    group = HostPoolGroup(
+        [
+            PoolEntry(
+                name=PoolName.KV,
+                host_pool=host_pool,
+                device_pool=device,
+                layer_mapper=lambda i: i,
+                is_primary_index_anchor=True,
+            )
+        ]
+    )
+    return HybridCacheController(
+        _Allocator(device),
+        group,
+        transfer_layer_id_max=LAYERS,
+        page_size=PAGE,
+        tp_group=None,  # one rank: the collectives are no-ops
+        load_cache_event=threading.Event(),
+        write_policy="write_through",
+        io_backend="direct",
+        storage_backend=backend,
+        prefetch_threshold=PAGE,
+        model_name=model,
+        storage_backend_extra_config=dict(extra_config),
+    )
+
+
+def tokens_for(pages: int, seed: int = 0) -> list[int]:
+    """Token ids of ``pages`` pages (distinct per seed)."""
+    start = 1000 + seed * 1_000_000
+    return list(range(start, start + pages * PAGE))
+
+
+def page_hashes(tokens: list[int]) -> list[str]:
+    """SGLang's own chained page hashes of ``tokens``."""
+    return list(get_storage_hash_str(tokens, None, page_size=PAGE))
+
+
+def fill(host_pool: Any, host_indices: torch.Tensor, seed: int) -> None:
+    """Random page contents (reproducible by seed)."""
+    generator = torch.Generator().manual_seed(seed)
+    for start in range(0, len(host_indices), PAGE):
+        page = host_pool.get_data_page(int(host_indices[start]), flat=False)
+        page.copy_(torch.randn(page.shape, generator=generator).to(DTYPE))
+
+
+def pages_of(host_pool: Any, host_indices: torch.Tensor) -> list[bytes]:
+    """The bytes of each page at ``host_indices``."""
+    return [
+        host_pool.get_data_page(int(host_indices[start])).view(torch.uint8).numpy().tobytes()
+        for start in range(0, len(host_indices), PAGE)
+    ]
+
+
+def backup(
+    cc: HybridCacheController,
+    host_indices: torch.Tensor,
+    tokens: list[int],
+    hashes: list[str] | None = None,
+) -> int:
+    """Write pages to L3 through the controller's backup thread; tokens it acknowledged.
+    ``hashes``: the pages' hashes when ``tokens`` continue an earlier sequence."""
+    cc.write_storage(host_indices, tokens, hash_value=hashes or page_hashes(tokens))
+    operation = cc.ack_backup_queue.get(timeout=ACK_TIMEOUT)
+    return int(operation.completed_tokens)
+
+
+@dataclass
+class Prefetch:
+    """What one prefetch did, as the scheduler sees it."""
+
+    hit_tokens: int
+    completed_tokens: int
+    host_indices: torch.Tensor | None
+    seconds: float  # from the hit to the final ack
+
+
+def prefetch(
+    cc: HybridCacheController, rid: str, tokens: list[int], *, stop_after: float | None = None
+) -> Prefetch:
+    """Run a prefetch as SGLang's scheduler does: hit query, host slots for the hit, acks.
+    ``stop_after``: terminate it that many seconds after the first progress ack, as the
+    ``timeout`` policy would (the IO thread finishes its batch and stops)."""
+    operation = cc.prefetch(CacheRequestHandle(rid=rid, attempt_id=0), tokens)
+    assert cc.prefetch_hit_queue.get(timeout=ACK_TIMEOUT) is operation
+    hit = int(operation.storage_hit_count)
+    if hit == 0:
+        return Prefetch(0, 0, None, 0.0)
+    host_indices = cc.alloc_prefetch_host_buffers(operation, hit)
+    operation.host_indices = host_indices
+    operation.hash_value = operation.hash_value[: len(host_indices) // PAGE]
+    start = time.monotonic()
+    cc.prefetch_buffer.put(operation)
+    completed = 0
+    stopped = False
+    while True:
+        ack = cc.ack_prefetch_queue.get(timeout=ACK_TIMEOUT)
+        if ack.completed_tokens is not None and not stopped:
+            completed = operation.completed_tokens = int(ack.completed_tokens)
+            if stop_after is not None:
+                time.sleep(stop_after)
+                completed, _ = cc.terminate_prefetch(operation)
+                stopped = True
+        if ack.completed_req:
+            return Prefetch(hit, completed, host_indices, time.monotonic() - start)
+
+
+def release(cc: HybridCacheController, result: Prefetch) -> None:
+    """Give a prefetch's host slots back (after its final ack, as the scheduler does)."""
+    if result.host_indices is not None:
+        cc.mem_pool_host.free(result.host_indices)

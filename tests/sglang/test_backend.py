@@ -1,0 +1,179 @@
+"""The backend under SGLang's real HiCache controller, against a real kvconnect cluster.
+
+Master and store servers run as separate processes; SGLang's controller runs its own backup,
+prefetch and ack threads in this process over real host KV pools.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvconnect.store import messages as m
+from kvconnect.store.rpc import RpcClient
+from kvconnect.testing.cluster import Cluster
+from tests.conftest import wait_for
+from tests.sglang import harness as h
+
+pytestmark = [pytest.mark.integration, pytest.mark.sglang]
+
+FAST = {"rpc_timeout": 0.5, "breaker_cooldown": 0.5}
+
+
+def _extra(cluster: Cluster, **settings: Any) -> dict[str, Any]:
+    return {"master": cluster.master_endpoint, **FAST, **settings}
+
+
+def _dynamic(cluster: Cluster, **settings: Any) -> dict[str, Any]:
+    """The no-patch route: SGLang's ``dynamic`` loader with the zero-copy interface."""
+    return {
+        "backend_name": "kvconnect",
+        "module_path": "kvconnect.sglang",
+        "class_name": "KVConnectStore",
+        "interface_v1": 1,
+        **_extra(cluster, **settings),
+    }
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    with Cluster(servers=2, server_size=32 << 20, master_args=["--master-heartbeat-ttl", "3"]) as c:
+        yield c
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_pages_written_through_come_back_byte_identical(cluster: Cluster, layout: str) -> None:
+    pool = h.mha_pool(layout)
+    cc = h.controller(pool, "dynamic", _dynamic(cluster))
+    try:
+        assert cc.page_get_func.__name__ == "_page_get_zero_copy"
+        backend = cc.storage_backend
+        tokens = h.tokens_for(300)
+        source = pool.alloc(len(tokens))
+        h.fill(pool, source, seed=1)
+        expected = h.pages_of(pool, source)
+        assert h.backup(cc, source, tokens) == len(tokens)
+        assert backend.stats.pages_written == 300
+        # the pages are in the store, under kvconnect's keys
+        assert _stored_keys(cluster) == 600  # K and V objects of 300 pages
+        pool.free(source)
+        pool.kv_buffer.zero_()  # L1/L2 dropped: only L3 has the pages now
+        result = h.prefetch(cc, "req-1", tokens)
+        assert result.hit_tokens == len(tokens)
+        assert result.completed_tokens == len(tokens)
+        assert h.pages_of(pool, result.host_indices) == expected
+        assert backend.stats.pages_read == 300
+        h.release(cc, result)
+        # written again: nothing new is stored (pages already there are skipped)
+        again = pool.alloc(len(tokens))
+        assert h.backup(cc, again, tokens) == len(tokens)
+        assert _stored_keys(cluster) == 600
+        pool.free(again)
+    finally:
+        cc.detach_storage_backend()
+
+
+def test_a_slow_store_gives_the_leading_pages_by_the_deadline() -> None:
+    # Server A holds exactly the first 128 pages (full, and never evicting); the rest go to
+    # server B, which then stops. Over TCP: a stopped process serves nothing (same-host
+    # shared memory would not need it).
+    with Cluster(servers=0, master_args=["--master-high-watermark", "1.0"]) as cluster:
+        cluster.add_server("--store-size", str(128 * h.PAGE_BYTES))
+        _leading_pages_by_the_deadline(cluster)
+
+
+def _leading_pages_by_the_deadline(cluster: Cluster) -> None:
+    read_timeout = 1.0
+    pool = h.mha_pool()
+    settings = {"transport": "tcp", "read_timeout": read_timeout, "negative_ttl": 30}
+    cc = h.controller(pool, "dynamic", _dynamic(cluster, **settings))
+    try:
+        tokens = h.tokens_for(300)
+        hashes = h.page_hashes(tokens)
+        source = pool.alloc(len(tokens))
+        h.fill(pool, source, seed=2)
+        expected = h.pages_of(pool, source)
+        first = 128 * h.PAGE
+        assert h.backup(cc, source[:first], tokens[:first], hashes[:128]) == first
+        slow = cluster.add_server("--store-size", str(32 << 20))
+        assert h.backup(cc, source[first:], tokens[first:], hashes[128:]) == len(tokens) - first
+        assert [s.objects for s in _segments(cluster)] == [256, 344], "A: pages 0-127, B: rest"
+        pool.free(source)
+        pool.kv_buffer.zero_()
+        slow.signal(signal.SIGSTOP)
+        try:
+            result = h.prefetch(cc, "req-slow", tokens)
+        finally:
+            slow.signal(signal.SIGCONT)
+        assert result.hit_tokens == len(tokens), "the master still lists every page"
+        assert result.completed_tokens == first, "the pages that arrived: a leading prefix"
+        assert read_timeout * 0.9 <= result.seconds < read_timeout + 3.0
+        assert h.pages_of(pool, result.host_indices)[:128] == expected[:128]
+        h.release(cc, result)
+        # the pages that timed out are reported absent for a while: no second wait on them
+        again = h.prefetch(cc, "req-again", tokens)
+        assert again.hit_tokens == first
+        assert again.completed_tokens == first
+        assert again.seconds < read_timeout
+        h.release(cc, again)
+    finally:
+        cc.detach_storage_backend()
+
+
+def test_a_dead_store_means_local_only_until_it_returns(cluster: Cluster) -> None:
+    pool = h.mha_pool()
+    cc = h.controller(pool, "dynamic", _dynamic(cluster, breaker_cooldown=3.0))
+    backend = cc.storage_backend
+    try:
+        tokens = h.tokens_for(40)
+        source = pool.alloc(len(tokens))
+        h.fill(pool, source, seed=3)
+        assert h.backup(cc, source, tokens) == len(tokens)
+        wait_for(lambda: _backlog(cluster) == 0, "store servers did not learn their objects")
+        cluster.master.kill()
+        # local-only: lookups say 0 pages, writes are skipped, quickly
+        start = time.monotonic()
+        assert h.prefetch(cc, "req-down", tokens).hit_tokens == 0
+        other = h.tokens_for(10, seed=1)
+        assert h.backup(cc, source[: len(other)], other) == 0
+        assert time.monotonic() - start < 5.0
+        backend.batch_exists(h.page_hashes(tokens))  # the failures open the breaker
+        assert backend.local_only
+        for _ in range(3):  # within the cool-down no call reaches the store: no probe either
+            assert backend.batch_exists(h.page_hashes(tokens)) == 0
+            assert backend.breaker_state == "open"
+        cluster.restart_master()  # store servers report what they hold to the new master
+        wait_for(lambda: backend.batch_exists(h.page_hashes(tokens)) == 40, "no recovery", 20)
+        pool.kv_buffer.zero_()
+        result = h.prefetch(cc, "req-up", tokens)
+        assert result.completed_tokens == len(tokens)
+        h.release(cc, result)
+        assert backend.stats.errors == 0, "store trouble is not an unexpected error"
+    finally:
+        cc.detach_storage_backend()
+
+
+def _stats(cluster: Cluster) -> m.StatsReply:
+    rpc = RpcClient(cluster.master_endpoint, 2.0)
+    try:
+        reply = rpc.call(m.Stats())
+    finally:
+        rpc.close()
+    assert isinstance(reply, m.StatsReply)
+    return reply
+
+
+def _stored_keys(cluster: Cluster) -> int:
+    return _stats(cluster).keys
+
+
+def _segments(cluster: Cluster) -> list[m.SegmentStats]:
+    return sorted(_stats(cluster).segments, key=lambda s: s.capacity)
+
+
+def _backlog(cluster: Cluster) -> int:
+    return sum(s.backlog for s in _stats(cluster).segments)

@@ -1,0 +1,146 @@
+"""The literal ``--hicache-storage-backend kvconnect`` route, and keys across TP ranks."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.plugins import load_plugins
+from sglang.srt.server_args import prepare_server_args
+
+from kvconnect.sglang import plugin
+from kvconnect.sglang.backend import KVConnectStore
+from kvconnect.store import messages as m
+from kvconnect.store.rpc import RpcClient
+from kvconnect.testing.cluster import Cluster
+from tests.sglang import harness as h
+
+pytestmark = [pytest.mark.integration, pytest.mark.sglang]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster(servers=1, server_size=32 << 20) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def plugins_loaded() -> None:
+    """What SGLang does first in every process: run the installed plugins (kvconnect's only)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SGLANG_PLUGINS", "kvconnect")
+        load_plugins()
+
+
+def test_sglang_own_parser_accepts_kvconnect(plugins_loaded: None) -> None:
+    args = prepare_server_args(
+        [
+            *("--model-path", "some/model", "--device", "cpu"),
+            "--enable-hierarchical-cache",
+            *("--hicache-storage-backend", "kvconnect"),
+            *("--hicache-storage-backend-extra-config", '{"master": "tcp://10.0.0.1:50051"}'),
+        ]
+    )
+    assert args.hicache_storage_backend == "kvconnect"
+
+
+def test_the_factory_builds_it_with_the_host_pool_and_zero_copy(
+    plugins_loaded: None, cluster: Cluster
+) -> None:
+    pool = h.mha_pool()
+    cc = h.controller(pool, "kvconnect", {"master": cluster.master_endpoint})
+    try:
+        assert isinstance(cc.storage_backend, KVConnectStore)
+        assert cc.storage_backend.mem_pool_host is pool
+        assert cc.page_get_func.__name__ == "_page_get_zero_copy"
+        assert cc.page_set_func.__name__ == "_page_set_zero_copy"
+        tokens = h.tokens_for(20, seed=7)
+        source = pool.alloc(len(tokens))
+        h.fill(pool, source, seed=7)
+        expected = h.pages_of(pool, source)
+        assert h.backup(cc, source, tokens) == len(tokens)
+        pool.free(source)
+        pool.kv_buffer.zero_()
+        result = h.prefetch(cc, "req-plugin", tokens)
+        assert h.pages_of(pool, result.host_indices) == expected
+        h.release(cc, result)
+        metrics = cc.storage_backend.get_stats()
+        assert sum(metrics.backup_pgs) == 20
+        assert sum(metrics.prefetch_pgs) == 20
+        assert cc.storage_backend.get_stats().prefetch_pgs == [], "samples are handed out once"
+    finally:
+        cc.detach_storage_backend()
+    # the factory refuses nothing else it knew: other names still reach SGLang's own branches
+    assert "file" in StorageBackendFactory._registry
+
+
+def test_other_sglang_versions_are_refused_with_a_way_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.metadata, "version", lambda _name: "0.6.0")
+    with pytest.raises(RuntimeError, match=r"supports SGLang 0\.5\.23, found 0\.6\.0.*dynamic"):
+        plugin.register()
+
+
+def _storage(cluster: Cluster, rank: int, mla: bool) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=rank,
+        tp_size=2,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="ranks/model",
+        extra_config={"master": cluster.master_endpoint, "namespace": f"ranks-{mla}"},
+    )
+
+
+def _keys(cluster: Cluster) -> int:
+    rpc = RpcClient(cluster.master_endpoint, 2.0)
+    try:
+        reply = rpc.call(m.Stats())
+    finally:
+        rpc.close()
+    assert isinstance(reply, m.StatsReply)
+    return reply.keys
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_mha_ranks_keep_their_own_pages_and_mla_ranks_share_one(
+    cluster: Cluster, mla: bool
+) -> None:
+    pools = [h.mla_pool() if mla else h.mha_pool() for _ in range(2)]
+    backends = [
+        KVConnectStore(_storage(cluster, rank, mla), pool) for rank, pool in enumerate(pools)
+    ]
+    try:
+        hashes = h.page_hashes(h.tokens_for(8, seed=9))
+        slots: list[Any] = []
+        for rank, (backend, pool) in enumerate(zip(backends, pools, strict=True)):
+            source = pool.alloc(8 * h.PAGE)
+            h.fill(pool, source, seed=100 + rank)  # each rank's shard of the heads differs
+            slots.append(source)
+            before = _keys(cluster)
+            assert backend.batch_set_v1(hashes, source) == [True] * 8
+            written = _keys(cluster) - before
+            objects = 8 if mla else 16
+            assert written == (objects if rank == 0 or not mla else 0), "MLA: rank 0 writes"
+        for rank, (backend, pool) in enumerate(zip(backends, pools, strict=True)):
+            expected = h.pages_of(pool, slots[rank])
+            target = pool.alloc(8 * h.PAGE)
+            assert backend.batch_exists(hashes) == 8
+            assert backend.batch_get_v1(hashes, target) == [True] * 8
+            got = h.pages_of(pool, target)
+            if mla:  # every rank reads the one copy rank 0 wrote
+                assert got == h.pages_of(pools[0], slots[0])
+            else:  # its own shard, not the other rank's
+                assert got == expected
+                assert got != h.pages_of(pools[1 - rank], slots[1 - rank])
+    finally:
+        for backend in backends:
+            backend.close()
