@@ -98,9 +98,13 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
             ),
             TransferConfig(transport=self.config.transport, listen_host=self.config.listen_host),
         )
-        self._client.start()
-        if host_pool is not None and not isinstance(host_pool, dict):
-            self.register_mem_pool_host(host_pool)
+        try:
+            self._client.start()
+            if host_pool is not None and not isinstance(host_pool, dict):
+                self.register_mem_pool_host(host_pool)
+        except BaseException:
+            self.close()
+            raise
 
     # ---------------------------------------------------------------------------- lifecycle
 
@@ -123,6 +127,21 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
             self._keys.prefix,
             self.config.master,
         )
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Hybrid models' extra pools (Mamba state, sliding window, indexer) are not stored:
+        refused at attach, with SGLang's message (later sidecars arrive here alone)."""
+        if str(getattr(host_pool_name, "value", host_pool_name)) != "kv":
+            raise ConfigError(
+                f"kvconnect stores KV pages only; this model also has a {host_pool_name} host "
+                "pool (hybrid models are not supported yet)"
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def clear(self) -> None:
+        """Nothing is removed: the store is shared by every engine of the cluster, so one
+        engine's ``/clear_hicache_storage_backend`` must not wipe the others' pages."""
+        log.info("kvconnect HiCache backend: clear() leaves the shared store untouched")
 
     def close(self) -> None:
         """Close the store client (and the embedded store server). Idempotent."""

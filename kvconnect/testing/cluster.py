@@ -20,6 +20,9 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import IO
 
+from kvconnect.store import messages as m
+from kvconnect.store.rpc import RpcClient
+
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
@@ -144,6 +147,17 @@ class Cluster:
         server = Process([*self._server_args, *args], "kvconnect store server")
         self.servers.append(server)
         return server
+
+    def stats(self, timeout: float = 2.0) -> m.StatsReply:
+        """The master's stats (raises MasterUnavailable if it does not answer)."""
+        rpc = RpcClient(self.master_endpoint, timeout)
+        try:
+            reply = rpc.call(m.Stats())
+        finally:
+            rpc.close()
+        if not isinstance(reply, m.StatsReply):
+            raise RuntimeError(f"unexpected reply to stats: {reply!r}")
+        return reply
 
     def restart_master(self) -> None:
         """Start the master again on the same endpoint (after it was killed)."""

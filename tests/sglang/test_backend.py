@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from kvconnect.store import messages as m
-from kvconnect.store.rpc import RpcClient
 from kvconnect.testing.cluster import Cluster
 from tests.conftest import wait_for
 from tests.sglang import harness as h
@@ -157,23 +156,45 @@ def test_a_dead_store_means_local_only_until_it_returns(cluster: Cluster) -> Non
         cc.detach_storage_backend()
 
 
-def _stats(cluster: Cluster) -> m.StatsReply:
-    rpc = RpcClient(cluster.master_endpoint, 2.0)
-    try:
-        reply = rpc.call(m.Stats())
-    finally:
-        rpc.close()
-    assert isinstance(reply, m.StatsReply)
-    return reply
-
-
 def _stored_keys(cluster: Cluster) -> int:
-    return _stats(cluster).keys
+    return cluster.stats().keys
 
 
 def _segments(cluster: Cluster) -> list[m.SegmentStats]:
-    return sorted(_stats(cluster).segments, key=lambda s: s.capacity)
+    return sorted(cluster.stats().segments, key=lambda s: s.capacity)
 
 
 def _backlog(cluster: Cluster) -> int:
-    return sum(s.backlog for s in _stats(cluster).segments)
+    return sum(s.backlog for s in cluster.stats().segments)
+
+
+def test_an_unexpected_error_is_a_miss_and_sglang_threads_live_on(cluster: Cluster) -> None:
+    pool = h.mha_pool()
+    cc = h.controller(pool, "dynamic", _dynamic(cluster))
+    backend = cc.storage_backend
+    try:
+        tokens = h.tokens_for(12, seed=5)
+        source = pool.alloc(len(tokens))
+        h.fill(pool, source, seed=5)
+        expected = h.pages_of(pool, source)
+        assert h.backup(cc, source, tokens) == len(tokens)
+        pool.free(source)
+        memory = backend._memory
+        original = memory.locate
+
+        def broken(host_indices: Any) -> Any:
+            raise ValueError("a bug in page addressing")
+
+        memory.locate = broken  # every read now fails inside the backend
+        failed = h.prefetch(cc, "req-broken", tokens)
+        assert failed.hit_tokens == len(tokens)
+        assert failed.completed_tokens == 0, "reported as a miss: SGLang recomputes"
+        assert backend.stats.errors == 1
+        h.release(cc, failed)
+        memory.locate = original
+        pool.kv_buffer.zero_()
+        result = h.prefetch(cc, "req-after", tokens)  # the prefetch thread is still there
+        assert h.pages_of(pool, result.host_indices) == expected
+        h.release(cc, result)
+    finally:
+        cc.detach_storage_backend()

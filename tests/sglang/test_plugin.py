@@ -7,15 +7,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.plugins import load_plugins
 from sglang.srt.server_args import prepare_server_args
 
+from kvconnect.errors import ConfigError
 from kvconnect.sglang import plugin
 from kvconnect.sglang.backend import KVConnectStore
-from kvconnect.store import messages as m
-from kvconnect.store.rpc import RpcClient
 from kvconnect.testing.cluster import Cluster
 from tests.sglang import harness as h
 
@@ -100,16 +99,6 @@ def _storage(cluster: Cluster, rank: int, mla: bool) -> HiCacheStorageConfig:
     )
 
 
-def _keys(cluster: Cluster) -> int:
-    rpc = RpcClient(cluster.master_endpoint, 2.0)
-    try:
-        reply = rpc.call(m.Stats())
-    finally:
-        rpc.close()
-    assert isinstance(reply, m.StatsReply)
-    return reply.keys
-
-
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 def test_mha_ranks_keep_their_own_pages_and_mla_ranks_share_one(
     cluster: Cluster, mla: bool
@@ -125,9 +114,9 @@ def test_mha_ranks_keep_their_own_pages_and_mla_ranks_share_one(
             source = pool.alloc(8 * h.PAGE)
             h.fill(pool, source, seed=100 + rank)  # each rank's shard of the heads differs
             slots.append(source)
-            before = _keys(cluster)
+            before = cluster.stats().keys
             assert backend.batch_set_v1(hashes, source) == [True] * 8
-            written = _keys(cluster) - before
+            written = cluster.stats().keys - before
             objects = 8 if mla else 16
             assert written == (objects if rank == 0 or not mla else 0), "MLA: rank 0 writes"
         for rank, (backend, pool) in enumerate(zip(backends, pools, strict=True)):
@@ -143,4 +132,34 @@ def test_mha_ranks_keep_their_own_pages_and_mla_ranks_share_one(
                 assert got != h.pages_of(pools[1 - rank], slots[1 - rank])
     finally:
         for backend in backends:
+            backend.close()
+
+
+def test_unsupported_pools_are_refused_at_attach_with_the_fix(cluster: Cluster) -> None:
+    with pytest.raises(ConfigError, match="--hicache-mem-layout page_first"):
+        KVConnectStore(_storage(cluster, 0, False), h.mha_pool("layer_first")).close()
+    backend = KVConnectStore(_storage(cluster, 0, False), h.mha_pool())
+    try:
+        backend.register_mem_host_pool_v2(backend.mem_pool_host, PoolName.KV)  # fine
+        with pytest.raises(ConfigError, match=r"KV pages only.*hybrid"):
+            backend.register_mem_host_pool_v2(h.mha_pool(), PoolName.MAMBA)
+    finally:
+        backend.close()
+
+
+def test_an_engine_can_lend_its_own_memory_to_the_store() -> None:
+    with Cluster(servers=0) as bare:  # a master and no store server
+        storage = _storage(bare, 0, False)
+        storage.extra_config["local_store_size"] = 8 << 20
+        pool = h.mha_pool()
+        backend = KVConnectStore(storage, pool)
+        try:
+            hashes = h.page_hashes(h.tokens_for(16, seed=11))
+            source = pool.alloc(16 * h.PAGE)
+            h.fill(pool, source, seed=11)
+            assert backend.batch_set_v1(hashes, source) == [True] * 16
+            target = pool.alloc(16 * h.PAGE)
+            assert backend.batch_get_v1(hashes, target) == [True] * 16
+            assert h.pages_of(pool, target) == h.pages_of(pool, source)
+        finally:
             backend.close()
