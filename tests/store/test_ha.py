@@ -18,9 +18,10 @@ import pytest
 from kvconnect.config import StoreClientConfig
 from kvconnect.errors import StoreError
 from kvconnect.etcd import Etcd
+from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
 from kvconnect.store.messages import Code
-from kvconnect.store.rpc import find_leader
+from kvconnect.store.rpc import RpcClient, find_leader
 from kvconnect.testing.cluster import Process, free_port
 from kvconnect.testing.etcd import EtcdServer, etcd_available
 from kvconnect.testing.peer import pattern
@@ -108,6 +109,18 @@ def etcd() -> Iterator[EtcdServer]:
         yield server
 
 
+def _mounted(url: str) -> int:
+    """Segments the leader has mounted (0 while none answers)."""
+    rpc = RpcClient(url, 1.0)
+    try:
+        reply = rpc.call(m.Stats())
+    except StoreError:
+        return 0
+    finally:
+        rpc.close()
+    return len(reply.segments) if isinstance(reply, m.StatsReply) else 0
+
+
 def _leader(url: str) -> str | None:
     etcd = Etcd(url)
     try:
@@ -139,6 +152,8 @@ def test_sigkill_of_the_leader_fails_over_within_three_seconds(etcd: EtcdServer)
             )
             resumed = min(t for t in work.ok if t > killed) - killed
             work.pause()
+            # each store server reports its pages when its own heartbeat finds the new leader
+            wait_for(lambda: _mounted(etcd.url) == 2, "a store server did not mount again", 10)
             survived = [work.read(n) for n in durable]
         assert survived == [Code.OK] * len(durable), "pages stored before the failover were lost"
         assert elected < 3.0, f"a standby took {elected:.2f}s to lead"
