@@ -8,11 +8,13 @@ overlays ``KVCONNECT_<SECTION>_<FIELD>`` variables (and the shared ``KVCONNECT_T
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from kvconnect.errors import ConfigError
@@ -312,6 +314,81 @@ class HiCacheConfig(_Section):
             raise ConfigError("negative_ttl and local_store_size must be >= 0")
         if not self.master.startswith(("tcp://", "etcd://")):
             raise ConfigError(f"master must be tcp://host:port or etcd://…, got {self.master!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmConnectorConfig(_Section):
+    """Configuration of the vLLM KV connector (``kvconnect.vllm``), from
+    ``kv_connector_extra_config``; one per vLLM engine (scheduler and workers read the same)."""
+
+    _ENV_PREFIX: ClassVar[str] = "KVCONNECT_VLLM_"
+
+    config_file: str = ""
+    """A JSON file with more of these settings (below the extra-config, above the
+    environment)."""
+    host: str = "127.0.0.1"
+    """Address of this engine that peers reach: the prefill side channel binds it and the
+    workers' transfer engines listen on it."""
+    side_channel_port: int = 0
+    """Port of the prefill side channel (handshakes, lease renewals, read confirmations);
+    0 picks a free one (decode learns it from kv_transfer_params). Data-parallel rank ``i``
+    uses ``port + i`` when set."""
+    transport: TransportName = "auto"
+    """Transfer transport between engines and to the store (``auto``: shm on one host)."""
+    lease: float = 30.0
+    """Seconds prefill keeps a finished request's blocks for decode; decode renews the lease
+    while it waits, and prefill frees the blocks on its own once it lapses."""
+    read_timeout: float = 10.0
+    """Deadline of decode's read of one request's KV (then the load has failed)."""
+    rpc_timeout: float = 2.0
+    """Timeout of one side-channel call."""
+    enforce_compat: bool = True
+    """Refuse to read KV whose layout, dtype or model differ from this engine's."""
+    pool: bool = False
+    """Share prefix blocks through the kvconnect store (look up, load, save)."""
+    master: str = "tcp://127.0.0.1:50051"
+    """The store master for the pool: ``tcp://host:port`` or ``etcd://host:port[,…]``."""
+    namespace: str = ""
+    """Prefix of every pool key: separate caches that share one store."""
+    pool_read_timeout: float = 2.0
+    """Deadline of one pool load; blocks not in by then are recomputed."""
+    pool_write_timeout: float = 10.0
+    """Deadline of one pool save (saves never hold up the forward pass)."""
+    pool_rpc_timeout: float = 0.5
+    """Timeout of one call to the store master (a lookup never waits longer)."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "lease", "read_timeout", "rpc_timeout")
+        _check_positive(self, "pool_read_timeout", "pool_write_timeout", "pool_rpc_timeout")
+        if not 0 <= self.side_channel_port < 65536:
+            raise ConfigError(f"side_channel_port must be 0..65535, got {self.side_channel_port}")
+        if not self.master.startswith(("tcp://", "etcd://")):
+            raise ConfigError(f"master must be tcp://host:port or etcd://…, got {self.master!r}")
+
+
+_F = TypeVar("_F", HiCacheConfig, VllmConnectorConfig)
+
+
+def engine_config(
+    cls: type[_F], inline: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> _F:
+    """An engine adapter's settings: ``inline`` (the engine's extra-config) wins over the JSON
+    file named ``config_file`` (inline or in the environment), which wins over the
+    environment. Raises ConfigError for unknown keys, bad values or an unreadable file."""
+    path = inline.get("config_file") or cls.from_layers(environ=environ).config_file
+    return cls.from_layers(_read_json_file(path), inline, environ=environ)
+
+
+def _read_json_file(path: str) -> dict[str, Any]:
+    if not path:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the kvconnect config file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object of settings")
+    return data
 
 
 def _check_metadata(metadata: str) -> None:

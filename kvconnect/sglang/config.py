@@ -8,13 +8,10 @@ errors that list the valid ones; the keys SGLang itself uses in the extra-config
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from kvconnect.config import HiCacheConfig
-from kvconnect.errors import ConfigError
+from kvconnect.config import HiCacheConfig, engine_config
 
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 """Extra-config keys that belong to SGLang's ``dynamic`` backend loader."""
@@ -25,17 +22,4 @@ def parse_config(
 ) -> HiCacheConfig:
     """The backend's configuration; raises ConfigError for unknown keys or bad values."""
     inline = {k: v for k, v in (extra or {}).items() if k not in SGLANG_KEYS}
-    path = inline.get("config_file") or HiCacheConfig.from_layers(environ=environ).config_file
-    return HiCacheConfig.from_layers(_read_file(path), inline, environ=environ)
-
-
-def _read_file(path: str) -> dict[str, Any]:
-    if not path:
-        return {}
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the kvconnect config file {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object of settings")
-    return data
+    return engine_config(HiCacheConfig, inline, environ)

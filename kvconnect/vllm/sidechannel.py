@@ -1,0 +1,157 @@
+"""The prefill engine's side channel: zmq request/reply, msgspec on the wire.
+
+The server runs on one thread in prefill's scheduler process and answers from a handler (it
+must be quick: it takes a lock on the lease table). Clients — decode's scheduler and workers —
+keep one DEALER socket per (thread, endpoint); every call waits at most its timeout and
+raises PeerUnreachable after it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from kvconnect.errors import ClosedError, PeerUnreachable, ProtocolError
+from kvconnect.vllm import messages as msg
+
+log = logging.getLogger(__name__)
+
+_encoder = msgspec.msgpack.Encoder()
+_requests = msgspec.msgpack.Decoder(msg.Envelope)
+_replies = msgspec.msgpack.Decoder(msg.ReplyEnvelope)
+_POLL_MS = 100
+
+Handler = Callable[[msg.Request], msg.Reply]
+
+
+class SideChannelServer:
+    """Answers side-channel calls with ``handler`` on a thread of its own."""
+
+    def __init__(self, host: str, port: int, handler: Handler) -> None:
+        self._address = f"tcp://{host}:{port}"
+        self._handler = handler
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.port = 0
+        self.malformed = 0
+
+    def start(self) -> None:
+        """Bind (port 0 picks one: see :attr:`port`) and serve."""
+        self._socket.bind(self._address)
+        self.port = int(self._socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self._thread = threading.Thread(
+            target=self._serve, name="kvconnect-vllm-side-channel", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving and release the socket. Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        else:
+            self._socket.close(0)
+        self._context.term()
+
+    def _serve(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._socket.poll(_POLL_MS, zmq.POLLIN):
+                    self._answer(self._socket.recv_multipart())
+        finally:
+            self._socket.close(0)
+
+    def _answer(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.malformed += 1
+            return
+        identity, payload = frames
+        try:
+            envelope = _requests.decode(payload)
+        except msgspec.DecodeError as exc:
+            self.malformed += 1
+            log.warning("malformed side-channel request dropped: %s", exc)
+            return
+        if envelope.version != msg.PROTOCOL_VERSION:
+            body: msg.Reply = msg.Ack(
+                False,
+                f"side-channel protocol {envelope.version} unsupported "
+                f"(this engine speaks {msg.PROTOCOL_VERSION})",
+            )
+        else:
+            try:
+                body = self._handler(envelope.body)
+            except Exception as exc:  # a bad request must not stop the channel
+                log.exception("side-channel handler failed on %s", type(envelope.body).__name__)
+                body = msg.Ack(False, f"{type(exc).__name__}: {exc}")
+        reply = msg.ReplyEnvelope(msg.PROTOCOL_VERSION, envelope.call, body)
+        self._socket.send_multipart([identity, _encoder.encode(reply)])
+
+
+class SideChannelClient:
+    """Calls prefill side channels; thread-safe (a socket per thread and endpoint)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._context = zmq.Context()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._sockets: list[zmq.Socket[bytes]] = []
+        self._calls = itertools.count(1)
+        self._closed = False
+
+    def call(self, endpoint: str, request: msg.Request, timeout: float | None = None) -> msg.Reply:
+        """One request and its reply; PeerUnreachable when no reply comes in time."""
+        sock = self._socket(endpoint)
+        call = next(self._calls)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        sock.send(_encoder.encode(msg.Envelope(msg.PROTOCOL_VERSION, call, request)))
+        while True:
+            wait = int((deadline - time.monotonic()) * 1000)
+            if wait <= 0 or not sock.poll(wait, zmq.POLLIN):
+                raise PeerUnreachable(
+                    f"prefill side channel {endpoint} did not answer "
+                    f"{type(request).__name__} in time"
+                )
+            try:
+                reply = _replies.decode(sock.recv())
+            except msgspec.DecodeError as exc:
+                raise ProtocolError(f"malformed reply from {endpoint}: {exc}") from exc
+            if reply.call == call:  # older replies belong to calls that timed out
+                return reply.body
+
+    def close(self) -> None:
+        """Close every socket. Idempotent."""
+        with self._lock:
+            self._closed = True
+            for sock in self._sockets:
+                sock.close(0)
+            self._sockets.clear()
+        self._context.term()
+
+    def _socket(self, endpoint: str) -> zmq.Socket[bytes]:
+        sockets: dict[str, zmq.Socket[bytes]] | None = getattr(self._local, "sockets", None)
+        if sockets is None:
+            sockets = self._local.sockets = {}
+        sock = sockets.get(endpoint)
+        if sock is not None:
+            return sock
+        with self._lock:
+            if self._closed:
+                raise ClosedError("side-channel client is closed")
+            sock = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            self._sockets.append(sock)
+        sockets[endpoint] = sock
+        return sock

@@ -1,0 +1,386 @@
+"""The connector's worker side: registers the KV cache, reads prefill's blocks (decode),
+reports when held blocks may go (prefill), loads and saves pool blocks.
+
+Runs in each vLLM worker process (one per TP rank). vLLM calls it on its model-runner thread
+and never waits on it: reads, loads and saves run on a small thread pool and their results
+are collected at the end of each step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvconnect.config import StoreClientConfig, TransferConfig, VllmConnectorConfig
+from kvconnect.errors import ConfigError, KVConnectError
+from kvconnect.store.client import StoreClient
+from kvconnect.transfer.engine import TransferEngine
+from kvconnect.transfer.memory import MemoryRegion
+from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
+from kvconnect.vllm import messages as msg
+from kvconnect.vllm.kvcache import register_kv_caches
+from kvconnect.vllm.layout import (
+    LayerLayout,
+    RankLayout,
+    block_runs,
+    check_compatible,
+    compat_hash,
+    range_pairs,
+)
+from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
+from kvconnect.vllm.pool import PoolKeys, pool_keys
+from kvconnect.vllm.sidechannel import SideChannelClient
+
+log = logging.getLogger(__name__)
+
+_THREADS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFormat:
+    """What this engine's blocks are, besides the layout of memory."""
+
+    model: str
+    dtype: str
+    block_size: int
+    tp_rank: int
+    tp_size: int
+
+
+@dataclass(slots=True)
+class _Outcome:
+    request_id: str
+    kind: str  # "recv", "load" or "save"
+    ok: bool
+    failed_blocks: tuple[int, ...] = ()
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """Counters since the last report (vLLM collects them every step)."""
+
+    data: dict[str, float] = field(default_factory=dict)
+
+    def add(self, **values: float) -> None:
+        for key, value in values.items():
+            self.data[key] = self.data.get(key, 0) + value
+
+    def take(self) -> dict[str, float]:
+        data, self.data = self.data, {}
+        return data
+
+
+class ConnectorWorker:
+    """Worker-side state of one TP rank."""
+
+    def __init__(self, config: VllmConnectorConfig, fmt: EngineFormat, num_blocks: int) -> None:
+        self.config = config
+        self.format = fmt
+        self._num_blocks = num_blocks
+        self.engine = TransferEngine(
+            TransferConfig(listen_host=config.host, transport=config.transport)
+        )
+        self._client = SideChannelClient(config.rpc_timeout)
+        self._store: StoreClient | None = None
+        self._pool_keys: PoolKeys | None = None
+        self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="kvconnect-vllm")
+        self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._peers: dict[str, msg.LayoutReply] = {}
+        self.layout: RankLayout | None = None
+        self._regions: dict[int, MemoryRegion] = {}
+        self._load_errors: set[int] = set()
+        self._holds: dict[str, set[str]] = {}  # finished request → what its blocks wait for
+        self._lease_held: set[str] = set()
+        self._saves: dict[str, bool] = {}  # request → its save is done
+        self._cuda = False
+        self.stats = WorkerStats()
+
+    # -------------------------------------------------------------------------- set-up
+
+    def register(self, kv_caches: Mapping[str, Any]) -> RankLayout:
+        """Register the paged KV tensors and start the engine; returns this rank's layout."""
+        self.engine.start()
+        layers, self._regions = register_kv_caches(self.engine, kv_caches, self._num_blocks)
+        self._cuda = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
+        fmt = self.format
+        fields = ("kvconnect-vllm", 1, fmt.model, fmt.dtype, fmt.block_size, fmt.tp_size)
+        self.layout = RankLayout(self.engine.name, compat_hash(fields, layers), tuple(layers))
+        if self.config.pool:
+            self._start_pool(layers)
+        log.info(
+            "kvconnect registered %d KV layers (%d blocks) as segment %s",
+            len(layers),
+            self._num_blocks,
+            self.engine.name,
+        )
+        return self.layout
+
+    def _start_pool(self, layers: list[LayerLayout]) -> None:
+        assert self.layout is not None
+        cfg = self.config
+        self._pool_keys = pool_keys(
+            namespace=cfg.namespace,
+            model=self.format.model,
+            compat=self.layout.compat,
+            tp_rank=self.format.tp_rank,
+            layers=len(layers),
+            chunks=layers[0].chunks if layers else 1,
+        )
+        store = StoreClient(
+            StoreClientConfig(master=cfg.master, rpc_timeout=cfg.pool_rpc_timeout),
+            engine=self.engine,
+        )
+        store.start()
+        self._store = store
+
+    def close(self) -> None:
+        """Stop the thread pool (waiting for running jobs), then the engine. Idempotent."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._store is not None:
+            self._store.close()
+        self._client.close()
+        self.engine.close()
+
+    # ---------------------------------------------------------------------------- steps
+
+    def start(self, plan: StepPlan) -> None:
+        """Start this step's reads and loads (never blocks)."""
+        for job in plan.recv:
+            self._pool.submit(self._guard, self._recv, job)
+        for load in plan.load:
+            self._pool.submit(self._guard, self._load, load)
+        for rid in plan.held:
+            self._lease_held.add(rid)
+        for rid in plan.released:
+            self._lease_held.discard(rid)
+            self._release(rid, "lease")
+
+    def save(self, plan: StepPlan) -> None:
+        """Start this step's saves; the forward pass that wrote the blocks has run."""
+        if plan.save and self._cuda:
+            import torch  # saves read the device memory the step's kernels wrote
+
+            torch.cuda.current_stream().synchronize()
+        for job in plan.save:
+            self._saves[job.request_id] = False
+            self._pool.submit(self._guard, self._save, job)
+
+    def results(self, finished: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
+        """``(finished_sending, finished_recving, failed_recving)`` of this step.
+        ``finished``: requests the scheduler finished this step."""
+        for rid in finished:
+            waits = set()
+            if rid in self._lease_held:
+                waits.add("lease")
+            if self._saves.get(rid) is False:
+                waits.add("save")
+            if rid in self._saves or waits:
+                self._holds[rid] = waits
+        recving: set[str] = set()
+        failed: set[str] = set()
+        while True:
+            try:
+                outcome = self._outcomes.get_nowait()
+            except queue.Empty:
+                break
+            self._account(outcome)
+            if outcome.kind == "save":
+                self._saves[outcome.request_id] = True
+                self._release(outcome.request_id, "save")
+                continue
+            recving.add(outcome.request_id)
+            if not outcome.ok:
+                failed.add(outcome.request_id)
+                self._load_errors.update(outcome.failed_blocks)
+        sending = {rid for rid, waits in self._holds.items() if not waits}
+        for rid in sending:
+            del self._holds[rid]
+            self._saves.pop(rid, None)
+        return sending, recving, failed
+
+    def load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _release(self, rid: str, reason: str) -> None:
+        waits = self._holds.get(rid)
+        if waits is not None:
+            waits.discard(reason)
+
+    def _account(self, outcome: _Outcome) -> None:
+        if outcome.kind == "recv":
+            self.stats.add(
+                pd_reads=1,
+                pd_failed=0 if outcome.ok else 1,
+                pd_bytes=outcome.nbytes,
+                pd_seconds=outcome.seconds,
+            )
+        elif outcome.kind == "load":
+            self.stats.add(
+                pool_loads=1,
+                pool_failed=0 if outcome.ok else 1,
+                pool_bytes_loaded=outcome.nbytes,
+                pool_load_seconds=outcome.seconds,
+            )
+        else:
+            self.stats.add(pool_saves=1, pool_bytes_saved=outcome.nbytes)
+
+    def _guard(self, job: Any, item: RecvJob | PoolJob) -> None:
+        # A job must always produce an outcome, or vLLM would wait for its request for ever.
+        try:
+            job(item)
+        except Exception:  # reported as a failed transfer
+            log.exception("kvconnect %s of %s failed", job.__name__, item.request_id)
+            blocks = item.local_blocks if isinstance(item, RecvJob) else item.blocks
+            kind = job.__name__.lstrip("_")
+            self._outcomes.put(_Outcome(item.request_id, kind, False, tuple(blocks)))
+
+    # ------------------------------------------------------------------------------ PD
+
+    def _recv(self, job: RecvJob) -> None:
+        started = time.monotonic()
+        remote = job.remote
+        mine = self.layout
+        assert mine is not None
+        try:
+            theirs = self._peer_layout(remote.endpoint, remote.engine_id, remote.tp_size)
+        except KVConnectError as exc:
+            log.error("cannot read KV of %s from %s: %s", job.request_id, remote.endpoint, exc)
+            self._give_up(remote.endpoint, remote.request_id)
+            self._outcomes.put(_Outcome(job.request_id, "recv", False, job.local_blocks))
+            return
+        requests = self._read_requests(mine, theirs, job)
+        nbytes = sum(r.length for r in requests)
+        batch = self.engine.submit(TransferOp.READ, requests, timeout=self.config.read_timeout)
+        statuses = batch.wait()
+        ok = all(s is TransferStatus.COMPLETED for s in statuses)
+        if ok:
+            ok = self._confirm(remote.endpoint, remote.request_id, job.request_id)
+        else:
+            errors = [e for e in batch.errors if e is not None]
+            log.error(
+                "reading KV of %s from %s failed: %s",
+                job.request_id,
+                theirs.segment,
+                errors[0] if errors else statuses,
+            )
+            self._give_up(remote.endpoint, remote.request_id)
+        failed = () if ok else job.local_blocks
+        seconds = time.monotonic() - started
+        self._outcomes.put(_Outcome(job.request_id, "recv", ok, failed, nbytes, seconds))
+
+    def _read_requests(
+        self, mine: RankLayout, theirs: RankLayout, job: RecvJob
+    ) -> list[TransferRequest]:
+        runs = block_runs(job.local_blocks, job.remote_blocks)
+        requests: list[TransferRequest] = []
+        for local, remote in zip(mine.layers, theirs.layers, strict=True):
+            region = self._regions[local.region]
+            for lo, ro, length in range_pairs(local, remote, runs):
+                requests.append(
+                    TransferRequest(region, lo, theirs.segment, remote.region, ro, length)
+                )
+        return requests
+
+    def _peer_layout(self, endpoint: str, engine_id: str, tp_size: int) -> RankLayout:
+        """The prefill rank this rank reads from (asked once per prefill engine)."""
+        with self._lock:
+            reply = self._peers.get(engine_id)
+        if reply is None:
+            answer = self._client.call(endpoint, msg.GetLayout())
+            if not isinstance(answer, msg.LayoutReply):
+                raise ConfigError(f"prefill {endpoint} has no KV layout to offer: {answer!r}")
+            reply = answer
+            if reply.engine_id != engine_id:
+                raise ConfigError(
+                    f"{endpoint} is engine {reply.engine_id}, not {engine_id} (restarted?)"
+                )
+            with self._lock:
+                self._peers[engine_id] = reply
+        if tp_size != self.format.tp_size or len(reply.ranks) != self.format.tp_size:
+            raise ConfigError(
+                f"prefill TP size {tp_size} differs from decode's {self.format.tp_size}: "
+                "kvconnect needs equal TP sizes"
+            )
+        theirs = reply.ranks[self.format.tp_rank]
+        assert self.layout is not None
+        problem = check_compatible(self.layout, theirs)
+        if problem is not None and self.config.enforce_compat:
+            raise ConfigError(f"incompatible prefill engine {engine_id}: {problem}")
+        return theirs
+
+    def _confirm(self, endpoint: str, remote_id: str, rid: str) -> bool:
+        try:
+            reply = self._client.call(endpoint, msg.Confirm(remote_id, self.format.tp_rank))
+        except KVConnectError as exc:
+            log.error("could not confirm the read of %s with prefill: %s", rid, exc)
+            return False
+        if isinstance(reply, msg.Ack) and reply.ok:
+            return True
+        log.error("prefill refused the read of %s (%s): recomputing or failing it", rid, reply)
+        return False
+
+    def _give_up(self, endpoint: str, remote_id: str) -> None:
+        try:
+            self._client.call(endpoint, msg.GiveUp([remote_id]))
+        except KVConnectError as exc:  # its lease lapses on its own
+            log.warning("could not tell prefill to free %s: %s", remote_id, exc)
+
+    # ---------------------------------------------------------------------------- pool
+
+    def _pool_ranges(
+        self, job: PoolJob
+    ) -> tuple[list[str], list[MemoryRegion], list[int], list[int]]:
+        assert self.layout is not None
+        assert self._pool_keys is not None
+        keys: list[str] = []
+        regions: list[MemoryRegion] = []
+        offsets: list[int] = []
+        sizes: list[int] = []
+        for block_hash, block in zip(job.hashes, job.blocks, strict=True):
+            keys.extend(self._pool_keys.block_keys(block_hash))
+            for layer in self.layout.layers:
+                for chunk in range(layer.chunks):
+                    regions.append(self._regions[layer.region])
+                    offsets.append(layer.block_offset(chunk, block))
+                    sizes.append(layer.block_bytes)
+        return keys, regions, offsets, sizes
+
+    def _load(self, job: PoolJob) -> None:
+        assert self._store is not None
+        assert self._pool_keys is not None
+        started = time.monotonic()
+        keys, regions, offsets, sizes = self._pool_ranges(job)
+        result = self._store.batch_get_into(
+            keys, regions, offsets, sizes, timeout=self.config.pool_read_timeout
+        )
+        per_block = self._pool_keys.per_block
+        ok = result.ok()
+        failed = tuple(
+            block
+            for i, block in enumerate(job.blocks)
+            if not all(ok[i * per_block : (i + 1) * per_block])
+        )
+        seconds = time.monotonic() - started
+        self._outcomes.put(
+            _Outcome(job.request_id, "load", not failed, failed, sum(result.sizes), seconds)
+        )
+
+    def _save(self, job: PoolJob) -> None:
+        assert self._store is not None
+        keys, regions, offsets, sizes = self._pool_ranges(job)
+        result = self._store.batch_put_from(
+            keys, regions, offsets, sizes, timeout=self.config.pool_write_timeout
+        )
+        written = sum(size for size, ok in zip(sizes, result.ok(), strict=True) if ok)
+        self._outcomes.put(_Outcome(job.request_id, "save", all(result.ok()), (), written))

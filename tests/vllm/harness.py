@@ -1,0 +1,148 @@
+"""Drives vLLM's real ``Scheduler`` with kvconnect's connector and no model: a step is
+``schedule()``, then ``update_from_output`` with what the workers would report."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+BLOCK = 16
+EOS = 2
+
+
+def make_scheduler(
+    model: Path,
+    role: str,
+    extra: dict[str, Any],
+    *,
+    num_blocks: int = 64,
+    policy: str = "fail",
+    engine_id: str | None = None,
+) -> Scheduler:
+    """A scheduler whose connector is kvconnect's, with ``num_blocks`` KV blocks."""
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32"),
+        scheduler_config=SchedulerConfig(
+            max_model_len=4096,
+            is_encoder_decoder=False,
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVConnectConnector",
+            kv_connector_module_path="kvconnect.vllm.connector",
+            kv_role=role,
+            engine_id=engine_id,
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy=policy,
+        ),
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32),
+            )
+        ],
+    )
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+    )
+
+
+def make_request(
+    request_id: str,
+    tokens: list[int],
+    *,
+    max_tokens: int = 4,
+    params: dict[str, Any] | None = None,
+) -> Request:
+    init_none_hash(sha256)
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sampling.extra_args = {"kv_transfer_params": params} if params is not None else None
+    return Request(
+        request_id,
+        tokens,
+        sampling,
+        None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+
+
+def step(
+    scheduler: Scheduler,
+    *,
+    sending: Iterable[str] = (),
+    recving: Iterable[str] = (),
+    failed: Iterable[str] = (),
+    invalid: Iterable[int] = (),
+    token: int = 7,
+) -> tuple[SchedulerOutput, dict[str, Any]]:
+    """One step: schedule, then report a sampled ``token`` for every scheduled request that
+    finished its prompt, plus the given transfer results. Returns the scheduler output and the
+    engine-core outputs by request id."""
+    output = scheduler.schedule()
+    ids = list(output.num_scheduled_tokens)
+    sampled = []
+    for rid in ids:
+        request = scheduler.requests[rid]
+        done = request.num_computed_tokens >= request.num_tokens
+        sampled.append([token] if done else [])
+    runner = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={rid: i for i, rid in enumerate(ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=KVConnectorOutput(
+            finished_sending=set(sending) or None,
+            finished_recving=set(recving) or None,
+            failed_recving=set(failed),
+            invalid_block_ids=set(invalid),
+        ),
+    )
+    outputs = scheduler.update_from_output(output, runner)
+    by_id = {o.request_id: o for eo in outputs.values() for o in eo.outputs}
+    return output, by_id
+
+
+def plan_of(output: SchedulerOutput) -> Any:
+    """kvconnect's plan for the step (``StepPlan``)."""
+    return output.kv_connector_metadata.plan
+
+
+def assert_empty(scheduler: Scheduler) -> None:
+    """No request, no queued work and every block free again."""
+    assert not scheduler.requests
+    assert not scheduler.running
+    assert len(scheduler.waiting) == 0
+    assert not scheduler.finished_recving_kv_req_ids
+    pool = scheduler.kv_cache_manager.block_pool
+    # the null block is never free
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1

@@ -1,0 +1,239 @@
+"""The connector's scheduler side through vLLM's real Scheduler (no model, no workers: the
+tests report what workers would). Prefill and decode schedulers run in this process and talk
+over the real side channel."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from vllm.v1.request import RequestStatus
+
+from kvconnect.config import StoreClientConfig
+from kvconnect.store.client import StoreClient
+from kvconnect.testing.cluster import Cluster
+from kvconnect.vllm import messages as msg
+from kvconnect.vllm.connector import KVConnectHandshake
+from kvconnect.vllm.layout import LayerLayout, RankLayout
+from kvconnect.vllm.pool import pool_keys
+from kvconnect.vllm.sidechannel import SideChannelClient
+from tests.vllm.harness import BLOCK, assert_empty, make_request, make_scheduler, plan_of, step
+
+PROMPT = list(range(10, 50))  # 40 tokens: 2 full blocks and a partial one
+DECODE = {"do_remote_decode": True}
+
+
+@pytest.fixture
+def client() -> Iterator[SideChannelClient]:
+    c = SideChannelClient(timeout=2.0)
+    yield c
+    c.close()
+
+
+def _prefill(model: Path, lease: float = 30.0) -> Any:
+    return make_scheduler(model, "kv_producer", {"lease": lease}, engine_id="prefill-engine")
+
+
+def _decode(model: Path, policy: str = "fail") -> Any:
+    return make_scheduler(model, "kv_consumer", {"lease": 30.0}, policy=policy)
+
+
+def _prefill_once(p: Any, rid: str = "p1") -> dict[str, Any]:
+    """Run a prefill-only request on ``p``; returns the kv_transfer_params it hands out."""
+    p.add_request(make_request(rid, PROMPT, max_tokens=1, params=dict(DECODE)))
+    _, outputs = step(p)
+    out = outputs[rid]
+    assert out.finish_reason is not None
+    params: dict[str, Any] = out.kv_transfer_params
+    assert params["do_remote_prefill"] is True
+    assert params["remote_request_id"] == rid
+    assert params["remote_engine_id"] == "prefill-engine"
+    assert len(params["remote_block_ids"][0]) == 3  # 40 tokens in blocks of 16
+    assert rid in p.requests, "prefill must keep the request's blocks for decode"
+    return params
+
+
+def _released(p: Any, rid: str, timeout: float = 5.0) -> None:
+    """Step ``p`` until its plan releases ``rid``, report it sent, and check all is free."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        output, _ = step(p)
+        if rid in plan_of(output).released:
+            step(p, sending=[rid])
+            assert_empty(p)
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"prefill never released {rid}")
+
+
+def test_remote_prefill_then_decode(tiny_config: Path, client: SideChannelClient) -> None:
+    p, d = _prefill(tiny_config), _decode(tiny_config)
+    try:
+        params = _prefill_once(p)
+        d.add_request(make_request("d1", PROMPT, max_tokens=3, params=params))
+        output, _ = step(d)
+        assert d.requests["d1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        (job,) = plan_of(output).recv
+        assert job.remote_blocks == tuple(params["remote_block_ids"][0])
+        assert len(job.local_blocks) == 3
+        assert output.num_scheduled_tokens == {}, "nothing runs before the KV is in"
+        # What decode's worker does after its read: confirm, and prefill lets go.
+        endpoint = f"tcp://{params['remote_host']}:{params['remote_port']}"
+        reply = client.call(endpoint, msg.Confirm(params["remote_request_id"], 0))
+        assert reply == msg.Ack(True)
+        _released(p, "p1")
+        output, _ = step(d, recving=["d1"])
+        output, _ = step(d)
+        assert output.num_scheduled_tokens == {"d1": 1}, "only the last token is recomputed"
+        for _ in range(4):
+            step(d)
+        assert_empty(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_lapsed_lease_frees_prefill_blocks_and_refuses_late_reads(
+    tiny_config: Path, client: SideChannelClient
+) -> None:
+    p = _prefill(tiny_config, lease=0.3)
+    try:
+        params = _prefill_once(p)
+        _released(p, "p1")  # decode never came: the lease lapsed
+        endpoint = f"tcp://{params['remote_host']}:{params['remote_port']}"
+        reply = client.call(endpoint, msg.Confirm("p1", 0))
+        assert isinstance(reply, msg.Ack)
+        assert not reply.ok, "a read confirmed after the release must be refused"
+    finally:
+        p.shutdown()
+
+
+def test_decode_aborted_before_loading_frees_prefill_blocks(tiny_config: Path) -> None:
+    p, d = _prefill(tiny_config), _decode(tiny_config)
+    try:
+        params = _prefill_once(p)
+        d.add_request(make_request("d1", PROMPT, params=params))
+        d.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
+        assert_empty(d)
+        _released(p, "p1")  # decode told prefill at once, long before the lease
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_decode_aborted_while_loading_waits_for_the_read(tiny_config: Path) -> None:
+    p, d = _prefill(tiny_config), _decode(tiny_config)
+    try:
+        params = _prefill_once(p)
+        d.add_request(make_request("d1", PROMPT, params=params))
+        step(d)
+        d.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
+        assert "d1" in d.requests, "the blocks being written must stay allocated"
+        step(d, recving=["d1"])
+        assert_empty(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_full_local_hit_gives_prefill_blocks_back(tiny_config: Path) -> None:
+    p, d = _prefill(tiny_config), _decode(tiny_config)
+    try:
+        # Decode computes the prompt itself first, so its prefix cache holds the full blocks.
+        d.add_request(make_request("local", [*PROMPT[:32], 99], max_tokens=1))
+        step(d)
+        step(d)
+        params = _prefill_once(p)
+        params["remote_num_tokens"] = 32  # prefill's KV covers exactly decode's cached blocks
+        d.add_request(make_request("d1", [*PROMPT[:32], 98], max_tokens=1, params=params))
+        output, _ = step(d)
+        assert not plan_of(output).recv, "nothing to read: every block was cached here"
+        _released(p, "p1")
+        step(d)
+        assert_empty(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_load_failure_follows_the_policy(tiny_config: Path, policy: str) -> None:
+    p, d = _prefill(tiny_config), _decode(tiny_config, policy)
+    try:
+        params = _prefill_once(p)
+        d.add_request(make_request("d1", PROMPT, max_tokens=2, params=params))
+        output, _ = step(d)
+        (job,) = plan_of(output).recv
+        output, outputs = step(d, recving=["d1"], failed=["d1"], invalid=job.local_blocks)
+        if policy == "fail":
+            assert outputs["d1"].finish_reason is not None
+            assert d.requests.get("d1") is None
+        else:
+            output, _ = step(d)
+            assert output.num_scheduled_tokens == {"d1": len(PROMPT)}, "recomputed in full"
+            for _ in range(3):
+                step(d)
+        assert_empty(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def _layout() -> RankLayout:
+    layer = LayerLayout("l", 1, 0, 1, 0, 64, 4096, 4096)
+    return RankLayout("segment", "c0ffee" * 4, (layer, layer))
+
+
+def test_shared_pool_hit_loads_the_prefix_and_saves_the_rest(tiny_config: Path) -> None:
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        extra = {"pool": True, "master": cluster.master_endpoint}
+        s = make_scheduler(tiny_config, "kv_both", extra)
+        store = StoreClient(StoreClientConfig(master=cluster.master_endpoint))
+        store.start()
+        try:
+            layout = _layout()
+            s.connector.set_xfer_handshake_metadata(
+                {0: KVConnectHandshake(msgspec.msgpack.encode(layout))}
+            )
+            keys = pool_keys(
+                namespace="",
+                model=str(tiny_config),
+                compat=layout.compat,
+                tp_rank=0,
+                layers=2,
+                chunks=1,
+            )
+            prompt = list(range(100, 156))  # 3 full blocks and 8 tokens
+            probe = make_request("probe", prompt)
+            for block_hash in probe.block_hashes[:2]:  # the pool has the first two blocks
+                assert store.put(keys.probe_key(block_hash.hex()), b"x" * 64).name == "OK"
+
+            s.add_request(make_request("hit", prompt, max_tokens=1))
+            output, _ = step(s)
+            (load,) = plan_of(output).load
+            assert load.hashes == tuple(h.hex() for h in probe.block_hashes[:2])
+            assert len(load.blocks) == 2
+            step(s, recving=["hit"])
+            output, _ = step(s)
+            assert output.num_scheduled_tokens == {"hit": len(prompt) - 2 * BLOCK}
+            (save,) = plan_of(output).save  # the block the pool lacked, once computed
+            assert save.hashes == (probe.block_hashes[2].hex(),)
+            step(s)
+            assert "hit" in s.requests, "the save holds the blocks"
+            step(s, sending=["hit"])
+            assert_empty(s)
+
+            s.add_request(make_request("miss", list(range(200, 240)), max_tokens=1))
+            output, _ = step(s)
+            assert not plan_of(output).load
+            assert output.num_scheduled_tokens == {"miss": 40}
+            assert len(plan_of(output).save[0].hashes) == 2
+            step(s, sending=["miss"])
+            assert_empty(s)
+        finally:
+            store.close()
+            s.shutdown()
