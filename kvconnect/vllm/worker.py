@@ -154,6 +154,13 @@ class ConnectorWorker:
 
     def start(self, plan: StepPlan) -> None:
         """Start this step's reads and loads (never blocks)."""
+        if plan.recv or plan.load or plan.released:
+            log.debug(
+                "step: %d reads, %d loads, released %s",
+                len(plan.recv),
+                len(plan.load),
+                plan.released,
+            )
         for job in plan.recv:
             self._pool.submit(self._guard, self._recv, job)
         for load in plan.load:
@@ -277,6 +284,7 @@ class ConnectorWorker:
             self._give_up(remote.endpoint, remote.request_id)
         failed = () if ok else job.local_blocks
         seconds = time.monotonic() - started
+        log.debug("read %s: %d bytes, %s, %.1f ms", job.request_id, nbytes, ok, 1000 * seconds)
         self._outcomes.put(_Outcome(job.request_id, "recv", ok, failed, nbytes, seconds))
 
     def _read_requests(

@@ -27,6 +27,6 @@ collect_ignore = [] if HAVE_VLLM else ["harness.py", "test_scheduler.py", "test_
 @pytest.fixture(scope="session")
 def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama's config and tokenizer (no weights): enough for the scheduler."""
-    from tests.vllm.tiny_model import write_tiny_llama
+    from kvconnect.testing.tiny_llama import write_tiny_llama
 
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-config"), weights=False)

