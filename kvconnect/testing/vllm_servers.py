@@ -21,12 +21,13 @@ ROOT = Path(__file__).resolve().parents[2]  # the source tree (examples/ is not 
 _STATS = re.compile(r"KV Transfer metrics: (.*)$")
 
 
-def _open(url: str | urllib.request.Request, timeout: float) -> Any:
-    """urlopen for the http:// URLs of the servers started here (never other schemes)."""
-    full = url if isinstance(url, str) else url.full_url
-    if not full.startswith("http://"):
-        raise ValueError(f"not an http URL: {full}")
-    return urllib.request.urlopen(url, timeout=timeout)  # noqa: S310 (checked above)
+def _open(url: str, timeout: float, data: bytes | None = None) -> Any:
+    """GET (or POST JSON ``data``) one of the http:// URLs of the servers started here."""
+    if not url.startswith("http://"):
+        raise ValueError(f"not an http URL: {url}")
+    headers = {"content-type": "application/json"} if data is not None else {}
+    request = urllib.request.Request(url, data, headers)  # noqa: S310 (http only, checked)
+    return urllib.request.urlopen(request, timeout=timeout)  # noqa: S310
 
 
 def _logging_config(log_dir: Path) -> Path:
@@ -137,11 +138,8 @@ class Proxy:
 def complete(url: str, prompt: str, *, max_tokens: int = 12, **extra: Any) -> dict[str, Any]:
     """A greedy ``/v1/completions`` call."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    request = urllib.request.Request(
-        url + "/v1/completions",
-        json.dumps(body | extra).encode(),
-        {"content-type": "application/json"},
-    )
-    with _open(request, timeout=120) as reply:
+    with _open(
+        url + "/v1/completions", timeout=120, data=json.dumps(body | extra).encode()
+    ) as reply:
         result: dict[str, Any] = json.load(reply)
     return result
