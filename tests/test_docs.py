@@ -13,13 +13,22 @@ from kvconnect.config import (
     StoreClientConfig,
     StoreServerConfig,
     TransferConfig,
+    VllmConnectorConfig,
 )
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 @pytest.mark.parametrize(
-    "cls", [TransferConfig, MasterConfig, StoreServerConfig, StoreClientConfig, HiCacheConfig]
+    "cls",
+    [
+        TransferConfig,
+        MasterConfig,
+        StoreServerConfig,
+        StoreClientConfig,
+        HiCacheConfig,
+        VllmConnectorConfig,
+    ],
 )
 def test_configuration_reference_lists_every_field_with_its_default(cls: type) -> None:
     text = (DOCS / "configuration.md").read_text()

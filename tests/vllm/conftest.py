@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,11 @@ if os.environ.get("KVCONNECT_REQUIRE_VLLM") == "1" and not HAVE_VLLM:
 if HAVE_VLLM:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with warnings.catch_warnings():
+        # vLLM and torch warn on import about deprecations and GPU kernels a CPU cannot use.
+        warnings.simplefilter("ignore")
+        import vllm.v1.core.sched.scheduler  # noqa: F401
+        import vllm.distributed.kv_transfer.kv_connector.v1.base  # noqa: F401
 
 collect_ignore = [] if HAVE_VLLM else ["harness.py", "test_scheduler.py", "test_end_to_end.py"]
 

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# 1P1D on one host: a prefill and a decode vLLM instance with kvconnect's connector, and the
+# example proxy in front. With POOL=1 an all-in-one kvconnect store is started too and both
+# instances share prefix blocks through it (kv_both: decode also reuses and saves prefixes).
+#
+#   pip install "kvconnect[vllm]"
+#   MODEL=Qwen/Qwen3-8B [POOL=1] ./pd_single_host.sh
+#   curl localhost:8000/v1/completions -H 'content-type: application/json' \
+#        -d '{"model": "'$MODEL'", "prompt": "…", "max_tokens": 64}'
+#
+# On one host decode reads prefill's KV over loopback TCP (GPU memory is staged through pinned
+# host memory); across hosts see xpyd.sh.
+set -euo pipefail
+cd "$(dirname "$0")"
+MODEL="${MODEL:-Qwen/Qwen3-8B}"
+POOL="${POOL:-0}"
+pids=()
+trap 'kill "${pids[@]}" 2>/dev/null' EXIT
+
+ROLE=(kv_producer kv_consumer)
+EXTRA='{"host": "127.0.0.1", "lease": 30}'
+if [ "$POOL" = 1 ]; then
+    kvconnect serve --master-listen tcp://127.0.0.1:50051 --store-size 32G &
+    pids+=($!)
+    ROLE=(kv_both kv_both)
+    EXTRA='{"host": "127.0.0.1", "lease": 30, "pool": true, "master": "tcp://127.0.0.1:50051"}'
+fi
+
+serve() {  # serve PORT GPU ROLE
+    CUDA_VISIBLE_DEVICES=$2 VLLM_LOGGING_CONFIG_PATH="$PWD/logging.json" \
+        vllm serve "$MODEL" --port "$1" --kv-transfer-config \
+        "{\"kv_connector\": \"KVConnectConnector\",
+          \"kv_connector_module_path\": \"kvconnect.vllm.connector\",
+          \"kv_role\": \"$3\", \"kv_load_failure_policy\": \"recompute\",
+          \"kv_connector_extra_config\": $EXTRA}" &
+    pids+=($!)
+}
+serve 8100 0 "${ROLE[0]}"
+serve 8200 1 "${ROLE[1]}"
+python proxy.py --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 &
+pids+=($!)
+wait
