@@ -24,8 +24,8 @@ if HAVE_VLLM:
     with warnings.catch_warnings():
         # vLLM and torch warn on import about deprecations and GPU kernels a CPU cannot use.
         warnings.simplefilter("ignore")
+        import vllm.distributed.kv_transfer.kv_connector.v1.base
         import vllm.v1.core.sched.scheduler  # noqa: F401
-        import vllm.distributed.kv_transfer.kv_connector.v1.base  # noqa: F401
 
 collect_ignore = [] if HAVE_VLLM else ["harness.py", "test_scheduler.py", "test_end_to_end.py"]
 
