@@ -117,7 +117,11 @@ class KVConnectConnector(KVConnectorBase_V1):
         def block_ids_of(request_id: str) -> list[int]:
             return list(manager.get_block_ids(request_id)[0]) if manager is not None else []
 
-        plan = self._scheduler.build_plan(scheduler_output.num_scheduled_tokens, block_ids_of)
+        plan = self._scheduler.build_plan(
+            scheduler_output.num_scheduled_tokens,
+            block_ids_of,
+            scheduler_output.preempted_req_ids or (),
+        )
         return KVConnectMetadata(plan)
 
     def on_new_request(self, request: Any) -> None:
@@ -154,6 +158,10 @@ class KVConnectConnector(KVConnectorBase_V1):
         if self._worker is None or self._worker.layout is None:
             return None
         return KVConnectHandshake(msgspec.msgpack.encode(self._worker.layout))
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, KVConnectMetadata):
+            self._worker.protect(kv_connector_metadata.plan)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None

@@ -39,3 +39,6 @@ class StepPlan:
     """Finished prefill requests whose blocks stay allocated for decode (until released)."""
     released: tuple[str, ...] = ()
     """Held requests whose blocks may be freed now."""
+    preempted: tuple[str, ...] = ()
+    """Requests preempted this step while their blocks were being saved: the forward pass
+    must not overwrite those blocks before the saves finished."""

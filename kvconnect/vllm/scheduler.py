@@ -147,9 +147,11 @@ class ConnectorScheduler:
         self,
         scheduled: Mapping[str, int],
         block_ids_of: Callable[[str], Sequence[int]],
+        preempted: Iterable[str] = (),
     ) -> StepPlan:
         """The workers' jobs for the step about to run. ``scheduled``: tokens per request in
-        this step (``num_computed_tokens`` is still the count before it)."""
+        this step (``num_computed_tokens`` is still the count before it); ``preempted``:
+        requests whose blocks were taken back this step."""
         save = self._plan_saves(scheduled, block_ids_of) if self._pool is not None else ()
         plan = StepPlan(
             recv=tuple(self._recv),
@@ -157,6 +159,7 @@ class ConnectorScheduler:
             save=save,
             held=tuple(self._held),
             released=tuple(self._prefill.take_released()) if self._prefill else (),
+            preempted=tuple(rid for rid in preempted if rid in self._saving),
         )
         self._recv, self._load, self._held = [], [], []
         return plan

@@ -13,7 +13,8 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +103,7 @@ class ConnectorWorker:
         self._holds: dict[str, set[str]] = {}  # finished request → what its blocks wait for
         self._lease_held: set[str] = set()
         self._saves: dict[str, bool] = {}  # request → its save is done
+        self._saving: dict[str, Future[None]] = {}  # saves running, by request
         self._cuda = False
         self.stats = WorkerStats()
 
@@ -180,7 +182,15 @@ class ConnectorWorker:
             torch.cuda.current_stream().synchronize()
         for job in plan.save:
             self._saves[job.request_id] = False
-            self._pool.submit(self._guard, self._save, job)
+            self._saving[job.request_id] = self._pool.submit(self._guard, self._save, job)
+
+    def protect(self, plan: StepPlan) -> None:
+        """Before the forward pass: wait until the saves of requests preempted this step
+        stopped reading their blocks (vLLM reuses them right away). Bounded by the saves'
+        deadline: after it the transfer engine no longer touches the blocks."""
+        running = [self._saving[rid] for rid in plan.preempted if rid in self._saving]
+        if running:
+            wait_futures(running, timeout=self.config.pool_write_timeout + 1)
 
     def results(self, finished: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` of this step.
@@ -203,6 +213,7 @@ class ConnectorWorker:
             self._account(outcome)
             if outcome.kind == "save":
                 self._saves[outcome.request_id] = True
+                self._saving.pop(outcome.request_id, None)
                 self._release(outcome.request_id, "save")
                 continue
             recving.add(outcome.request_id)
