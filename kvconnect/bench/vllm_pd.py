@@ -10,8 +10,10 @@ its own transfer telemetry, post to completion) and the time to first token thro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -40,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Start both pairs, measure alternately, print and write the report."""
     work = Path(tempfile.mkdtemp(prefix="kvconnect-bench-vllm-"))
-    model = tiny_llama.write_tiny_llama(work / "model", shape=_SHAPE)
+    model = _write_model(args.vllm_python, work / "model")
     max_len = max(args.tokens) + 64
     pairs = {name: _Pair(name, model, work, args, max_len) for name in ("kvconnect", "nixl")}
     try:
@@ -54,6 +56,17 @@ def run(args: argparse.Namespace) -> int:
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"logs in {work}; report in {args.out}")
     return 0
+
+
+def _write_model(python: str, path: Path) -> Path:
+    """The tiny Llama, written by vLLM's interpreter (it has torch, safetensors, tokenizers)."""
+    shape = dataclasses.asdict(_SHAPE)
+    code = (
+        "import sys; from pathlib import Path; from kvconnect.testing import tiny_llama as t; "
+        f"t.write_tiny_llama(Path(sys.argv[1]), shape=t.Shape(**{shape!r}))"
+    )
+    subprocess.run([python, "-c", code, str(path)], check=True, timeout=300)
+    return path
 
 
 class _Pair:

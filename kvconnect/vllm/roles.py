@@ -7,6 +7,7 @@ from typing import Any
 
 from kvconnect.config import StoreClientConfig, TransferConfig, VllmConnectorConfig
 from kvconnect.store.client import StoreClient
+from kvconnect.vllm.affinity import unpinned
 from kvconnect.vllm.layout import RankLayout
 from kvconnect.vllm.pd import LeaseKeeper, PrefillService
 from kvconnect.vllm.pool import StorePoolIndex, pool_keys
@@ -51,7 +52,14 @@ class SchedulerServices:
 def build_scheduler(
     config: VllmConnectorConfig, vllm_config: Any
 ) -> tuple[ConnectorScheduler, SchedulerServices]:
-    """The scheduler side, its services started."""
+    """The scheduler side, its services started (their threads on every CPU)."""
+    with unpinned():
+        return _build_scheduler(config, vllm_config)
+
+
+def _build_scheduler(
+    config: VllmConnectorConfig, vllm_config: Any
+) -> tuple[ConnectorScheduler, SchedulerServices]:
     transfer = vllm_config.kv_transfer_config
     parallel = vllm_config.parallel_config
     services = SchedulerServices(config, vllm_config.model_config.model)

@@ -25,6 +25,7 @@ from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
 from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
 from kvconnect.vllm import messages as msg
+from kvconnect.vllm.affinity import unpin_this_thread, unpinned
 from kvconnect.vllm.kvcache import register_kv_caches
 from kvconnect.vllm.layout import (
     LayerLayout,
@@ -93,7 +94,9 @@ class ConnectorWorker:
         self._client = SideChannelClient(config.rpc_timeout)
         self._store: StoreClient | None = None
         self._pool_keys: PoolKeys | None = None
-        self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="kvconnect-vllm")
+        self._pool = ThreadPoolExecutor(
+            _THREADS, thread_name_prefix="kvconnect-vllm", initializer=unpin_this_thread
+        )
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._peers: dict[str, msg.LayoutReply] = {}
@@ -111,14 +114,16 @@ class ConnectorWorker:
 
     def register(self, kv_caches: Mapping[str, Any]) -> RankLayout:
         """Register the paged KV tensors and start the engine; returns this rank's layout."""
-        self.engine.start()
+        with unpinned():  # the engine's threads must not share the model thread's core
+            self.engine.start()
         layers, self._regions = register_kv_caches(self.engine, kv_caches, self._num_blocks)
         self._cuda = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
         fmt = self.format
         fields = ("kvconnect-vllm", 1, fmt.model, fmt.dtype, fmt.block_size, fmt.tp_size)
         self.layout = RankLayout(self.engine.name, compat_hash(fields, layers), tuple(layers))
         if self.config.pool:
-            self._start_pool(layers)
+            with unpinned():
+                self._start_pool(layers)
         log.info(
             "kvconnect registered %d KV layers (%d blocks) as segment %s",
             len(layers),

@@ -140,3 +140,35 @@ def test_saves_are_planned_once_and_preempted_saves_are_protected() -> None:
     plan = scheduler.build_plan({}, blocks.__getitem__, preempted=["r", "other"])
     assert plan.preempted == ("r",)
     assert scheduler.request_finished(request, [7, 8, 9], completed=True) == (True, None)
+
+
+def test_cpu_lists_parse() -> None:
+    from kvconnect.vllm.affinity import parse_cpu_list
+
+    assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert parse_cpu_list("5") == {5}
+
+
+def test_threads_started_unpinned_get_every_cpu_back() -> None:
+    import os
+    import threading
+
+    from kvconnect.vllm.affinity import host_cpus, unpinned
+
+    cpus = host_cpus()
+    if len(cpus) < 2 or not hasattr(os, "sched_setaffinity"):
+        pytest.skip("needs two CPUs and sched_setaffinity")
+    seen: list[set[int]] = []
+
+    def pinned_like_vllm() -> None:
+        os.sched_setaffinity(0, {min(cpus)})  # what vLLM does to its model thread
+        with unpinned():
+            child = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+            child.start()
+            child.join()
+        seen.append(os.sched_getaffinity(0))
+
+    thread = threading.Thread(target=pinned_like_vllm)
+    thread.start()
+    thread.join()
+    assert seen == [cpus, {min(cpus)}]
