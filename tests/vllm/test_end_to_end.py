@@ -42,7 +42,15 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     model = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     logs = tmp_path_factory.mktemp("logs")
     with Cluster(servers=1, server_size=256 << 20) as cluster:
-        extra = {"pool": True, "master": cluster.master_endpoint, "lease": 20}
+        # Generous timeouts: two CPU servers share two cores here, and a first contact can
+        # take seconds when they are busy; what is tested is behaviour, not speed.
+        extra = {
+            "pool": True,
+            "master": cluster.master_endpoint,
+            "lease": 120,
+            "read_timeout": 60,
+            "rpc_timeout": 10,
+        }
         transfer = {
             "kv_connector": "KVConnectConnector",
             "kv_connector_module_path": "kvconnect.vllm.connector",
