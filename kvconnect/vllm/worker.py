@@ -294,6 +294,8 @@ class ConnectorWorker:
         if ok:
             ok = self._confirm(remote.endpoint, remote.request_id, job.request_id)
         else:
+            with self._lock:  # a restarted prefill may reuse its engine id: ask again next time
+                self._peers.pop(remote.engine_id, None)
             errors = [e for e in batch.errors if e is not None]
             log.error(
                 "reading KV of %s from %s failed: %s",
