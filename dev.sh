@@ -15,6 +15,9 @@ VENV="$CACHE/venv"
 MOONCAKE_VENV="$CACHE/mooncake-venv"
 SGLANG_VENV="$CACHE/sglang-venv"
 SGLANG_VERSION=0.5.23
+# Shared tooling outside the repository (the Soft-RoCE VM); override for a checkout elsewhere.
+SHARED="${KVCONNECT_SHARED:-$(cd .. && pwd)/shared}"
+RXEVM_HOME="$CACHE/rxe-vm"
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
@@ -77,6 +80,32 @@ setup_mooncake() {
         || { log "Mooncake baseline unavailable; continuing without it"; return 1; }
 }
 
+setup_rxe_vm() {
+    # A QEMU guest with Soft-RoCE (rdma_rxe), Debian's pyverbs and perftest: real verbs on a
+    # machine without RDMA. install.sh skips what is already built.
+    local install="$SHARED/rxe-vm/install.sh"
+    [ -x "$install" ] || { log "no $install: set KVCONNECT_SHARED to the folder with rxe-vm/"; exit 1; }
+    log "setting up the Soft-RoCE VM in $RXEVM_HOME"
+    mkdir -p "$CACHE"
+    RXEVM_HOME="$RXEVM_HOME" "$install" >"$CACHE/rxe-vm-install.log" 2>&1 \
+        || { tail -20 "$CACHE/rxe-vm-install.log"; log "rxe-vm install failed"; exit 1; }
+}
+
+run_rdma_tests() {
+    # The RDMA suite inside the VM (the host kernel has no RDMA): two engines in two processes
+    # on rxe0. KVCONNECT_REQUIRE_RDMA turns "no device" into a failure instead of skips, and
+    # -m rdma with nothing collected exits 5: also a failure.
+    setup_rxe_vm
+    log "pytest -m rdma tests/rdma inside the Soft-RoCE VM"
+    local rc=0
+    RXEVM_HOME="$RXEVM_HOME" "$SHARED/rxe-vm/run.sh" -d "$PWD" -t 900 \
+        -e PYTHONPATH="$RXEVM_HOME/pyverbs-path" -e PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 \
+        -e KVCONNECT_REQUIRE_RDMA=1 \
+        -- "$VENV/bin/python" -m pytest -q -p no:cacheprovider -p pytest_timeout -m rdma \
+        tests/rdma || rc=$?
+    [ "$rc" -eq 0 ] || { log "RDMA tests in the VM failed (exit $rc)"; exit "$rc"; }
+}
+
 run_demo() {
     setup_venv
     log "main job: kvconnect demo (a master, a store server and 4 client processes on loopback)"
@@ -117,6 +146,10 @@ run_tests() {
             || sglang=$?
         [ "$sglang" -eq 0 ] || [ "$sglang" -eq 5 ] || exit "$sglang"
     fi
+    # The RDMA suite runs in its VM: with the whole suite, or when RDMA tests are selected.
+    local rdma_selected=0
+    for arg in "$@"; do case "$arg" in *rdma*) rdma_selected=1 ;; esac; done
+    if [ $# -eq 0 ] || [ "$rdma_selected" -eq 1 ]; then run_rdma_tests; fi
     # pytest exits 5 when it ran nothing: never acceptable for the whole suite, and with a
     # selection only when the other environment ran something.
     if { [ $# -eq 0 ] && { [ "$main" -eq 5 ] || [ "$sglang" -eq 5 ]; }; } \

@@ -136,7 +136,7 @@ class TransferConfig(_Section):
     rdma_gid_index: int | None = None
     """GID table index of every NIC; None picks the RoCE v2 (IPv4-mapped) GID at run time."""
     rdma_qps_per_peer: int = 2
-    """RC queue pairs per peer engine, spread over (local NIC, peer NIC) pairs."""
+    """RC queue pairs per (local NIC, peer NIC) pair, for each peer engine."""
     rdma_slice_bytes: int = 1 * MiB
     """Largest RDMA work request; slices are cut into work requests of at most this size."""
     rdma_inline_bytes: int = 64

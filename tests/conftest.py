@@ -25,6 +25,8 @@ def pytest_configure(config: pytest.Config) -> None:
     """In CI, etcd is part of the set-up (``dev.sh test`` installs it): its tests must run."""
     if os.environ.get("CI") and not etcd_available():
         pytest.exit("CI: etcd is not installed (dev.sh test installs etcd-server)", returncode=1)
+    if os.environ.get("KVCONNECT_REQUIRE_RDMA") and not _rdma_present():
+        pytest.exit("KVCONNECT_REQUIRE_RDMA is set but no RDMA device is present", returncode=1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 _MAX_WR: Final = 256  # work requests outstanding per QP
 _POLL_BATCH: Final = 32
-_SPIN: Final = 2000  # empty polls before sleeping on the completion channels
+_SPIN: Final = 50e-6  # seconds of empty polls before sleeping on the completion channels
 _WAIT: Final = 0.05  # longest sleep on a channel: close() is noticed within it
 _DEGRADED: Final = 5.0  # seconds a peer whose RDMA paths all failed is served over TCP
 _CLOSE_DRAIN: Final = 5.0  # longest wait at close for flushed completions
@@ -108,14 +108,34 @@ class _Path:
 
 
 class _Link:
-    """Paths and remote keys for one peer engine (used by the poster thread only)."""
+    """Paths and remote keys for one peer engine (the poster thread builds and uses it; the
+    completion thread only drops keys that turned out dead)."""
 
     def __init__(self, peer: SegmentDescriptor) -> None:
         self.peer = peer
         self.paths: dict[int, _Path] = {}
-        self.keys: dict[tuple[int, str], tuple[int, int]] = {}  # (region, peer NIC) → addr, rkey
         self.degraded_until = 0.0
         self.spreader = Spreader()
+        self._lock = threading.Lock()
+        self._keys: dict[int, dict[str, tuple[int, int]]] = {}  # region → peer NIC → addr, rkey
+
+    def key(self, region_id: int, peer_nic: str) -> tuple[int, int] | None:
+        with self._lock:
+            return self._keys.get(region_id, {}).get(peer_nic)
+
+    def missing(self, region_ids: set[int]) -> list[int]:
+        with self._lock:
+            return sorted(r for r in region_ids if r not in self._keys)
+
+    def store(self, keys: Sequence[wire.RdmaKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._keys.setdefault(key.region_id, {})[key.nic] = (key.address, key.rkey)
+
+    def drop(self, region_id: int) -> None:
+        """The peer refused this region's key: ask for it again on next use."""
+        with self._lock:
+            self._keys.pop(region_id, None)
 
 
 class _Memory:
@@ -398,17 +418,12 @@ class RdmaTransport:
             link.paths[slot] = path
             if old is not None:
                 self._retire(old)
-        self._store_keys(link, reply.keys)
+        link.store(reply.keys)
 
     def _ensure_keys(self, link: _Link, region_ids: set[int]) -> None:
-        missing = sorted(r for r in region_ids if not any(k[0] == r for k in link.keys))
+        missing = link.missing(region_ids)
         if missing:
-            self._store_keys(link, self._call(link.peer, [], missing).keys)
-
-    @staticmethod
-    def _store_keys(link: _Link, keys: Sequence[wire.RdmaKey]) -> None:
-        for key in keys:
-            link.keys[(key.region_id, key.nic)] = (key.address, key.rkey)
+            link.store(self._call(link.peer, [], missing).keys)
 
     def _call(
         self, peer: SegmentDescriptor, paths: list[wire.RdmaPath], regions: Sequence[int]
@@ -440,7 +455,7 @@ class RdmaTransport:
         if path is None:
             return
         region = work.slice.local
-        key = link.keys.get((work.slice.remote_region, path.peer_nic))
+        key = link.key(work.slice.remote_region, path.peer_nic)
         if key is None:  # the peer no longer has the region: TCP gets the authoritative answer
             self._to_tcp([work])
             return
@@ -530,20 +545,21 @@ class RdmaTransport:
 
     def _poll_loop(self) -> None:
         nics = list(self._nics.values())
-        idle = 0
+        # Spinning catches back-to-back completions without a wake-up; bounded in time because
+        # a spinning thread takes CPU from the rest of the host (and from rxe, in the kernel).
+        last = time.perf_counter()
         while True:
             if self._poll_once(nics):
-                idle = 0
+                last = time.perf_counter()
                 continue
             if self._stop_polling or (self._closed and not self._inflight):
                 return
-            idle += 1
-            if idle < _SPIN:
+            if time.perf_counter() - last < _SPIN:
                 continue
             for nic in nics:
                 nic.arm()
             if self._poll_once(nics):  # completions that raced with arming
-                idle = 0
+                last = time.perf_counter()
                 continue
             for nic in verbs.wait_events(nics, _WAIT):
                 nic.take_event()
@@ -598,6 +614,9 @@ class RdmaTransport:
         if self._closed:
             self._fail_works([work], ClosedError("engine closed"))
         elif work.status == verbs.WC_REM_ACCESS:
+            link = self._links.get(work.peer.engine_id)
+            if link is not None:
+                link.drop(work.slice.remote_region)
             self._to_tcp([work])  # the key died (region withdrawn): TCP says why
         elif work.attempts > self.config.max_retries:
             self._to_tcp([work])

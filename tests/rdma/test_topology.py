@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
+from kvconnect.cli import main
 from kvconnect.transfer import topology
 from kvconnect.transfer.topology import Device, Distance
 
@@ -90,3 +93,12 @@ def test_a_machine_without_rdma_has_no_nics(tmp_path: Path) -> None:
     assert topology.discover_nics(tmp_path) == []
     assert topology.discover_gpus(tmp_path) == []
     assert topology.matrix([], []) == "NICs: none\nGPUs: none"
+
+
+def test_topology_command_prints_the_matrix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = fake_sysfs(tmp_path)
+    assert main(["topology", "--sysfs", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert out == topology.matrix(topology.discover_nics(root), topology.discover_gpus(root)) + "\n"
