@@ -30,7 +30,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kvconnect.config import TransferConfig
@@ -41,12 +40,14 @@ from kvconnect.errors import (
     KVConnectError,
     PeerUnreachable,
     ProtocolError,
+    RegistrationError,
 )
 from kvconnect.transfer import rdma_verbs as verbs
 from kvconnect.transfer import topology, wire
 from kvconnect.transfer.batch import Slice, complete_slices, pin_slices, unpin_slices
 from kvconnect.transfer.memory import MemoryKind, MemoryRegion, MemoryRegistry
-from kvconnect.transfer.rdma_plan import QpDriver, Spreader, chunks, connect_steps
+from kvconnect.transfer.rdma_plan import chunks, connect_steps
+from kvconnect.transfer.rdma_state import Link, Path, Registrations, Work
 from kvconnect.transfer.segment import SegmentDescriptor
 from kvconnect.transfer.stats import Counters, TransportStats
 from kvconnect.transfer.transport import Capabilities, TransferOp, Transport
@@ -69,101 +70,6 @@ def available(config: TransferConfig) -> list[str]:
     if missing:
         raise ConfigError(f"rdma_nics names unknown devices {sorted(missing)}; present: {present}")
     return [name for name in present if not allowed or name in allowed]
-
-
-@dataclass(slots=True, eq=False)
-class _Work:
-    """One slice on its way: the work requests it has posted and where."""
-
-    peer: SegmentDescriptor
-    op: TransferOp
-    slice: Slice
-    attempts: int = 0
-    tried: set[int] = field(default_factory=set)  # id() of paths that failed it
-    left: int = 0
-    status: int = 0  # worst completion status of the current attempt (0: success)
-    path: _Path | None = None
-
-
-class _Path:
-    """One RC queue pair of a link. Its driver's state tells whether it may take work."""
-
-    def __init__(self, slot: int, nic: verbs.Nic, peer_nic: str, qp: Any) -> None:
-        self.slot = slot
-        self.nic = nic
-        self.peer_nic = peer_nic
-        self.qp = qp
-        self.driver = QpDriver(lambda step: nic.apply(qp, step))
-        self.outstanding = 0  # guarded by the transport's lock
-        self.retired = False
-        self._lock = threading.Lock()
-
-    def abort(self) -> None:
-        """Move the QP to ERR: posted work completes (flushed) and touches no memory after."""
-        with self._lock:
-            self.driver.fail()
-
-    def close(self) -> None:
-        self.qp.close()
-
-
-class _Link:
-    """Paths and remote keys for one peer engine (the poster thread builds and uses it; the
-    completion thread only drops keys that turned out dead)."""
-
-    def __init__(self, peer: SegmentDescriptor) -> None:
-        self.peer = peer
-        self.paths: dict[int, _Path] = {}
-        self.degraded_until = 0.0
-        self.spreader = Spreader()
-        self._lock = threading.Lock()
-        self._keys: dict[int, dict[str, tuple[int, int]]] = {}  # region → peer NIC → addr, rkey
-
-    def key(self, region_id: int, peer_nic: str) -> tuple[int, int] | None:
-        with self._lock:
-            return self._keys.get(region_id, {}).get(peer_nic)
-
-    def missing(self, region_ids: set[int]) -> list[int]:
-        with self._lock:
-            return sorted(r for r in region_ids if r not in self._keys)
-
-    def store(self, keys: Sequence[wire.RdmaKey]) -> None:
-        with self._lock:
-            for key in keys:
-                self._keys.setdefault(key.region_id, {})[key.nic] = (key.address, key.rkey)
-
-    def drop(self, region_id: int) -> None:
-        """The peer refused this region's key: ask for it again on next use."""
-        with self._lock:
-            self._keys.pop(region_id, None)
-
-
-class _Memory:
-    """MRs of registered regions, per NIC, created on first use and closed on withdrawal."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._mrs: dict[int, dict[str, Any]] = {}
-
-    def mr(self, region: MemoryRegion, nic: verbs.Nic) -> Any:
-        with self._lock:
-            per_nic = self._mrs.setdefault(region.id, {})
-            mr = per_nic.get(nic.name)
-            if mr is None:
-                mr = per_nic[nic.name] = nic.register(region)
-            return mr
-
-    def withdraw(self, region_id: int) -> None:
-        with self._lock:
-            mrs = self._mrs.pop(region_id, {})
-        for mr in mrs.values():
-            mr.close()
-
-    def close(self) -> None:
-        with self._lock:
-            ids = list(self._mrs)
-        for region_id in ids:
-            self.withdraw(region_id)
 
 
 class RdmaTransport:
@@ -198,14 +104,14 @@ class RdmaTransport:
         sysfs = {d.name: d for d in topology.discover_nics()}
         self._places = [sysfs.get(n, topology.Device(n, (), -1)) for n in self._nics]
         self._gpus = topology.discover_gpus()
-        self._memory = _Memory()
+        self._memory = Registrations(registry.owns)
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)
-        self._inflight: dict[int, _Work] = {}
+        self._inflight: dict[int, Work] = {}
         self._wr_ids = itertools.count(1)
-        self._links: dict[str, _Link] = {}
-        self._served: dict[tuple[str, int], _Path] = {}
-        self._queue: queue.SimpleQueue[tuple[SegmentDescriptor, list[_Work]] | None] = (
+        self._links: dict[str, Link] = {}
+        self._served: dict[tuple[str, int], Path] = {}
+        self._queue: queue.SimpleQueue[tuple[SegmentDescriptor, list[Work]] | None] = (
             queue.SimpleQueue()
         )
         self._forget_requests: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -228,7 +134,7 @@ class RdmaTransport:
     # --------------------------------------------------------------------------- Transport
 
     def submit(self, peer: SegmentDescriptor, op: TransferOp, slices: Sequence[Slice]) -> None:
-        works = [_Work(peer, op, piece) for piece in slices]
+        works = [Work(peer, op, piece) for piece in slices]
         if self._closed:
             complete_slices(slices, ClosedError("engine closed"))
             return
@@ -251,6 +157,7 @@ class RdmaTransport:
         self._queue.put(None)
         for thread in self._threads[:1]:  # the poster: no new work after it ends
             thread.join(timeout=_CLOSE_DRAIN)
+        self._drain_queue()  # work a racing submit queued after the poster's last look
         for link in list(self._links.values()):
             for path in link.paths.values():
                 path.abort()
@@ -296,7 +203,7 @@ class RdmaTransport:
         if nic is None:
             raise BrokenError(f"no NIC {remote.peer_nic} here")
         qp = nic.create_qp(1, 0)  # responder only: it never posts
-        path = _Path(remote.slot, nic, remote.nic, qp)
+        path = Path(remote.slot, nic, remote.nic, qp)
         local = nic.endpoint(qp, remote.slot, remote.nic)
         try:
             path.driver.connect(self._steps(nic, local, remote))
@@ -316,9 +223,12 @@ class RdmaTransport:
             region = self._registry.get(region_id)
             if region is None:
                 continue
-            for nic in self._nics.values():
-                mr = self._memory.mr(region, nic)
-                keys.append(wire.RdmaKey(region_id, nic.name, int(mr.buf), int(mr.rkey)))
+            try:
+                mrs = [(nic.name, self._memory.mr(region, nic)) for nic in self._nics.values()]
+            except RegistrationError as exc:  # the initiator then reaches it over TCP
+                log.debug("no RDMA keys for region %d: %s", region_id, exc)
+                continue
+            keys += [wire.RdmaKey(region_id, nic, int(mr.buf), int(mr.rkey)) for nic, mr in mrs]
         return keys
 
     def _steps(self, nic: verbs.Nic, local: wire.RdmaPath, remote: wire.RdmaPath) -> list[Any]:
@@ -359,7 +269,7 @@ class RdmaTransport:
             if job is not None:
                 self._fail_works(job[1], ClosedError("engine closed"))
 
-    def _post_works(self, peer: SegmentDescriptor, works: list[_Work]) -> None:
+    def _post_works(self, peer: SegmentDescriptor, works: list[Work]) -> None:
         try:
             link = self._link(peer)
             if time.monotonic() < link.degraded_until:
@@ -378,10 +288,10 @@ class RdmaTransport:
         for work in works:
             self._post_one(link, work)
 
-    def _link(self, peer: SegmentDescriptor) -> _Link:
+    def _link(self, peer: SegmentDescriptor) -> Link:
         link = self._links.get(peer.engine_id)
         if link is None:
-            link = _Link(peer)
+            link = Link(peer)
             self._connect(link, range(self._slot_count(peer)))
             self._links[peer.engine_id] = link
         return link
@@ -396,14 +306,14 @@ class RdmaTransport:
         local = list(self._nics.values())[pair // len(peer_nics)]
         return local, peer_nics[pair % len(peer_nics)]
 
-    def _connect(self, link: _Link, slots: Sequence[int], regions: Sequence[int] = ()) -> None:
+    def _connect(self, link: Link, slots: Sequence[int], regions: Sequence[int] = ()) -> None:
         """Build new QPs for ``slots`` and connect them through the peer's listener."""
-        fresh: dict[int, tuple[_Path, wire.RdmaPath]] = {}
+        fresh: dict[int, tuple[Path, wire.RdmaPath]] = {}
         try:
             for slot in slots:
                 nic, peer_nic = self._pair(link.peer, slot)
                 qp = nic.create_qp(_MAX_WR, self.config.rdma_inline_bytes)
-                path = _Path(slot, nic, peer_nic, qp)
+                path = Path(slot, nic, peer_nic, qp)
                 fresh[slot] = (path, nic.endpoint(qp, slot, peer_nic))
             reply = self._call(link.peer, [ep for _, ep in fresh.values()], regions)
             for remote in reply.paths:
@@ -420,7 +330,7 @@ class RdmaTransport:
                 self._retire(old)
         link.store(reply.keys)
 
-    def _ensure_keys(self, link: _Link, region_ids: set[int]) -> None:
+    def _ensure_keys(self, link: Link, region_ids: set[int]) -> None:
         missing = link.missing(region_ids)
         if missing:
             link.store(self._call(link.peer, [], missing).keys)
@@ -450,7 +360,7 @@ class RdmaTransport:
             raise ProtocolError(f"unexpected reply to an RDMA connect: {type(reply).__name__}")
         return reply
 
-    def _post_one(self, link: _Link, work: _Work) -> None:
+    def _post_one(self, link: Link, work: Work) -> None:
         path = self._choose(link, work)
         if path is None:
             return
@@ -472,14 +382,14 @@ class RdmaTransport:
         write = work.op is TransferOp.WRITE
         code = verbs.opcode(write)
         with self._lock:
-            while path.outstanding + len(pieces) > _MAX_WR and path.driver.usable:
-                if self._closed:
-                    break
-                self._space.wait(_WAIT)
             work.path, work.left, work.status = path, len(pieces), 0
         for n, (offset, length) in enumerate(pieces):
             wr_id = next(self._wr_ids)
             with self._lock:
+                # A full send queue waits for completions; an aborted QP or close ends the
+                # wait and the post below fails, which retries the slice elsewhere.
+                while path.outstanding >= _MAX_WR and path.driver.usable and not self._closed:
+                    self._space.wait(_WAIT)
                 self._inflight[wr_id] = work
                 path.outstanding += 1
             try:
@@ -493,7 +403,7 @@ class RdmaTransport:
                 path.abort()
                 return
 
-    def _choose(self, link: _Link, work: _Work) -> _Path | None:
+    def _choose(self, link: Link, work: Work) -> Path | None:
         """A usable path near the local memory that has not failed this slice, rebuilding
         broken QPs if needed; None if the slice went elsewhere (TCP or failed)."""
         for rebuilt in (False, True):
@@ -529,7 +439,7 @@ class RdmaTransport:
             gpu = self._gpus[region.device]
         return {d.name for d in topology.nearest_tier(self._places, gpu)}
 
-    def _unpost(self, work: _Work, wr_id: int, unposted: int) -> None:
+    def _unpost(self, work: Work, wr_id: int, unposted: int) -> None:
         """``wr_id`` and the ``unposted - 1`` after it never reached the QP."""
         with self._lock:
             del self._inflight[wr_id]
@@ -574,8 +484,8 @@ class RdmaTransport:
         return got
 
     def _complete(self, wcs: list[Any]) -> None:
-        finished: list[_Work] = []
-        failed_paths: list[_Path] = []
+        finished: list[Work] = []
+        failed_paths: list[Path] = []
         with self._lock:
             for wc in wcs:
                 work = self._inflight.pop(wc.wr_id, None)
@@ -595,7 +505,7 @@ class RdmaTransport:
         for work in finished:
             self._finish(work)
 
-    def _finish(self, work: _Work) -> None:
+    def _finish(self, work: Work) -> None:
         path = work.path
         assert path is not None
         unpin_slices([work.slice], path.abort)
@@ -625,7 +535,7 @@ class RdmaTransport:
 
     # ---------------------------------------------------------------------------- helpers
 
-    def _to_tcp(self, works: list[_Work]) -> None:
+    def _to_tcp(self, works: list[Work]) -> None:
         if not works:
             return
         self.counters.add(errors=len(works))
@@ -635,16 +545,16 @@ class RdmaTransport:
         for op, slices in by_op.items():
             self._fallback.submit(works[0].peer, op, slices)
 
-    def _fail_works(self, works: list[_Work], error: KVConnectError) -> None:
+    def _fail_works(self, works: list[Work], error: KVConnectError) -> None:
         self.counters.add(errors=len(works))
         complete_slices([w.slice for w in works], error)
 
-    def _degrade(self, link: _Link) -> None:
+    def _degrade(self, link: Link) -> None:
         if time.monotonic() >= link.degraded_until:
             log.warning("RDMA paths to %s failed; using TCP for %.0f s", link.peer.name, _DEGRADED)
         link.degraded_until = time.monotonic() + _DEGRADED
 
-    def _retire(self, path: _Path) -> None:
+    def _retire(self, path: Path) -> None:
         path.abort()
         with self._lock:
             path.retired = True
