@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kvconnect.config import TransferConfig
 from kvconnect.errors import (
     AccessDenied,
+    BrokenError,
     ClosedError,
     ConfigError,
     InvalidRequest,
@@ -162,14 +163,20 @@ class TransferEngine(Lifecycle):
             if cfg.transport == "rdma":
                 raise ConfigError("transport 'rdma' is forced but no RDMA device is usable")
             return
-        rdma = RdmaTransport(
-            cfg,
-            self._registry,
-            self._engine_id.hex(),
-            self._transports["tcp"],
-            self._peer_lost,
-            nics,
-        )
+        try:
+            rdma = RdmaTransport(
+                cfg,
+                self._registry,
+                self._engine_id.hex(),
+                self._transports["tcp"],
+                self._peer_lost,
+                nics,
+            )
+        except BrokenError as exc:  # e.g. every port down: auto runs on without RDMA
+            if cfg.transport == "rdma":
+                raise ConfigError(f"transport 'rdma' is forced but {exc}") from exc
+            log.warning("continuing without RDMA: %s", exc)
+            return
         self._registry.on_withdraw = rdma.withdraw
         rdma.start()
         self._transports["rdma"] = self._rdma = rdma

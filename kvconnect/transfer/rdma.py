@@ -95,15 +95,20 @@ class RdmaTransport:
         self._on_lost = on_lost
         self.counters = Counters(TransportStats)
         self._nics: dict[str, verbs.Nic] = {}
-        try:
-            for name in nic_names:
+        unusable = []
+        for name in nic_names:
+            try:
                 self._nics[name] = verbs.Nic(name, config.rdma_gid_index)
-        except BaseException:
-            self._close_nics()
-            raise
+            except (BrokenError, *verbs.verbs_errors()) as exc:  # type: ignore[misc]
+                unusable.append(f"{name}: {exc}")
+        if not self._nics:
+            raise BrokenError(f"no RDMA device is usable ({'; '.join(unusable)})")
+        for reason in unusable:
+            log.warning("RDMA device not used: %s", reason)
         sysfs = {d.name: d for d in topology.discover_nics()}
         self._places = [sysfs.get(n, topology.Device(n, (), -1)) for n in self._nics]
         self._gpus = topology.discover_gpus()
+        self._near_cache: dict[int, set[str]] = {}  # CUDA device (-1: host) → nearest NICs
         self._memory = Registrations(registry.owns)
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)
@@ -434,10 +439,14 @@ class RdmaTransport:
         return None
 
     def _near(self, region: MemoryRegion) -> set[str]:
-        gpu = None
-        if region.kind is MemoryKind.CUDA and 0 <= region.device < len(self._gpus):
-            gpu = self._gpus[region.device]
-        return {d.name for d in topology.nearest_tier(self._places, gpu)}
+        """Names of the NICs nearest ``region``'s memory (cached per device)."""
+        device = region.device if region.kind is MemoryKind.CUDA else -1
+        near = self._near_cache.get(device)
+        if near is None:
+            gpu = self._gpus[device] if 0 <= device < len(self._gpus) else None
+            near = {d.name for d in topology.nearest_tier(self._places, gpu)}
+            self._near_cache[device] = near
+        return near
 
     def _unpost(self, work: Work, wr_id: int, unposted: int) -> None:
         """``wr_id`` and the ``unposted - 1`` after it never reached the QP."""

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvconnect.config import TransferConfig
-from kvconnect.errors import AccessDenied, KVConnectError
+from kvconnect.errors import AccessDenied, ConfigError, KVConnectError
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import TransferEngine
 from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
@@ -131,3 +131,10 @@ def test_netdev_down_mid_batch_completes_over_tcp(engine: TransferEngine, netdev
         stats = engine.stats().transports
         assert stats["tcp"].bytes_read > 0, "nothing fell back to TCP: the fault came too late"
         assert stats["rdma"].retries > 0
+    # An engine started while the port is down runs without RDMA (auto) or refuses (forced).
+    with TransferEngine(TransferConfig()) as plain:
+        assert "rdma" not in plain.segment.endpoints
+    forced = TransferEngine(TransferConfig(transport="rdma"))
+    with pytest.raises(ConfigError, match="not active"):
+        forced.start()
+    forced.close()
