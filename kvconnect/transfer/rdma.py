@@ -60,6 +60,7 @@ _SPIN: Final = 50e-6  # seconds of empty polls before sleeping on the completion
 _WAIT: Final = 0.05  # longest sleep on a channel: close() is noticed within it
 _DEGRADED: Final = 5.0  # seconds a peer whose RDMA paths all failed is served over TCP
 _CLOSE_DRAIN: Final = 5.0  # longest wait at close for flushed completions
+_RELEASE_TIMEOUT: Final = 1.0  # per peer, at close: telling it to drop our QPs
 
 
 def available(config: TransferConfig) -> list[str]:
@@ -164,6 +165,8 @@ class RdmaTransport:
             thread.join(timeout=_CLOSE_DRAIN)
         self._drain_queue()  # work a racing submit queued after the poster's last look
         for link in list(self._links.values()):
+            self._say_goodbye(link.peer)
+        for link in list(self._links.values()):
             for path in link.paths.values():
                 path.abort()
         for path in list(self._served.values()):
@@ -180,6 +183,14 @@ class RdmaTransport:
         self._memory.close()
         self._close_nics()
 
+    def _say_goodbye(self, peer: SegmentDescriptor) -> None:
+        """Let the peer drop its ends of our QPs now (best effort: a peer that does not answer
+        keeps them until it closes, as for an initiator that died)."""
+        try:
+            self._call(peer, [], [], release=True)
+        except (KVConnectError, OSError) as exc:
+            log.debug("RDMA release at %s failed: %s", peer.name, exc)
+
     def withdraw(self, region: MemoryRegion) -> None:
         """``region`` was unregistered or fenced: its MRs (and keys peers hold) die now."""
         self._memory.withdraw(region.id)
@@ -195,6 +206,9 @@ class RdmaTransport:
             return wire.ErrorReply(wire.Status.BAD_REQUEST, f"RDMA version {request.version}")
         if self._closed:
             return wire.ErrorReply(wire.Status.INTERNAL, "engine closing")
+        if request.release:
+            self._release(request.engine_id)
+            return wire.RdmaAccept([], [])
         try:
             paths = [self._serve_path(request.engine_id, remote) for remote in request.paths]
             keys = self._keys(request.regions)
@@ -221,6 +235,13 @@ class RdmaTransport:
         if old is not None:  # the initiator rebuilt this slot: its old QP is dead
             old.close()
         return local
+
+    def _release(self, engine_id: str) -> None:
+        with self._lock:
+            gone = [key for key in self._served if key[0] == engine_id]
+            paths = [self._served.pop(key) for key in gone]
+        for path in paths:
+            path.close()
 
     def _keys(self, region_ids: Sequence[int]) -> list[wire.RdmaKey]:
         keys = []
@@ -341,14 +362,22 @@ class RdmaTransport:
             link.store(self._call(link.peer, [], missing).keys)
 
     def _call(
-        self, peer: SegmentDescriptor, paths: list[wire.RdmaPath], regions: Sequence[int]
+        self,
+        peer: SegmentDescriptor,
+        paths: list[wire.RdmaPath],
+        regions: Sequence[int],
+        *,
+        release: bool = False,
     ) -> wire.RdmaAccept:
         endpoint = peer.endpoints.get("tcp")
         if endpoint is None:
             raise PeerUnreachable(f"segment {peer.name} has no TCP endpoint")
-        request = wire.RdmaConnect(wire.RDMA_VERSION, self._engine_id, paths, list(regions))
+        request = wire.RdmaConnect(
+            wire.RDMA_VERSION, self._engine_id, paths, list(regions), release
+        )
+        timeout = min(self.config.connect_timeout, _RELEASE_TIMEOUT) if release else None
         sock, engine_id = wire.open_connection(
-            endpoint, self.config.token, self.config.connect_timeout
+            endpoint, self.config.token, timeout or self.config.connect_timeout
         )
         try:
             if engine_id.hex() != peer.engine_id:

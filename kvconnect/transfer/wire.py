@@ -136,12 +136,14 @@ class RdmaKey(msgspec.Struct, frozen=True, array_like=True):
 
 
 class RdmaConnect(msgspec.Struct, tag="rdma_connect"):
-    """Connect queue pairs (``paths``, maybe none) and fetch keys of ``regions``."""
+    """Connect queue pairs (``paths``, maybe none) and fetch keys of ``regions``; or, with
+    ``release``, drop every queue pair kept for ``engine_id`` (it is closing)."""
 
     version: int
     engine_id: str
     paths: list[RdmaPath]
     regions: list[int]
+    release: bool = False
 
 
 class RdmaAccept(msgspec.Struct, tag="rdma_accept"):

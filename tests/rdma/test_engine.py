@@ -47,3 +47,17 @@ def test_auto_sends_private_regions_over_rdma_and_shared_ones_over_shm() -> None
         assert stats["rdma"].bytes_read == MiB
         assert stats["shm"].bytes_read == MiB
         assert stats["tcp"].bytes_read == 0
+
+
+@pytest.mark.rdma
+def test_closing_an_initiator_releases_the_queue_pairs_its_peer_kept() -> None:
+    config = TransferConfig(transport="rdma", rdma_qps_per_peer=3)
+    with TransferEngine(config) as target:
+        region = target.register(np.arange(MiB, dtype=np.uint64).view(np.uint8)[:MiB])
+        with TransferEngine(config) as initiator:
+            local = initiator.register(np.zeros(MiB, dtype=np.uint8))
+            initiator.read(local, 0, target.name, region.id, 0, MiB)
+            assert local.view[:] == region.view[:]
+            served = target._rdma._served  # type: ignore[union-attr]
+            assert len(served) == 3  # one responder QP per slot
+        assert served == {}, "the peer still keeps QPs of a closed initiator"
