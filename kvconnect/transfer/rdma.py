@@ -311,8 +311,20 @@ class RdmaTransport:
             log.warning("RDMA to %s unavailable, using TCP: %s", peer.name, exc)
             self._to_tcp(works)
             return
+        groups: dict[int, tuple[Path, list[Work]]] = {}
         for work in works:
-            self._post_one(link, work)
+            path = self._choose(link, work)
+            if path is None:
+                continue
+            if link.key(work.slice.remote_region, path.peer_nic) is None:
+                self._to_tcp([work])  # the peer no longer has the region: TCP says so
+                continue
+            groups.setdefault(id(path), (path, []))[1].append(work)
+        for path, group in groups.values():
+            pinned = {id(s) for s in pin_slices([w.slice for w in group], path.abort)}
+            for work in group:
+                if id(work.slice) in pinned:  # else its request already ended
+                    self._post_one(link, path, work)
 
     def _link(self, peer: SegmentDescriptor) -> Link:
         link = self._links.get(peer.engine_id)
@@ -394,17 +406,14 @@ class RdmaTransport:
             raise ProtocolError(f"unexpected reply to an RDMA connect: {type(reply).__name__}")
         return reply
 
-    def _post_one(self, link: Link, work: Work) -> None:
-        path = self._choose(link, work)
-        if path is None:
-            return
+    def _post_one(self, link: Link, path: Path, work: Work) -> None:
+        """Post the work requests of one pinned slice on ``path``."""
         region = work.slice.local
         key = link.key(work.slice.remote_region, path.peer_nic)
-        if key is None:  # the peer no longer has the region: TCP gets the authoritative answer
+        if key is None:  # dropped since the caller looked (a remote access error just now)
+            unpin_slices([work.slice], path.abort)
             self._to_tcp([work])
             return
-        if not pin_slices([work.slice], path.abort):
-            return  # its request already ended
         try:
             lkey = int(self._memory.mr(region, path.nic).lkey)
         except KVConnectError as exc:
@@ -487,7 +496,7 @@ class RdmaTransport:
             work.status = work.status or -1
             finished = work.left == 0
         if finished:
-            self._finish(work)
+            self._finish([work])
 
     # ------------------------------------------------------------------------- completions
 
@@ -540,20 +549,35 @@ class RdmaTransport:
             self._space.notify_all()
         for path in failed_paths:
             path.abort()  # already in ERR in hardware; mark it so nothing new is posted
-        for work in finished:
-            self._finish(work)
+        if finished:
+            self._finish(finished)
 
-    def _finish(self, work: Work) -> None:
+    def _finish(self, works: list[Work]) -> None:
+        """Works whose every work request completed: settle, complete or retry them.
+
+        Batched (one lock per path to unpin, one to complete) because this is the hot path of
+        small transfers."""
+        by_path: dict[int, tuple[Path, list[Slice]]] = {}
+        for work in works:
+            assert work.path is not None
+            by_path.setdefault(id(work.path), (work.path, []))[1].append(work.slice)
+        for path, slices in by_path.values():
+            unpin_slices(slices, path.abort)
+            if path.retired and path.outstanding == 0:
+                path.close()
+        done = [w for w in works if w.status == 0]
+        if done:
+            complete_slices([w.slice for w in done])
+            read = sum(w.slice.length for w in done if w.op is TransferOp.READ)
+            written = sum(w.slice.length for w in done if w.op is TransferOp.WRITE)
+            self.counters.add(ops=len(done), bytes_read=read, bytes_written=written)
+        for work in works:
+            if work.status != 0:
+                self._retry(work)
+
+    def _retry(self, work: Work) -> None:
         path = work.path
         assert path is not None
-        unpin_slices([work.slice], path.abort)
-        if path.retired and path.outstanding == 0:
-            path.close()
-        if work.status == 0:
-            complete_slices([work.slice])
-            key = "bytes_read" if work.op is TransferOp.READ else "bytes_written"
-            self.counters.add(ops=1, **{key: work.slice.length})
-            return
         reason = "post failed" if work.status < 0 else verbs.wc_status_name(work.status)
         log.debug("RDMA slice to %s failed (%s)", work.peer.name, reason)
         work.tried.add(id(path))

@@ -113,6 +113,8 @@ class Nic:
                 before = _fds()
                 self.channel = _v["CompChannel"](self.ctx)
                 self.channel_fd = _new_fd(before)
+            if self.channel_fd < 0:
+                log.warning("completion channel fd of %s not found: polling every 1 ms", name)
             self.cq = _v["CQ"](self.ctx, _CQ_DEPTH, None, self.channel, 0)
         except BaseException:
             self.ctx.close()
@@ -274,19 +276,25 @@ def _gid_object(raw: bytes) -> Any:
     return GID(":".join(text[i : i + 4] for i in range(0, 32, 4)))
 
 
-def _fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+def _fds() -> dict[int, str]:
+    """Open fds and what they point to (listdir's own fd included: compare targets, not
+    numbers, or an fd reused by the channel looks old)."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+    return out
 
 
-def _new_fd(before: set[str]) -> int:
+def _new_fd(before: dict[int, str]) -> int:
     """The completion channel's fd: pyverbs does not expose it, but it is the one new
     ``infinibandevent`` fd. Waiting on it with poll() keeps every wait bounded (pyverbs'
     get_cq_event blocks without a timeout). -1 if it cannot be told apart."""
-    found = []
-    for name in _fds() - before:
-        with contextlib.suppress(OSError):
-            if "infinibandevent" in os.readlink(f"/proc/self/fd/{name}"):
-                found.append(int(name))
+    found = [
+        fd
+        for fd, target in _fds().items()
+        if "infinibandevent" in target and before.get(fd) != target
+    ]
     return found[0] if len(found) == 1 else -1
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -61,3 +63,13 @@ def test_closing_an_initiator_releases_the_queue_pairs_its_peer_kept() -> None:
             served = target._rdma._served  # type: ignore[union-attr]
             assert len(served) == 3  # one responder QP per slot
         assert served == {}, "the peer still keeps QPs of a closed initiator"
+
+
+@pytest.mark.rdma
+def test_the_completion_thread_sleeps_on_the_real_completion_channel() -> None:
+    with TransferEngine(TransferConfig(transport="rdma")) as engine:
+        nics = engine._rdma._nics.values()  # type: ignore[union-attr]
+        for nic in nics:
+            # Not the 1 ms polling fallback: the fd poll() waits on is the channel's.
+            assert nic.channel_fd >= 0
+            assert "infinibandevent" in os.readlink(f"/proc/self/fd/{nic.channel_fd}")
