@@ -102,9 +102,9 @@ def registration_seconds(sizes: list[int]) -> list[dict[str, Any]]:
         for size in sizes:
             region = registry.register(np.ones(size, dtype=np.uint8))
             start = time.perf_counter()
-            mr = nic.register(region)
+            registered = nic.register(region)
             seconds = time.perf_counter() - start
-            mr.close()
+            registered.close()
             registry.unregister(region)
             results.append({"bytes": size, "seconds": seconds, "gbps": size / seconds / 1e9})
     finally:

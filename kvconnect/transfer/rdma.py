@@ -254,7 +254,7 @@ class RdmaTransport:
             except RegistrationError as exc:  # the initiator then reaches it over TCP
                 log.debug("no RDMA keys for region %d: %s", region_id, exc)
                 continue
-            keys += [wire.RdmaKey(region_id, nic, int(mr.buf), int(mr.rkey)) for nic, mr in mrs]
+            keys += [wire.RdmaKey(region_id, nic, r.base, int(r.mr.rkey)) for nic, r in mrs]
         return keys
 
     def _steps(self, nic: verbs.Nic, local: wire.RdmaPath, remote: wire.RdmaPath) -> list[Any]:
@@ -415,7 +415,7 @@ class RdmaTransport:
             self._to_tcp([work])
             return
         try:
-            lkey = int(self._memory.mr(region, path.nic).lkey)
+            registered = self._memory.mr(region, path.nic)
         except KVConnectError as exc:
             unpin_slices([work.slice], path.abort)
             self._fail_works([work], exc)
@@ -424,6 +424,7 @@ class RdmaTransport:
         delta = work.slice.remote_offset - work.slice.local_offset
         write = work.op is TransferOp.WRITE
         code = verbs.opcode(write)
+        lkey = int(registered.mr.lkey)
         with self._lock:
             work.path, work.left, work.status = path, len(pieces), 0
         for n, (offset, length) in enumerate(pieces):
@@ -437,7 +438,7 @@ class RdmaTransport:
                 path.outstanding += 1
             try:
                 inline = write and length <= self.config.rdma_inline_bytes
-                local = (region.address + offset, length, lkey)
+                local = (registered.base + offset, length, lkey)
                 remote = (key[1], key[0] + offset + delta)
                 path.nic.post(path.qp, wr_id, code, local, remote, inline)
             except verbs.verbs_errors() as exc:

@@ -95,9 +95,9 @@ class Registrations:
         """``owns`` tells whether a region is still registered with the engine."""
         self._owns = owns
         self._lock = threading.Lock()
-        self._mrs: dict[int, dict[str, Any]] = {}
+        self._mrs: dict[int, dict[str, verbs.Registered]] = {}
 
-    def mr(self, region: MemoryRegion, nic: verbs.Nic) -> Any:
+    def mr(self, region: MemoryRegion, nic: verbs.Nic) -> verbs.Registered:
         """The MR of ``region`` on ``nic``; RegistrationError if it is (being) withdrawn."""
         with self._lock:
             per_nic = self._mrs.setdefault(region.id, {})

@@ -16,6 +16,7 @@ import select
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 from kvconnect.errors import BrokenError, ConfigError, RegistrationError
@@ -30,6 +31,7 @@ _IPV4_MAPPED: Final = bytes(10) + b"\xff\xff"
 _CQ_DEPTH: Final = 4096
 _FD_LOCK = threading.Lock()  # channel fds are found by diffing /proc/self/fd (see _new_fd)
 _CU_DMABUF_FD: Final = 1  # CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+_PAGE: Final = os.sysconf("SC_PAGE_SIZE")
 WC_SUCCESS: Final = 0  # ibv_wc_status values (kernel ABI, stable)
 WC_FLUSH: Final = 5
 WC_REM_ACCESS: Final = 10
@@ -88,6 +90,19 @@ def full_access(writable: bool = True) -> int:
     return int(flags | e.IBV_ACCESS_REMOTE_WRITE) if writable else int(e.IBV_ACCESS_REMOTE_READ)
 
 
+@dataclass(frozen=True, slots=True)
+class Registered:
+    """An MR and the address of the region's first byte in the MR's address space (the virtual
+    address for host and peer memory, an iova for dmabuf): work requests on both ends use it."""
+
+    mr: Any
+    base: int
+
+    def close(self) -> None:
+        """Deregister."""
+        self.mr.close()
+
+
 class Nic:
     """One open RDMA device: context, protection domain, one CQ with its completion channel."""
 
@@ -120,15 +135,16 @@ class Nic:
             self.ctx.close()
             raise
 
-    def register(self, region: MemoryRegion) -> Any:
+    def register(self, region: MemoryRegion) -> Registered:
         """An MR over ``region`` (host: its pages; CUDA: dmabuf, else peer memory)."""
         access = full_access(region.writable)
         start = time.perf_counter()
         try:
             if region.kind is MemoryKind.CUDA:
-                mr = _register_cuda(self.pd, region, access)
+                registered = _register_cuda(self.pd, region, access)
             else:
                 mr = _v["MR"](self.pd, region.length, access, address=region.address)
+                registered = Registered(mr, region.address)
         except _v["errors"] as exc:
             raise RegistrationError(
                 f"cannot register region {region.id} ({region.length} bytes) on {self.name}: {exc}"
@@ -137,7 +153,7 @@ class Nic:
             "registered region %d (%d bytes) on %s in %.3f s",
             region.id, region.length, self.name, time.perf_counter() - start,
         )  # fmt: skip
-        return mr
+        return registered
 
     def create_qp(self, max_wr: int, inline_bytes: int) -> Any:
         """A new RC QP in RESET on this NIC's CQ (every work request signalled)."""
@@ -298,16 +314,24 @@ def _new_fd(before: dict[int, str]) -> int:
     return found[0] if len(found) == 1 else -1
 
 
-def _register_cuda(pd: Any, region: MemoryRegion, access: int) -> Any:
-    """GPU memory: a dmabuf MR when the driver exports one, else peer memory (nvidia-peermem)."""
-    fd = _cuda_dmabuf_fd(region.address, region.length)
+def _register_cuda(pd: Any, region: MemoryRegion, access: int) -> Registered:
+    """GPU memory: a dmabuf MR when the driver exports one, else peer memory (nvidia-peermem).
+
+    A dmabuf must cover whole host pages, so the range is widened to page bounds; pyverbs
+    registers it at iova = the offset given (0), so the region starts at iova ``address -
+    start`` and that is what both ends put in work requests.
+    """
+    start = region.address - region.address % _PAGE
+    end = -(-(region.address + region.length) // _PAGE) * _PAGE
+    fd = _cuda_dmabuf_fd(start, end - start)
     if fd is None:
-        return _v["MR"](pd, region.length, access, address=region.address)
+        mr = _v["MR"](pd, region.length, access, address=region.address)
+        return Registered(mr, region.address)
     try:
-        # The MR's iova is the dmabuf offset: peers address it by mr.buf, which pyverbs sets.
-        return _v["DmaBufMR"](pd, region.length, access, dmabuf=fd, offset=0)
+        mr = _v["DmaBufMR"](pd, end - start, access, dmabuf=fd, offset=0)
     finally:
         os.close(fd)
+    return Registered(mr, region.address - start)
 
 
 def _cuda_dmabuf_fd(address: int, length: int) -> int | None:
