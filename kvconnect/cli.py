@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=2.0)
     status.set_defaults(handler=_status)
 
+    topology = commands.add_parser(
+        "topology", help="print RDMA NICs and GPUs with their PCIe/NUMA distances"
+    )
+    topology.add_argument("--sysfs", default="/sys", help="sysfs root (default /sys)")
+    topology.set_defaults(handler=_topology)
+
     bench = commands.add_parser("bench", help="benchmarks with same-run baselines")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     transfer = benches.add_parser(
@@ -148,6 +154,16 @@ def _status(args: argparse.Namespace) -> int:
     from kvconnect.store.commands import run_status
 
     return run_status(args.master, args.timeout)
+
+
+def _topology(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvconnect.transfer import topology
+
+    root = Path(args.sysfs)
+    print(topology.matrix(topology.discover_nics(root), topology.discover_gpus(root)))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,7 +23,7 @@ from kvconnect.etcd import parse_url
 KiB = 1024
 MiB = 1024 * KiB
 
-TransportName = Literal["auto", "local", "shm", "tcp"]
+TransportName = Literal["auto", "local", "shm", "tcp", "rdma"]
 NativeMode = Literal["auto", "on", "off"]
 
 _C = TypeVar("_C")
@@ -102,7 +102,7 @@ class TransferConfig(_Section):
     """Seconds of the etcd lease on this engine's descriptor (etcd metadata only): the
     descriptor of an engine that died without closing vanishes within about this long."""
     transport: TransportName = "auto"
-    """``auto`` picks local → shm → tcp per peer; any other value forces that transport."""
+    """``auto`` picks local → shm → rdma → tcp per peer; any other value forces that transport."""
     shm: bool = True
     """Offer same-host shared-memory access to regions from :meth:`TransferEngine.allocate`."""
     tcp_streams: int = 2
@@ -133,6 +133,16 @@ class TransferConfig(_Section):
     """Cluster token; when set, peers must prove it (HMAC challenge) before any data moves."""
     native: NativeMode = "auto"
     """C extension for the data path: ``auto`` when built, ``on`` requires it, ``off`` never."""
+    rdma_nics: str = ""
+    """Comma-separated RDMA devices the engine may use (e.g. ``mlx5_0,mlx5_1``); empty: all."""
+    rdma_gid_index: int | None = None
+    """GID table index of every NIC; None picks the RoCE v2 (IPv4-mapped) GID at run time."""
+    rdma_qps_per_peer: int = 2
+    """RC queue pairs per (local NIC, peer NIC) pair, for each peer engine."""
+    rdma_slice_bytes: int = 1 * MiB
+    """Largest RDMA work request; slices are cut into work requests of at most this size."""
+    rdma_inline_bytes: int = 64
+    """WRITEs up to this size go inline in the work request (no local DMA read); 0 disables."""
 
     def __post_init__(self) -> None:
         _check_positive(
@@ -149,8 +159,14 @@ class TransferConfig(_Section):
             "max_connections",
             "max_frame_bytes",
             "metadata_ttl",
+            "rdma_qps_per_peer",
+            "rdma_slice_bytes",
         )
         _check_metadata(self.metadata)
+        if self.rdma_inline_bytes < 0:
+            raise ConfigError(f"rdma_inline_bytes must be >= 0, got {self.rdma_inline_bytes}")
+        if self.rdma_gid_index is not None and self.rdma_gid_index < 0:
+            raise ConfigError(f"rdma_gid_index must be >= 0, got {self.rdma_gid_index}")
         if not 0 <= self.listen_port <= 65535:
             raise ConfigError(f"listen_port must be in 0..65535, got {self.listen_port}")
         if self.max_retries < 0:

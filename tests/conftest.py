@@ -25,6 +25,8 @@ def pytest_configure(config: pytest.Config) -> None:
     """In CI, etcd is part of the set-up (``dev.sh test`` installs it): its tests must run."""
     if os.environ.get("CI") and not etcd_available():
         pytest.exit("CI: etcd is not installed (dev.sh test installs etcd-server)", returncode=1)
+    if os.environ.get("KVCONNECT_REQUIRE_RDMA") and not _rdma_present():
+        pytest.exit("KVCONNECT_REQUIRE_RDMA is set but no RDMA device is present", returncode=1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -32,9 +34,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     gpu = cuda_device_count() > 0
     rdma = _rdma_present()
     for item in items:
-        if "gpu" in item.keywords and not gpu:
+        # Markers, not keywords: keywords include directory names (a checkout at .../rdma).
+        if item.get_closest_marker("gpu") and not gpu:
             item.add_marker(pytest.mark.skip(reason="no CUDA device"))
-        if "rdma" in item.keywords and not rdma:
+        if item.get_closest_marker("rdma") and not rdma:
             item.add_marker(pytest.mark.skip(reason="no RDMA device"))
 
 

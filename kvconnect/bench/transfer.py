@@ -53,7 +53,7 @@ class Case:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvconnect bench transfer``."""
-    parser.add_argument("--transports", default="tcp,shm", help="comma list of tcp, shm")
+    parser.add_argument("--transports", default="tcp,shm", help="comma list of tcp, shm, rdma")
     parser.add_argument("--ops", default="read,write", help="comma list of read, write")
     parser.add_argument("--cases", default=DEFAULT_CASES, help="block:count,… (K/M suffixes)")
     parser.add_argument("--runs", type=int, default=5, help="A/B rounds per case (median)")
@@ -62,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, help="TCP streams per peer (config default)")
     parser.add_argument("--slice-bytes", type=_parse_size, help="slice size (config default)")
     parser.add_argument(
-        "--baselines", default="auto", help="auto or comma list: socket,memcpy,mooncake,none"
+        "--baselines",
+        default="auto",
+        help="auto or comma list: socket,memcpy,mooncake,perftest,none",
     )
     parser.add_argument("--mooncake-python", help="interpreter with the mooncake package")
     parser.add_argument("--quick", action="store_true", help="2 runs of 3 batches: a smoke run")
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         for case in cases:
             results.append(harness.measure(case, runs, batches, progress))
     progress.finish()
-    report = {
+    report: dict[str, Any] = {
         "benchmark": "transfer",
         "machine": {
             "python": platform.python_version(),
@@ -101,6 +103,12 @@ def run(args: argparse.Namespace) -> int:
         "settings": {"runs": runs, "batches": batches, **overrides},
         "results": results,
     }
+    if "rdma" in _split(args.transports):
+        from kvconnect.bench.rdma import registration_seconds
+
+        report["registration"] = registration_seconds([buffer_bytes, 1 << 30])
+        for row in report["registration"]:
+            print(f"MR registration of {_size(row['bytes'])}: {row['seconds'] * 1e3:.1f} ms")
     with open(args.out, "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=2)
     print(format_table(results))
@@ -150,6 +158,10 @@ class _Harness:
             return SocketBaseline(self.buffer_bytes)
         if name == "memcpy":
             return MemcpyBaseline(self.buffer_bytes)
+        if name == "perftest":
+            from kvconnect.bench.rdma import PerftestBaseline
+
+            return PerftestBaseline()
         python = find_mooncake_python(self.args.mooncake_python)
         assert python is not None
         return MooncakeBaseline(python, self.buffer_bytes)
@@ -218,7 +230,9 @@ class _Harness:
 
 
 def _applies(baseline: str, transport: str) -> bool:
-    return {"socket": "tcp", "mooncake": "tcp", "memcpy": "shm"}[baseline] == transport
+    return {"socket": "tcp", "mooncake": "tcp", "memcpy": "shm", "perftest": "rdma"}[
+        baseline
+    ] == transport
 
 
 def _baseline_names(args: argparse.Namespace) -> list[str]:
@@ -229,6 +243,11 @@ def _baseline_names(args: argparse.Namespace) -> list[str]:
     names = ["socket", "memcpy"]
     if find_mooncake_python(args.mooncake_python) is not None:
         names.append("mooncake")
+    if "rdma" in _split(args.transports):
+        from kvconnect.bench.rdma import perftest_available
+
+        if perftest_available():
+            names.append("perftest")
     return names
 
 

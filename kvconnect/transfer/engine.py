@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kvconnect.config import TransferConfig
 from kvconnect.errors import (
     AccessDenied,
+    BrokenError,
     ClosedError,
     ConfigError,
     InvalidRequest,
@@ -43,6 +44,8 @@ from kvconnect.transfer.metadata import (
     P2PMetadata,
     SegmentDirectory,
 )
+from kvconnect.transfer.rdma import RdmaTransport
+from kvconnect.transfer.rdma import available as rdma_available
 from kvconnect.transfer.routing import choose_transport
 from kvconnect.transfer.segment import (
     RegionInfo,
@@ -55,6 +58,7 @@ from kvconnect.transfer.staging import StagingPool
 from kvconnect.transfer.stats import EngineStats, ListenerStats
 from kvconnect.transfer.tcp import TcpTransport
 from kvconnect.transfer.transport import TransferOp, TransferRequest, Transport
+from kvconnect.transfer.wire import ControlReply, ErrorReply, RdmaConnect, Status
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,7 @@ class TransferEngine(Lifecycle):
         self._name = config.name or ""
         self._listener: Listener | None = None
         self._transports: dict[str, Transport] = {}
+        self._rdma: RdmaTransport | None = None
         self._workers: CopyWorkers | None = None
         self._resolver: ThreadPoolExecutor | None = None
         self._watch = DeadlineWatch()
@@ -119,7 +124,13 @@ class TransferEngine(Lifecycle):
         datapath = select_datapath(cfg.native)
         self._watch.start()
         self._listener = Listener(
-            cfg, self._registry, self._describe, self._engine_id, datapath, self._staging_pool
+            cfg,
+            self._registry,
+            self._describe,
+            self._engine_id,
+            datapath,
+            self._staging_pool,
+            self._rdma_accept,
         )
         self._listener.start()
         if not self._name:
@@ -135,11 +146,46 @@ class TransferEngine(Lifecycle):
             "shm": ShmTransport(cfg, copier, self._workers, self._peer_lost),
             "tcp": TcpTransport(cfg, datapath, self._staging_pool, self._peer_lost),
         }
+        self._start_rdma()
         self._identity = self._describe()  # routing needs only its host and process identity
         self._resolver = ThreadPoolExecutor(_RESOLVER_THREADS, "kvconnect-resolve")
         local_registry.publish(self._engine_id.hex(), self._registry)
         self._metadata.start(self._directory.forget)
         self._metadata.publish(self._describe())
+
+    def _start_rdma(self) -> None:
+        """The RDMA transport, when this host has RDMA (``auto``) or it is forced (``rdma``)."""
+        cfg = self.config
+        if cfg.transport not in ("auto", "rdma"):
+            return
+        nics = rdma_available(cfg)
+        if not nics:
+            if cfg.transport == "rdma":
+                raise ConfigError("transport 'rdma' is forced but no RDMA device is usable")
+            return
+        try:
+            rdma = RdmaTransport(
+                cfg,
+                self._registry,
+                self._engine_id.hex(),
+                self._transports["tcp"],
+                self._peer_lost,
+                nics,
+            )
+        except BrokenError as exc:  # e.g. every port down: auto runs on without RDMA
+            if cfg.transport == "rdma":
+                raise ConfigError(f"transport 'rdma' is forced but {exc}") from exc
+            log.warning("continuing without RDMA: %s", exc)
+            return
+        self._registry.on_withdraw = rdma.withdraw
+        rdma.start()
+        self._transports["rdma"] = self._rdma = rdma
+
+    def _rdma_accept(self, request: RdmaConnect) -> ControlReply:
+        rdma = self._rdma
+        if rdma is None:
+            return ErrorReply(Status.BAD_REQUEST, "this engine has no RDMA transport")
+        return rdma.accept(request)
 
     def close(self) -> None:
         """Withdraw the segment, fail queued work with ClosedError, stop threads. Idempotent."""
@@ -163,6 +209,7 @@ class TransferEngine(Lifecycle):
             self._resolver.shutdown(wait=True)
         for transport in self._transports.values():
             transport.close()
+        self._registry.on_withdraw = None
         if self._workers is not None:
             self._workers.close()
         self._watch.close()
@@ -188,12 +235,15 @@ class TransferEngine(Lifecycle):
 
     def _describe(self) -> SegmentDescriptor:
         listener = self._listener
+        endpoints = dict(listener.endpoints) if listener is not None else {}
+        if self._rdma is not None:
+            endpoints["rdma"] = ",".join(self._rdma.nic_names)
         return SegmentDescriptor(
             name=self._name,
             engine_id=self._engine_id.hex(),
             process_id=process_identity(),
             host_id=host_identity(),
-            endpoints=dict(listener.endpoints) if listener is not None else {},
+            endpoints=endpoints,
             regions=tuple(
                 RegionInfo(r.id, r.length, r.kind.value, r.writable, r.shareable)
                 for r in self._registry.regions()

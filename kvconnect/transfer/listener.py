@@ -41,8 +41,11 @@ class Listener:
         engine_id: bytes,
         datapath: DataPath,
         staging: Callable[[], StagingPool],
+        rdma: Callable[[wire.RdmaConnect], wire.ControlReply] | None = None,
     ) -> None:
+        """``rdma`` answers RDMA connect requests (None: refused, the engine has no RDMA)."""
         self._config = config
+        self._rdma = rdma
         self._registry = registry
         self._describe = describe
         self._engine_id = engine_id
@@ -274,6 +277,13 @@ class _Session:
         if isinstance(request, wire.GetSegment):
             reply: wire.ControlReply = wire.SegmentReply(
                 encode_descriptor(self.listener._describe())
+            )
+        elif isinstance(request, wire.RdmaConnect):
+            rdma = self.listener._rdma
+            reply = (
+                rdma(request)
+                if rdma is not None
+                else wire.ErrorReply(Status.BAD_REQUEST, "this engine has no RDMA transport")
             )
         else:
             reply, held = self._region_fd(request.region_id)

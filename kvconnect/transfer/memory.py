@@ -16,7 +16,7 @@ import os
 import struct
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, final
 
 import numpy as np
@@ -147,6 +147,9 @@ class MemoryRegistry:
         self._regions: dict[int, MemoryRegion] = {}
         self._users: dict[int, int] = {}
         self._next_id = 1
+        self.on_withdraw: Callable[[MemoryRegion], None] | None = None
+        """Called (outside the lock) for each region that stops being registered under its id:
+        unregistered, fenced or closed. The RDMA transport deregisters its MRs there."""
 
     def register(self, buffer: object, *, writable: bool | None = None) -> MemoryRegion:
         """Register ``buffer`` (buffer protocol, torch CPU tensor, or CUDA array interface)."""
@@ -189,6 +192,7 @@ class MemoryRegistry:
             del self._regions[region.id]
             del self._users[region.id]
         _withdraw(region)
+        self._notify_withdrawn([region])
 
     def fence(self, region: MemoryRegion) -> MemoryRegion:
         """The same memory under a new id; the old id is refused from now on (shared regions
@@ -218,6 +222,7 @@ class MemoryRegistry:
                 _SHM_HEADER_FMT.pack_into(
                     fresh._shared.mapping, 0, SHM_MAGIC, region_id, fresh.length, 1
                 )
+        self._notify_withdrawn([region])
         return fresh
 
     def users(self, region: MemoryRegion) -> int:
@@ -304,6 +309,13 @@ class MemoryRegistry:
             self._users.clear()
         for region in regions:
             _withdraw(region)
+        self._notify_withdrawn(regions)
+
+    def _notify_withdrawn(self, regions: Sequence[MemoryRegion]) -> None:
+        hook = self.on_withdraw
+        if hook is not None:
+            for region in regions:
+                hook(region)
 
     def _take_id(self) -> int:
         with self._lock:

@@ -279,18 +279,22 @@ class _Stream:
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        self._thread = threading.Thread(
+        thread = threading.Thread(
             target=self._run, name=f"kvconnect-tcp-send-{self.number}", daemon=True
         )
-        self._thread.start()
+        # Published only once started: a sibling stream whose connect failed at once closes
+        # the channel, and must never join a thread that is not running yet.
+        with self._lock:
+            thread.start()
+            self._thread = thread
 
     def close(self) -> None:
         """Interrupt the current connection and wait for the sender thread to finish."""
         with self._lock:
             conn = self._conn
+            thread = self._thread
         if conn is not None:
             conn.abort()
-        thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
 

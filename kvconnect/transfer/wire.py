@@ -109,6 +109,51 @@ class RegionFdReply(msgspec.Struct, tag="region_fd"):
     length: int
 
 
+RDMA_VERSION: Final = 1
+
+
+class RdmaPath(msgspec.Struct, frozen=True, array_like=True):
+    """One end of an RC queue pair: what the other end needs to move it to RTR."""
+
+    slot: int
+    """Which of the initiator's queue pairs to this peer (a reconnect replaces the slot's)."""
+    nic: str
+    peer_nic: str
+    gid: bytes
+    qpn: int
+    psn: int
+    mtu: int
+    """Active path MTU of the port (verbs enum value); both ends use the smaller."""
+
+
+class RdmaKey(msgspec.Struct, frozen=True, array_like=True):
+    """Remote access to one region through one NIC."""
+
+    region_id: int
+    nic: str
+    address: int
+    rkey: int
+
+
+class RdmaConnect(msgspec.Struct, tag="rdma_connect"):
+    """Connect queue pairs (``paths``, maybe none) and fetch keys of ``regions``; or, with
+    ``release``, drop every queue pair kept for ``engine_id`` (it is closing)."""
+
+    version: int
+    engine_id: str
+    paths: list[RdmaPath]
+    regions: list[int]
+    release: bool = False
+
+
+class RdmaAccept(msgspec.Struct, tag="rdma_accept"):
+    """The responder's ends of the requested paths (already in RTS) and the region keys it has
+    (unknown regions are simply absent)."""
+
+    paths: list[RdmaPath]
+    keys: list[RdmaKey]
+
+
 class ErrorReply(msgspec.Struct, tag="error"):
     """A refused control request."""
 
@@ -116,8 +161,8 @@ class ErrorReply(msgspec.Struct, tag="error"):
     message: str
 
 
-ControlRequest = GetSegment | GetRegionFd
-ControlReply = SegmentReply | RegionFdReply | ErrorReply
+ControlRequest = GetSegment | GetRegionFd | RdmaConnect
+ControlReply = SegmentReply | RegionFdReply | RdmaAccept | ErrorReply
 
 _control_encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(ControlRequest)
