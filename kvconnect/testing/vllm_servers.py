@@ -140,19 +140,11 @@ class Server:
 class Proxy:
     """examples/vllm/proxy.py in front of ``prefill`` and ``decode``."""
 
-    def __init__(
-        self,
-        prefill: list[str],
-        decode: list[str],
-        log_dir: Path,
-        *,
-        python: str = sys.executable,
-        name: str = "proxy",
-    ) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], log_dir: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log_dir / f"{name}.log"
-        args = [python, str(ROOT / "examples" / "vllm" / "proxy.py"),
+        self.log = log_dir / "proxy.log"
+        args = [sys.executable, str(ROOT / "examples" / "vllm" / "proxy.py"),
                 "--port", str(self.port), "--prefill", *prefill, "--decode", *decode]  # fmt: skip
         with self.log.open("w") as out:
             self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
@@ -180,13 +172,13 @@ def complete(url: str, prompt: str, *, max_tokens: int = 12, **extra: Any) -> di
     return result
 
 
-def first_token_seconds(url: str, prompt: str, *, max_tokens: int = 4) -> float:
-    """Seconds from sending a greedy streamed ``/v1/completions`` request to its first token
-    (reads the stream to its end)."""
+def first_token_seconds(url: str, prompt: str, *, max_tokens: int = 4, **extra: Any) -> float:
+    """Seconds from sending a greedy streamed ``/v1/completions`` request (with ``extra``
+    fields) to its first token (reads the stream to its end)."""
     parts = urllib.parse.urlsplit(url)
     connection = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=300)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True}  # fmt: skip
+            "stream": True, **extra}  # fmt: skip
     started = time.monotonic()
     try:
         connection.request(
