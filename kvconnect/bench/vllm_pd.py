@@ -37,6 +37,7 @@ _P_PARAMS = {  # what the example proxy sends to prefill (NIXL's format)
     "remote_port": None,
 }
 _REPORT_WAIT = 15.0  # seconds for the decode server to log the request's transfer
+_RESUME = 2.0  # seconds for a resumed pair to settle (its idle loops back to sleep)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,8 +146,18 @@ class _Pair:
             "transfer": transfer,
         }
 
+    def pause(self) -> None:
+        for server in self.servers:
+            server.pause()
+
+    def resume(self) -> None:
+        for server in self.servers:
+            server.resume()
+        time.sleep(_RESUME)
+
     def stop(self) -> None:
         for server in self.servers:
+            server.resume()
             server.stop()
 
 
@@ -164,16 +175,26 @@ def _transfer_seconds(name: str, reports: list[dict[str, float]]) -> float | Non
 
 
 def _measure(pairs: dict[str, _Pair], args: argparse.Namespace) -> dict[str, Any]:
+    # Only the measured pair runs: the other one is stopped (SIGSTOP), since idle vLLM CPU
+    # servers spin and two cores do not fit four of them.
     results: dict[str, Any] = {name: {t: [] for t in args.tokens} for name in pairs}
+    for pair in pairs.values():
+        pair.pause()
     for name, pair in pairs.items():  # warm-up: handshakes, first connections
+        pair.resume()
         pair.request(tiny_llama.prompt(999, 64))
+        pair.pause()
         print(f"{name}: warmed up", flush=True)
     for rnd in range(args.rounds):
         for tokens in args.tokens:
             order = list(pairs) if rnd % 2 == 0 else list(reversed(pairs))
             for name in order:
                 prompt = tiny_llama.prompt(1000 * rnd + tokens, tokens)  # never cached
-                sample = pairs[name].request(prompt)
+                pairs[name].resume()
+                try:
+                    sample = pairs[name].request(prompt)
+                finally:
+                    pairs[name].pause()
                 results[name][tokens].append(sample)
                 shown = {k: "-" if v is None else f"{1000 * v:.1f}" for k, v in sample.items()}
                 print(f"round {rnd} {tokens:5d} tokens {name:9s} ms {shown}", flush=True)
