@@ -358,6 +358,9 @@ class VllmConnectorConfig(_Section):
     """Deadline of decode's read of one request's KV (then the load has failed)."""
     rpc_timeout: float = 2.0
     """Timeout of one side-channel call."""
+    connect_timeout: float = 2.0
+    """Timeout of the workers' transfer-engine connections to a peer (a read that could not
+    connect is tried once more within ``read_timeout``)."""
     enforce_compat: bool = True
     """Refuse to read KV whose layout, dtype or model differ from this engine's."""
     pool: bool = False
@@ -374,7 +377,7 @@ class VllmConnectorConfig(_Section):
     """Timeout of one call to the store master (a lookup never waits longer)."""
 
     def __post_init__(self) -> None:
-        _check_positive(self, "lease", "read_timeout", "rpc_timeout")
+        _check_positive(self, "lease", "read_timeout", "rpc_timeout", "connect_timeout")
         _check_positive(self, "pool_read_timeout", "pool_write_timeout", "pool_rpc_timeout")
         if not 0 <= self.side_channel_port < 65536:
             raise ConfigError(f"side_channel_port must be 0..65535, got {self.side_channel_port}")

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvconnect.config import StoreClientConfig, TransferConfig, VllmConnectorConfig
-from kvconnect.errors import ConfigError, KVConnectError
+from kvconnect.errors import ConfigError, KVConnectError, PeerUnreachable
 from kvconnect.store.client import StoreClient
+from kvconnect.transfer.batch import TransferBatch
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
 from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
@@ -89,7 +90,11 @@ class ConnectorWorker:
         self.format = fmt
         self._num_blocks = num_blocks
         self.engine = TransferEngine(
-            TransferConfig(listen_host=config.host, transport=config.transport)
+            TransferConfig(
+                listen_host=config.host,
+                transport=config.transport,
+                connect_timeout=config.connect_timeout,
+            )
         )
         self._client = SideChannelClient(config.rpc_timeout)
         self._store: StoreClient | None = None
@@ -287,7 +292,7 @@ class ConnectorWorker:
         requests = self._read_requests(mine, theirs, job)
         nbytes = sum(r.length for r in requests)
         reading = time.monotonic()
-        batch = self.engine.submit(TransferOp.READ, requests, timeout=self.config.read_timeout)
+        batch = self._read(requests, started + self.config.read_timeout)
         statuses = batch.wait()
         io_seconds = time.monotonic() - reading
         ok = all(s is TransferStatus.COMPLETED for s in statuses)
@@ -310,6 +315,19 @@ class ConnectorWorker:
         self._outcomes.put(
             _Outcome(job.request_id, "recv", ok, failed, nbytes, seconds, io_seconds)
         )
+
+    def _read(self, requests: list[TransferRequest], deadline: float) -> TransferBatch:
+        """One batched READ; again once if it could not reach the peer at all (nothing was
+        read) and time is left: the first connection from a vLLM worker to another is
+        sometimes not answered (see docs/vllm.md), the next one is."""
+        batch = self.engine.submit(TransferOp.READ, requests, timeout=deadline - time.monotonic())
+        batch.wait()
+        if all(isinstance(e, PeerUnreachable) for e in batch.errors):
+            remaining = deadline - time.monotonic()
+            if remaining > 0:
+                log.info("retrying a read the peer did not answer (%s)", batch.errors[0])
+                batch = self.engine.submit(TransferOp.READ, requests, timeout=remaining)
+        return batch
 
     def _read_requests(
         self, mine: RankLayout, theirs: RankLayout, job: RecvJob
