@@ -359,8 +359,7 @@ class VllmConnectorConfig(_Section):
     rpc_timeout: float = 2.0
     """Timeout of one side-channel call."""
     connect_timeout: float = 2.0
-    """Timeout of the workers' transfer-engine connections to a peer (a read that could not
-    connect is tried once more within ``read_timeout``)."""
+    """Timeout of the workers' transfer-engine connections to a peer (connect + handshake)."""
     enforce_compat: bool = True
     """Refuse to read KV whose layout, dtype or model differ from this engine's."""
     pool: bool = False

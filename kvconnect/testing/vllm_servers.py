@@ -32,6 +32,18 @@ def _open(url: str, timeout: float, data: bytes | None = None) -> Any:
     return urllib.request.urlopen(request, timeout=timeout)  # noqa: S310
 
 
+def cpu_groups(count: int) -> list[str]:
+    """This process's cores split into ``count`` disjoint groups, as values for
+    ``VLLM_CPU_OMP_THREADS_BIND``. Instances on one host need disjoint cores: vLLM binds a CPU
+    worker's threads to cores and busy-waits on them, so two workers bound to the same core can
+    starve one another for minutes (docs/vllm.md)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < count:
+        raise ValueError(f"{count} groups need {count} cores; this process has {len(cores)}")
+    size = len(cores) // count
+    return [",".join(map(str, cores[i * size : (i + 1) * size])) for i in range(count)]
+
+
 def _logging_config(log_dir: Path) -> Path:
     """The example's logging configuration, with kvconnect's debug messages."""
     config = json.loads((ROOT / "examples" / "vllm" / "logging.json").read_text())
@@ -45,7 +57,9 @@ class Server:
     """``python -m vllm.entrypoints.openai.api_server`` serving ``model`` on CPU.
 
     ``python``: an interpreter with vLLM (default: this one); ``env``: extra variables (e.g. a
-    connector's); ``kv_gib``: KV cache size; ``max_len``: the longest prompt + output.
+    connector's); ``kv_gib``: KV cache size; ``max_len``: the longest prompt + output;
+    ``cpus``: the cores its worker is bound to (``VLLM_CPU_OMP_THREADS_BIND``, see
+    :func:`cpu_groups`).
     """
 
     def __init__(
@@ -59,6 +73,7 @@ class Server:
         env: dict[str, str] | None = None,
         kv_gib: int = 1,
         max_len: int = 4096,
+        cpus: str = "auto",
     ) -> None:
         self.name = name
         self.port = free_port()
@@ -77,6 +92,7 @@ class Server:
             VLLM_TARGET_DEVICE="cpu",
             HF_HUB_OFFLINE="1",
             VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
+            VLLM_CPU_OMP_THREADS_BIND=cpus,
             VLLM_LOG_STATS_INTERVAL="1",
             # vLLM's handlers, plus kvconnect's loggers (a library does not configure logging)
             VLLM_LOGGING_CONFIG_PATH=str(_logging_config(log_dir)),

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvconnect.config import StoreClientConfig, TransferConfig, VllmConnectorConfig
-from kvconnect.errors import ConfigError, KVConnectError, PeerUnreachable
+from kvconnect.errors import ConfigError, KVConnectError
 from kvconnect.store.client import StoreClient
-from kvconnect.transfer.batch import TransferBatch
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
 from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
@@ -286,48 +285,33 @@ class ConnectorWorker:
             theirs = self._peer_layout(remote.endpoint, remote.engine_id, remote.tp_size)
         except KVConnectError as exc:
             log.error("cannot read KV of %s from %s: %s", job.request_id, remote.endpoint, exc)
-            self._give_up(remote.endpoint, remote.request_id)
             self._outcomes.put(_Outcome(job.request_id, "recv", False, job.local_blocks))
+            self._give_up(remote.endpoint, remote.request_id)
             return
         requests = self._read_requests(mine, theirs, job)
         nbytes = sum(r.length for r in requests)
         reading = time.monotonic()
-        batch = self._read(requests, started + self.config.read_timeout)
+        timeout = started + self.config.read_timeout - time.monotonic()
+        batch = self.engine.submit(TransferOp.READ, requests, timeout=timeout)
         statuses = batch.wait()
         io_seconds = time.monotonic() - reading
-        ok = all(s is TransferStatus.COMPLETED for s in statuses)
-        if ok:
-            ok = self._confirm(remote.endpoint, remote.request_id, job.request_id)
-        else:
+        read = all(s is TransferStatus.COMPLETED for s in statuses)
+        ok = read and self._confirm(remote.endpoint, remote.request_id, job.request_id)
+        seconds = time.monotonic() - started
+        log.debug("read %s: %d bytes, %s, %.1f ms", job.request_id, nbytes, ok, 1000 * seconds)
+        failed = () if ok else job.local_blocks
+        moved = nbytes if ok else 0
+        # Reported before telling prefill, so a dead prefill delays no recompute.
+        self._outcomes.put(_Outcome(job.request_id, "recv", ok, failed, moved, seconds, io_seconds))
+        if not read:
             with self._lock:  # a restarted prefill may reuse its engine id: ask again next time
                 self._peers.pop(remote.engine_id, None)
             errors = [e for e in batch.errors if e is not None]
+            problem = errors[0] if errors else statuses
             log.error(
-                "reading KV of %s from %s failed: %s",
-                job.request_id,
-                theirs.segment,
-                errors[0] if errors else statuses,
+                "reading KV of %s from %s failed: %s", job.request_id, theirs.segment, problem
             )
             self._give_up(remote.endpoint, remote.request_id)
-        failed = () if ok else job.local_blocks
-        seconds = time.monotonic() - started
-        log.debug("read %s: %d bytes, %s, %.1f ms", job.request_id, nbytes, ok, 1000 * seconds)
-        self._outcomes.put(
-            _Outcome(job.request_id, "recv", ok, failed, nbytes, seconds, io_seconds)
-        )
-
-    def _read(self, requests: list[TransferRequest], deadline: float) -> TransferBatch:
-        """One batched READ; again once if it could not reach the peer at all (nothing was
-        read) and time is left: the first connection from a vLLM worker to another is
-        sometimes not answered (see docs/vllm.md), the next one is."""
-        batch = self.engine.submit(TransferOp.READ, requests, timeout=deadline - time.monotonic())
-        batch.wait()
-        if all(isinstance(e, PeerUnreachable) for e in batch.errors):
-            remaining = deadline - time.monotonic()
-            if remaining > 0:
-                log.info("retrying a read the peer did not answer (%s)", batch.errors[0])
-                batch = self.engine.submit(TransferOp.READ, requests, timeout=remaining)
-        return batch
 
     def _read_requests(
         self, mine: RankLayout, theirs: RankLayout, job: RecvJob

@@ -14,7 +14,7 @@ import pytest
 from kvconnect.testing import tiny_llama
 from kvconnect.testing.cluster import Cluster
 from kvconnect.testing.tiny_llama import Shape, write_tiny_llama
-from kvconnect.testing.vllm_servers import Proxy, Server, complete
+from kvconnect.testing.vllm_servers import Proxy, Server, complete, cpu_groups
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -42,8 +42,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     model = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     logs = tmp_path_factory.mktemp("logs")
     with Cluster(servers=1, server_size=256 << 20) as cluster:
-        # Generous timeouts: two CPU servers share two cores here, and a first contact can
-        # take seconds when they are busy; what is tested is behaviour, not speed.
+        # Generous timeouts: two CPU servers share two cores here; what is tested is
+        # behaviour, not speed.
         extra = {
             "pool": True,
             "master": cluster.master_endpoint,
@@ -58,7 +58,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             "kv_connector_extra_config": extra,
             "kv_load_failure_policy": "recompute",
         }
-        servers = [Server(name, model, logs, transfer) for name in ("prefill", "decode")]
+        servers = [
+            Server(name, model, logs, transfer, cpus=cpus)
+            for name, cpus in zip(("prefill", "decode"), cpu_groups(2), strict=True)
+        ]
         try:
             for server in servers:
                 server.wait_ready(STARTUP)
@@ -91,15 +94,6 @@ def _text(result: dict[str, object]) -> str:
     return text
 
 
-# Open issue 6 work (docs/vllm.md, "Known issue"): the first connection between two vLLM CPU
-# worker processes is sometimes not answered, and a read's counters sometimes do not reach
-# vLLM's stats log. These two run in CI and report XPASS/XFAIL until that is fixed.
-_FIRST_CONTACT = pytest.mark.xfail(
-    reason="first contact between vLLM CPU workers is unreliable (docs/vllm.md)", strict=False
-)
-
-
-@_FIRST_CONTACT
 def test_disaggregated_output_equals_a_single_instance(setup: Setup) -> None:
     for seed in (1, 2):
         prompt = _prompt(seed)
@@ -123,7 +117,6 @@ def test_second_instance_reuses_a_prefix_from_the_pool(setup: Setup) -> None:
     assert loaded - before == 6 * 32 * Shape().kv_bytes_per_token
 
 
-@_FIRST_CONTACT
 def test_dead_prefill_makes_decode_recompute_without_hanging(setup: Setup) -> None:
     prompt = _prompt(11)
     prefilled = complete(

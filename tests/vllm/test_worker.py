@@ -169,3 +169,38 @@ def test_pool_blocks_round_trip_between_engines(layout: str) -> None:
         finally:
             writer.close()
             reader.close()
+
+
+def test_a_dead_prefill_is_reported_before_the_give_up_call_times_out() -> None:
+    """Decode reports a failed read at once; telling prefill to free its blocks, a call a dead
+    prefill never answers, comes after (else a dead prefill would delay every recompute)."""
+    silent_rpc = 6.0
+    caches = kv_caches(seed=5)
+    prefill = ConnectorWorker(CONFIG, FORMAT, BLOCKS)
+    service = PrefillService("prefill", "127.0.0.1", 0, lease=30)
+    decode = ConnectorWorker(replace(CONFIG, rpc_timeout=silent_rpc), FORMAT, BLOCKS)
+    try:
+        service.set_layouts({0: prefill.register(caches)})
+        service.start()
+        decode.register(kv_caches(seed=None))
+        service.hold("p1", readers=1)
+        decode.start(StepPlan(recv=(_job(service, (1,), (1,)),)))
+        assert wait_results(decode) == ({"d1"}, set())  # decode now knows prefill's layout
+        service.hold("p2", readers=1)
+        service.close()
+        prefill.close()  # prefill dies with p2's blocks held
+        job = _job(service, (2,), (2,))
+        decode.start(
+            StepPlan(
+                recv=(replace(job, request_id="d2", remote=replace(job.remote, request_id="p2")),)
+            )
+        )
+        assert wait_results(decode, timeout=silent_rpc - 2) == ({"d2"}, {"d2"})
+        assert decode.load_errors() == {2}
+        stats = decode.stats.take()
+        assert (stats["pd_reads"], stats["pd_failed"]) == (2, 1)
+        assert stats["pd_bytes"] == 2 * 2 * 4 * 2 * 8 * 4, "bytes of the first read only"
+    finally:
+        decode.close()
+        service.close()
+        prefill.close()
