@@ -50,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-gib", type=int, default=2, help="KV cache per server")
     parser.add_argument("--out", default="bench-vllm.json")
+    parser.add_argument(
+        "--nixl-pinning",
+        choices=["vllm", "off"],
+        default="vllm",
+        help="vllm: NixlConnector as shipped (on CPU it pins each worker's main thread to the "
+        "last core of the NUMA node, the same core in both instances); off: that call skipped",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,6 +98,28 @@ def _write_model(python: str, path: Path) -> Path:
     return path
 
 
+_UNPINNED = """# written by kvconnect bench vllm --nixl-pinning off
+import os, sys
+_setaffinity = os.sched_setaffinity
+
+def _skip_nixl_pinning(pid, cpus):
+    if "nixl" in sys._getframe(1).f_code.co_filename:  # vLLM's NixlConnector worker
+        return
+    _setaffinity(pid, cpus)
+
+os.sched_setaffinity = _skip_nixl_pinning
+"""
+
+
+def _unpinned_site(work: Path) -> Path:
+    """A directory whose ``sitecustomize`` (imported by every process of the server, workers
+    included) makes vLLM's NixlConnector leave its worker's CPU affinity alone."""
+    site = work / "nixl-unpinned"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(_UNPINNED)
+    return site
+
+
 class _Pair:
     """A prefill server and a decode server with one connector."""
 
@@ -104,6 +133,8 @@ class _Pair:
         if name == "nixl":
             connector = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
             env = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}  # UCX over TCP, no shm
+            if args.nixl_pinning == "off":
+                env["PYTHONPATH"] = str(_unpinned_site(work))
         else:
             connector = {
                 "kv_connector": "KVConnectConnector",
@@ -210,7 +241,7 @@ def _report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         ]))  # fmt: skip
     shape = {"layers": _SHAPE.layers, "kv_heads": _SHAPE.kv_heads, "head_dim": _SHAPE.head_dim}
     return {"shape": shape | {"dtype": "float32", "block_size": 32}, "rounds": args.rounds,
-            "rows": rows}  # fmt: skip
+            "nixl_pinning": args.nixl_pinning, "rows": rows}  # fmt: skip
 
 
 _KEYS = ("prefill", "decode", "ttft", "transfer")
