@@ -139,6 +139,13 @@ class Server:
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
+    def freeze(self) -> None:
+        """SIGSTOP every process of the server (a hung server: sockets open, nothing answers)."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.killpg(self.process.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
