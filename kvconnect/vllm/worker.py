@@ -285,7 +285,10 @@ class ConnectorWorker:
             theirs = self._peer_layout(remote.endpoint, remote.engine_id, remote.tp_size)
         except KVConnectError as exc:
             log.error("cannot read KV of %s from %s: %s", job.request_id, remote.endpoint, exc)
-            self._outcomes.put(_Outcome(job.request_id, "recv", False, job.local_blocks))
+            seconds = time.monotonic() - started
+            self._outcomes.put(
+                _Outcome(job.request_id, "recv", False, job.local_blocks, 0, seconds)
+            )
             self._give_up(remote.endpoint, remote.request_id)
             return
         requests = self._read_requests(mine, theirs, job)

@@ -140,6 +140,9 @@ def test_unreachable_prefill_fails_within_the_timeouts(decode: Any) -> None:
     d_worker.start(StepPlan(recv=(_job(service, (1,), (1,)),)))
     assert wait_results(d_worker, timeout=15) == ({"d1"}, {"d1"})
     assert d_worker.load_errors() == {1}
+    stats = d_worker.stats.take()
+    assert (stats["pd_reads"], stats["pd_failed"], stats["pd_bytes"]) == (1, 1, 0)
+    assert stats["pd_seconds"] > 0, "the time spent failing is counted"
 
 
 @pytest.mark.parametrize("layout", ["kv_first", "blocks_first"])
