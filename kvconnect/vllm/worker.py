@@ -301,7 +301,10 @@ class ConnectorWorker:
         read = all(s is TransferStatus.COMPLETED for s in statuses)
         ok = read and self._confirm(remote.endpoint, remote.request_id, job.request_id)
         seconds = time.monotonic() - started
-        log.debug("read %s: %d bytes, %s, %.1f ms", job.request_id, nbytes, ok, 1000 * seconds)
+        log.debug(
+            "read %s: %d bytes in %d ranges, %s, %.1f ms (READ %.1f ms)",
+            job.request_id, nbytes, len(requests), ok, 1000 * seconds, 1000 * io_seconds,
+        )  # fmt: skip
         failed = () if ok else job.local_blocks
         moved = nbytes if ok else 0
         # Reported before telling prefill, so a dead prefill delays no recompute.
