@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvconnect.errors import ConfigError
+from kvconnect.testing.vllm_servers import cpu_groups
 from kvconnect.vllm.config import parse_config
 from kvconnect.vllm.layout import LayerLayout, block_runs, range_pairs
 from kvconnect.vllm.leases import Confirmation, LeaseTable
@@ -172,3 +173,11 @@ def test_threads_started_unpinned_get_every_cpu_back() -> None:
     thread.start()
     thread.join()
     assert seen == [cpus, {min(cpus)}]
+
+
+def test_instances_on_one_host_get_disjoint_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 3, 4})
+    assert cpu_groups(2) == ["0,1", "2,3"]
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {1})
+    with pytest.raises(ValueError, match="2 groups need 2 cores"):
+        cpu_groups(2)
