@@ -374,6 +374,10 @@ class VllmConnectorConfig(_Section):
     """Deadline of one pool save (saves never hold up the forward pass)."""
     pool_rpc_timeout: float = 0.5
     """Timeout of one call to the store master (a lookup never waits longer)."""
+    io_cpus: str = ""
+    """CPUs for kvconnect's threads in this engine (transfers, side channel, pool), e.g.
+    ``"30-31"``; empty: they inherit the CPUs of the thread that starts them (on vLLM's CPU
+    workers, the cores vLLM bound this instance's model thread to)."""
 
     def __post_init__(self) -> None:
         _check_positive(self, "lease", "read_timeout", "rpc_timeout", "connect_timeout")
@@ -382,6 +386,29 @@ class VllmConnectorConfig(_Section):
             raise ConfigError(f"side_channel_port must be 0..65535, got {self.side_channel_port}")
         if not self.master.startswith(("tcp://", "etcd://")):
             raise ConfigError(f"master must be tcp://host:port or etcd://…, got {self.master!r}")
+        parse_cpu_list(self.io_cpus)
+
+    @property
+    def io_cpu_set(self) -> frozenset[int]:
+        """``io_cpus`` as a set (empty: inherit)."""
+        return parse_cpu_list(self.io_cpus)
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """``"0-3,8,10-11"`` → ``{0, 1, 2, 3, 8, 10, 11}`` (Linux's CPU-list format)."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part.strip():
+            continue
+        first, _, last = part.strip().partition("-")
+        try:
+            low, high = int(first), int(last or first)
+        except ValueError:
+            low = high = -1
+        if low < 0 or high < low:
+            raise ConfigError(f"bad CPU list {text!r}: {part!r} is not N or N-M")
+        cpus.update(range(low, high + 1))
+    return frozenset(cpus)
 
 
 _F = TypeVar("_F", HiCacheConfig, VllmConnectorConfig)

@@ -7,7 +7,7 @@ from typing import Any
 
 from kvconnect.config import StoreClientConfig, TransferConfig, VllmConnectorConfig
 from kvconnect.store.client import StoreClient
-from kvconnect.vllm.affinity import unpinned
+from kvconnect.vllm.affinity import threads_on
 from kvconnect.vllm.layout import RankLayout
 from kvconnect.vllm.pd import LeaseKeeper, PrefillService
 from kvconnect.vllm.pool import StorePoolIndex, pool_keys
@@ -52,8 +52,8 @@ class SchedulerServices:
 def build_scheduler(
     config: VllmConnectorConfig, vllm_config: Any
 ) -> tuple[ConnectorScheduler, SchedulerServices]:
-    """The scheduler side, its services started (their threads on every CPU)."""
-    with unpinned():
+    """The scheduler side, its services started (their threads on ``io_cpus`` if set)."""
+    with threads_on(config.io_cpu_set):
         return _build_scheduler(config, vllm_config)
 
 

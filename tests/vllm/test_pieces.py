@@ -3,6 +3,9 @@ in every environment (no vLLM needed; torch for the tensor layouts)."""
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 
 from kvconnect.errors import ConfigError
@@ -143,36 +146,55 @@ def test_saves_are_planned_once_and_preempted_saves_are_protected() -> None:
     assert scheduler.request_finished(request, [7, 8, 9], completed=True) == (True, None)
 
 
-def test_cpu_lists_parse() -> None:
-    from kvconnect.vllm.affinity import parse_cpu_list
+def test_cpu_lists_parse_and_bad_ones_are_config_errors() -> None:
+    from kvconnect.config import VllmConnectorConfig, parse_cpu_list
 
     assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
     assert parse_cpu_list("5") == {5}
+    assert parse_cpu_list("") == frozenset()
+    assert VllmConnectorConfig(io_cpus="2-3").io_cpu_set == {2, 3}
+    for bad in ("3-1", "a", "-1", "1-x"):
+        with pytest.raises(ConfigError, match="bad CPU list"):
+            VllmConnectorConfig(io_cpus=bad)
 
 
-def test_threads_started_unpinned_get_every_cpu_back() -> None:
-    import os
-    import threading
+def _affinity_of_threads(io_cpus: frozenset[int], model_core: int) -> list[set[int]]:
+    """Affinity of a thread started under ``threads_on(io_cpus)`` by a thread pinned to
+    ``model_core`` (as vLLM pins its CPU worker's model thread), then of that thread itself."""
+    from kvconnect.vllm.affinity import threads_on
 
-    from kvconnect.vllm.affinity import host_cpus, unpinned
-
-    cpus = host_cpus()
-    if len(cpus) < 2 or not hasattr(os, "sched_setaffinity"):
-        pytest.skip("needs two CPUs and sched_setaffinity")
     seen: list[set[int]] = []
 
-    def pinned_like_vllm() -> None:
-        os.sched_setaffinity(0, {min(cpus)})  # what vLLM does to its model thread
-        with unpinned():
+    def model_thread() -> None:
+        os.sched_setaffinity(0, {model_core})
+        with threads_on(io_cpus):
             child = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
             child.start()
             child.join()
         seen.append(os.sched_getaffinity(0))
 
-    thread = threading.Thread(target=pinned_like_vllm)
+    thread = threading.Thread(target=model_thread)
     thread.start()
     thread.join()
-    assert seen == [cpus, {min(cpus)}]
+    return seen
+
+
+def test_kvconnect_threads_inherit_the_model_threads_cores_unless_io_cpus_says() -> None:
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs and sched_setaffinity")
+    first, last = cpus[0], cpus[-1]
+    assert _affinity_of_threads(frozenset(), first) == [{first}, {first}]
+    assert _affinity_of_threads(frozenset({last}), first) == [{last}, {first}]
+
+
+def test_io_cpus_the_process_cannot_use_are_a_config_error() -> None:
+    from kvconnect.vllm.affinity import bind_this_thread
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("needs sched_setaffinity")
+    with pytest.raises(ConfigError, match="io_cpus"):
+        bind_this_thread(frozenset({100_000}))
 
 
 def test_instances_on_one_host_get_disjoint_cores(monkeypatch: pytest.MonkeyPatch) -> None:

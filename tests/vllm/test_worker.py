@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvconnect.config import VllmConnectorConfig
+from kvconnect.config import TransferConfig, VllmConnectorConfig
 from kvconnect.testing.cluster import Cluster
 from kvconnect.vllm.params import RemotePrefill
 from kvconnect.vllm.pd import PrefillService
@@ -209,11 +209,11 @@ def test_a_dead_prefill_is_reported_before_the_give_up_call_times_out() -> None:
         prefill.close()
 
 
-def test_worker_engines_use_one_tcp_stream_unless_the_environment_says_otherwise(
+def test_worker_engines_take_transfer_settings_from_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("KVCONNECT_TRANSFER_TCP_STREAMS", raising=False)
-    for expected in (1, 3):
+    for expected in (TransferConfig().tcp_streams, 3):
         worker = ConnectorWorker(CONFIG, FORMAT, BLOCKS)
         try:
             assert worker.engine.config.tcp_streams == expected
