@@ -215,8 +215,8 @@ def _median_ms(samples: list[dict[str, float | None]], key: str) -> float | None
 
 def _report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     rows = []
-    header = ("tokens", "KV MiB", "decode 1st tok kvc/NIXL ms", "ratio", "TTFT kvc/NIXL ms",
-              "ratio", "kvc READ ms", "NIXL xfer ms")  # fmt: skip
+    header = ("tokens", "KV MiB", "transfer kvc/NIXL ms", "ratio", "decode 1st tok kvc/NIXL ms",
+              "ratio", "TTFT kvc/NIXL ms", "ratio")  # fmt: skip
     print("\n" + " | ".join(header))
     for tokens in args.tokens:
         medians = {
@@ -235,9 +235,9 @@ def _report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         rows.append(row)
         print(" | ".join([
             f"{tokens}", f"{row['kv_bytes'] / 2**20:.0f}",
+            f"{_fmt(ours['transfer'])}/{_fmt(theirs['transfer'])}", _fmt(row["transfer_ratio"], 2),
             f"{_fmt(ours['decode'])}/{_fmt(theirs['decode'])}", _fmt(row["decode_ratio"], 2),
             f"{_fmt(ours['ttft'])}/{_fmt(theirs['ttft'])}", _fmt(row["ttft_ratio"], 2),
-            _fmt(ours["transfer"]), _fmt(theirs["transfer"]),
         ]))  # fmt: skip
     shape = {"layers": _SHAPE.layers, "kv_heads": _SHAPE.kv_heads, "head_dim": _SHAPE.head_dim}
     return {"shape": shape | {"dtype": "float32", "block_size": 32}, "rounds": args.rounds,
