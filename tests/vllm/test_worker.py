@@ -4,6 +4,8 @@ blocks between two engines through a real store."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -221,3 +223,39 @@ def test_worker_engines_take_transfer_settings_from_the_environment(
         finally:
             worker.close()
         monkeypatch.setenv("KVCONNECT_TRANSFER_TCP_STREAMS", "3")
+
+
+def _kvconnect_threads() -> dict[int, str]:
+    """Native id → name of the live threads kvconnect started."""
+    return {
+        t.native_id: t.name
+        for t in threading.enumerate()
+        if t.name.startswith("kvconnect") and t.native_id is not None
+    }
+
+
+def test_io_cpus_places_the_workers_threads_and_leaves_the_model_thread_alone() -> None:
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs and sched_setaffinity")
+    model_core, io_core = cpus[0], cpus[-1]
+    before = set(_kvconnect_threads())
+    seen: dict[str, Any] = {}
+
+    def model_thread() -> None:  # pinned as vLLM pins its CPU worker's model thread
+        os.sched_setaffinity(0, {model_core})
+        worker = ConnectorWorker(replace(CONFIG, io_cpus=str(io_core)), FORMAT, BLOCKS)
+        try:
+            worker.register(kv_caches(seed=1))
+            started = {t: n for t, n in _kvconnect_threads().items() if t not in before}
+            seen["threads"] = {n: os.sched_getaffinity(t) for t, n in started.items()}
+            seen["model"] = os.sched_getaffinity(0)
+        finally:
+            worker.close()
+
+    thread = threading.Thread(target=model_thread)
+    thread.start()
+    thread.join()
+    assert seen["threads"], "register starts the engine's listener"
+    assert all(mask == {io_core} for mask in seen["threads"].values()), seen["threads"]
+    assert seen["model"] == {model_core}
