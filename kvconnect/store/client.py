@@ -18,7 +18,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvconnect.config import StoreClientConfig, TransferConfig
 from kvconnect.errors import (
@@ -33,6 +33,7 @@ from kvconnect.store import messages as m
 from kvconnect.store.messages import Code
 from kvconnect.store.resilience import CircuitBreaker, NegativeCache
 from kvconnect.store.rpc import RpcClient
+from kvconnect.transfer.batch import TransferBatch
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
 from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
@@ -45,10 +46,24 @@ Regions = MemoryRegion | Sequence[MemoryRegion]
 
 @dataclass(frozen=True, slots=True)
 class BatchResult:
-    """Per-key outcome of a batch, and the object sizes read (0 where nothing was read)."""
+    """Per-key outcome of a batch, and the object sizes read (0 where nothing was read).
+
+    A key is UNSETTLED when its transfer could not be stopped by the deadline: a transport
+    thread may still write (get) or read (put) its buffer range, so the caller must not reuse
+    that range before :meth:`on_settled` runs its callback.
+    """
 
     codes: tuple[Code, ...]
     sizes: tuple[int, ...]
+    _batch: TransferBatch | None = field(default=None, repr=False, compare=False)
+
+    def on_settled(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once no transfer of this batch touches its buffers any more: at
+        once if none does (every key but UNSETTLED ones), else on a transport thread."""
+        if self._batch is None:
+            callback()
+        else:
+            self._batch.add_settled_callback(callback)
 
     def leading(self) -> int:
         """How many keys from the start completed: the prefix a caller can use as is."""
@@ -257,7 +272,7 @@ class StoreClient(Lifecycle):
                     )
                 )
                 owners.append(i)
-        outcome = self._transfer(TransferOp.WRITE, requests, owners, len(keys), deadline)
+        outcome, batch = self._transfer(TransferOp.WRITE, requests, owners, len(keys), deadline)
         started = [i for i in range(len(keys)) if codes[i] is Code.OK]
         written = [i for i in started if outcome[i] is Code.OK]
         failed = [i for i in started if outcome[i] is not Code.OK]
@@ -265,7 +280,7 @@ class StoreClient(Lifecycle):
             codes[i] = outcome[i]
         self._finish_puts(keys, [p.put for p in reply.results], written, failed, part, codes)
         self._negative.discard([keys[i] for i in written])
-        return BatchResult(tuple(codes), tuple(sizes))
+        return BatchResult(tuple(codes), tuple(sizes), batch)
 
     def _finish_puts(
         self,
@@ -384,14 +399,14 @@ class StoreClient(Lifecycle):
                 )
             )
             owners.append(i)
-        outcome = self._transfer(TransferOp.READ, requests, owners, len(keys), deadline)
+        outcome, batch = self._transfer(TransferOp.READ, requests, owners, len(keys), deadline)
         stale = self._clock() > lease_end
         for i in set(owners):
             codes[i] = Code.STALE if stale and outcome[i] is Code.OK else outcome[i]
         bad = [keys[i] for i in set(owners) if codes[i] is not Code.OK]
         self._negative.add(bad, self._clock())
         read = [found[i] if codes[i] is Code.OK else 0 for i in range(len(keys))]
-        return BatchResult(tuple(codes), tuple(read))
+        return BatchResult(tuple(codes), tuple(read), batch)
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -450,27 +465,42 @@ class StoreClient(Lifecycle):
         owners: list[int],
         count: int,
         deadline: float,
-    ) -> list[Code]:
-        """Run the batch; per key: OK if all its requests completed, else TIMEOUT/FAILED."""
+    ) -> tuple[list[Code], TransferBatch | None]:
+        """Run the batch; per key: OK if all its requests completed, else TIMEOUT, FAILED or
+        UNSETTLED (a transport still holds its memory: then the batch is returned too)."""
         outcome = [Code.OK] * count
         if not requests:
-            return outcome
+            return outcome, None
         remaining = max(0.0, deadline - self._clock())
         try:
             batch = self.engine.submit(op, requests, timeout=remaining)
         except KVConnectError:
             for i in owners:
                 outcome[i] = Code.FAILED
-            return outcome
+            return outcome, None
         statuses = batch.wait()
         for i, status in zip(owners, statuses, strict=True):
-            if status is TransferStatus.TIMEOUT:
-                outcome[i] = Code.TIMEOUT
-            elif status is not TransferStatus.COMPLETED and outcome[i] is not Code.TIMEOUT:
-                outcome[i] = Code.FAILED
+            outcome[i] = _worst(outcome[i], _STATUS_CODE[status])
         if all(s is not TransferStatus.COMPLETED for s in statuses):
             self._breaker.failure(self._clock())  # the store's data path is failing
-        return outcome
+        unsettled = TransferStatus.PENDING in statuses
+        return outcome, batch if unsettled else None
+
+
+# What a request's status means for its key, and which outcome wins when a key has several
+# requests (replicas): the one that constrains the caller most.
+_STATUS_CODE = {
+    TransferStatus.COMPLETED: Code.OK,
+    TransferStatus.PENDING: Code.UNSETTLED,
+    TransferStatus.TIMEOUT: Code.TIMEOUT,
+    TransferStatus.FAILED: Code.FAILED,
+    TransferStatus.CANCELED: Code.FAILED,
+}
+_SEVERITY = {Code.OK: 0, Code.FAILED: 1, Code.TIMEOUT: 2, Code.UNSETTLED: 3}
+
+
+def _worst(first: Code, second: Code) -> Code:
+    return first if _SEVERITY[first] >= _SEVERITY[second] else second
 
 
 def _codes(reply: m.Reply, count: int) -> list[Code]:

@@ -37,6 +37,7 @@ class Code(enum.IntEnum):
     TOO_SMALL = 12  # the caller's buffer is smaller than the object
     UNAVAILABLE = 13  # the master did not answer, or the circuit breaker is open
     STALE = 14  # the read outlived its lease: the bytes cannot be trusted
+    UNSETTLED = 16  # the transfer could not be stopped: its buffer may still be written
 
 
 class Location(msgspec.Struct, array_like=True, frozen=True):

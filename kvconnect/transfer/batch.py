@@ -127,6 +127,7 @@ class TransferBatch:
         self._aborts: dict[int, list[Callable[[], None]]] = {}
         self._settled = [False] * count
         self._unsettled = count
+        self._callbacks: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------------- caller side
 
@@ -156,6 +157,16 @@ class TransferBatch:
         """Whether every request has settled."""
         with self._cond:
             return self._unsettled == 0
+
+    def add_settled_callback(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once every request has settled: at once (on this thread) if they
+        have, else on the thread that settles the last one. For memory that :meth:`wait`
+        returned as PENDING: the caller must not reuse it before this runs."""
+        with self._cond:
+            if self._unsettled:
+                self._callbacks.append(callback)
+                return
+        callback()
 
     @property
     def statuses(self) -> tuple[TransferStatus, ...]:
@@ -218,7 +229,7 @@ class TransferBatch:
                         self._status[index] = TransferStatus.COMPLETED
             settled = self._settle_locked(indices)
         if settled:
-            self._on_settled()
+            self._run_settled()
 
     def _fail(self, index: int, error: KVConnectError) -> None:
         self._done([index], error)
@@ -246,7 +257,7 @@ class TransferBatch:
                     self._aborts[piece.index].remove(abort)
             settled = self._settle_locked([piece.index for piece in slices])
         if settled:
-            self._on_settled()
+            self._run_settled()
 
     def _expire(self, now: float) -> None:
         if now >= self.deadline:
@@ -271,7 +282,7 @@ class TransferBatch:
         for abort in aborts:
             abort()
         if settled:
-            self._on_settled()
+            self._run_settled()
 
     def _settle_locked(self, indices: Iterable[int]) -> bool:
         """Settle what can be; True when this settled the batch's last request."""
@@ -290,6 +301,16 @@ class TransferBatch:
             self._cond.notify_all()
             return True
         return False
+
+    def _run_settled(self) -> None:
+        self._on_settled()
+        with self._cond:
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # a caller's callback must not break the transport thread
+                log.exception("settled callback failed")
 
     def __repr__(self) -> str:
         statuses = self.statuses
