@@ -3,6 +3,7 @@
 Configuration of every long-running command comes, lowest precedence first, from a JSON file
 (``--config``: sections ``transfer``, ``master``, ``store``, ``client``), the environment
 (``KVCONNECT_<SECTION>_<FIELD>``), and flags (one per field, e.g. ``--master-lease-ttl 5``).
+``--token-file`` and ``--insecure`` set the cluster token of every section at once.
 """
 
 from __future__ import annotations
@@ -15,8 +16,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from kvconnect.config import MasterConfig, StoreClientConfig, StoreServerConfig, TransferConfig
+from kvconnect.config import (
+    MasterConfig,
+    StoreClientConfig,
+    StoreServerConfig,
+    TransferConfig,
+    cluster_token,
+)
 from kvconnect.errors import ConfigError
+
+log = logging.getLogger("kvconnect")
 
 _C = TypeVar("_C", TransferConfig, MasterConfig, StoreServerConfig, StoreClientConfig)
 _SECTIONS: dict[str, type] = {
@@ -65,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="print the store cluster: segments, usage, keys")
     status.add_argument("--master", default=StoreClientConfig().master, help="master endpoint")
     status.add_argument("--timeout", type=float, default=2.0)
+    _auth_flags(status)
     status.set_defaults(handler=_status)
 
     topology = commands.add_parser(
@@ -97,8 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _auth_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help="file with the cluster token (default: KVCONNECT_TOKEN, KVCONNECT_TOKEN_FILE, "
+        "then ~/.config/kvconnect/token, generated there if absent)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="without a configured token, run unauthenticated (anyone who reaches the ports "
+        "may use them)",
+    )
+
+
 def _config_flags(parser: argparse.ArgumentParser, *sections: str) -> None:
     parser.add_argument("--config", help="JSON file with sections " + ", ".join(sections))
+    _auth_flags(parser)
     for section in sections:
         group = parser.add_argument_group(f"{section} options")
         for field in dataclasses.fields(_SECTIONS[section]):
@@ -122,6 +148,13 @@ def section_config(args: argparse.Namespace, section: str, cls: type[_C]) -> _C:
         for name, value in vars(args).items()
         if name.startswith(prefix) and value is not None
     }
+    if "token" in flags:
+        log.warning("--%s-token is visible to every local user (ps): prefer --token-file", section)
+    if cls in (TransferConfig, MasterConfig):
+        if getattr(args, "token_file", None):
+            flags["token_file"] = args.token_file
+        if getattr(args, "insecure", False):
+            flags["insecure"] = True
     return cls.from_env(defaults=values, **flags)
 
 
@@ -153,7 +186,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from kvconnect.store.commands import run_status
 
-    return run_status(args.master, args.timeout)
+    token = cluster_token(None, args.token_file or "", args.insecure)
+    return run_status(args.master, args.timeout, token)
 
 
 def _topology(args: argparse.Namespace) -> int:

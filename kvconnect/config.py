@@ -2,14 +2,19 @@
 
 This is the only module of kvconnect that reads environment variables. Each component has one
 dataclass; ``from_mapping`` builds it from JSON-like data and rejects unknown keys, ``from_env``
-overlays ``KVCONNECT_<SECTION>_<FIELD>`` variables (and the shared ``KVCONNECT_TOKEN``).
+overlays ``KVCONNECT_<SECTION>_<FIELD>`` variables (and the shared ``KVCONNECT_TOKEN``,
+``KVCONNECT_TOKEN_FILE`` and ``KVCONNECT_INSECURE``). :func:`cluster_token` resolves the cluster
+token, generating one in a file only this user can read when none is configured.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import secrets
+import stat
 import types
 import typing
 from collections.abc import Mapping
@@ -27,6 +32,12 @@ TransportName = Literal["auto", "local", "shm", "tcp", "rdma"]
 NativeMode = Literal["auto", "on", "off"]
 
 _C = TypeVar("_C")
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "KVCONNECT_TOKEN"  # noqa: S105 (a variable's name, not a secret)
+TOKEN_FILE_ENV = "KVCONNECT_TOKEN_FILE"  # noqa: S105
+_AUTH_ENV = {TOKEN_ENV: "token", TOKEN_FILE_ENV: "token_file", "KVCONNECT_INSECURE": "insecure"}
 
 _SIZE_SUFFIX = {"K": KiB, "M": MiB, "G": MiB * 1024, "T": MiB * 1024 * 1024}
 _TRUE = {"1", "true", "yes", "on"}
@@ -84,7 +95,7 @@ class TransferConfig(_Section):
     """Configuration of one :class:`~kvconnect.transfer.TransferEngine`."""
 
     _ENV_PREFIX: ClassVar[str] = "KVCONNECT_TRANSFER_"
-    _SHARED_ENV: ClassVar[dict[str, str]] = {"KVCONNECT_TOKEN": "token"}
+    _SHARED_ENV: ClassVar[dict[str, str]] = _AUTH_ENV
 
     name: str | None = None
     """Segment name. Default: ``host:port`` of the listener (p2p, etcd) or a unique name
@@ -130,7 +141,13 @@ class TransferConfig(_Section):
     max_retries: int = 2
     """Times a frame is retried on another stream after a stream broke."""
     token: str | None = field(default=None, repr=False)
-    """Cluster token; when set, peers must prove it (HMAC challenge) before any data moves."""
+    """Cluster token: peers must prove it (HMAC challenge) before any data moves. Prefer
+    ``token_file``; unset, :func:`cluster_token` finds or generates one."""
+    token_file: str = ""
+    """File holding the cluster token (first line); read when ``token`` is unset."""
+    insecure: bool = False
+    """Run without a token when none is configured (anyone who reaches the listener may read
+    and write registered memory); otherwise a token is always used."""
     native: NativeMode = "auto"
     """C extension for the data path: ``auto`` when built, ``on`` requires it, ``off`` never."""
     rdma_nics: str = ""
@@ -180,8 +197,11 @@ class TransferConfig(_Section):
                 f"listen_host {self.listen_host!r} is a wildcard: set advertise_host to the "
                 "address peers should dial"
             )
-        if self.token is not None and not self.token:
-            raise ConfigError("token must be a non-empty string or None")
+        _check_token(self.token)
+
+    def cluster_token(self) -> str | None:
+        """The token this engine uses (see :func:`cluster_token`)."""
+        return cluster_token(self.token, self.token_file, self.insecure)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,6 +209,7 @@ class MasterConfig(_Section):
     """Configuration of the store master (``kvconnect master``)."""
 
     _ENV_PREFIX: ClassVar[str] = "KVCONNECT_MASTER_"
+    _SHARED_ENV: ClassVar[dict[str, str]] = _AUTH_ENV
 
     listen: str = "tcp://127.0.0.1:50051"
     """zmq endpoint the master answers on."""
@@ -218,6 +239,19 @@ class MasterConfig(_Section):
     """Eviction frees this fraction of capacity each time it starts."""
     eviction_step: int = 32
     """Objects evicted per step between requests (bounds the latency eviction adds)."""
+    max_message_bytes: int = 64 * MiB
+    """Largest request the master accepts; a peer sending more is disconnected."""
+    token: str | None = field(default=None, repr=False)
+    """Cluster token every RPC must be authenticated with (CURVE keys derived from it)."""
+    token_file: str = ""
+    """File holding the cluster token (first line); read when ``token`` is unset."""
+    insecure: bool = False
+    """Answer unauthenticated RPCs when no token is configured (anyone who reaches the port
+    can mount, remove and read the topology); otherwise a token is always used."""
+
+    def cluster_token(self) -> str | None:
+        """The token RPCs are authenticated with (see :func:`cluster_token`)."""
+        return cluster_token(self.token, self.token_file, self.insecure)
 
     def __post_init__(self) -> None:
         _check_positive(self, "alignment", "lease_ttl", "put_timeout", "heartbeat_ttl", "ha_ttl")
@@ -230,6 +264,8 @@ class MasterConfig(_Section):
             raise ConfigError(f"alignment must be a power of two, got {self.alignment}")
         if self.quarantine < 0:
             raise ConfigError(f"quarantine must be >= 0, got {self.quarantine}")
+        _check_positive(self, "max_message_bytes")
+        _check_token(self.token)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -434,6 +470,84 @@ def _read_json_file(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object of settings")
     return data
+
+
+def default_token_file(environ: Mapping[str, str] | None = None) -> Path:
+    """``$XDG_CONFIG_HOME/kvconnect/token`` (``~/.config/kvconnect/token`` by default)."""
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "kvconnect" / "token"
+
+
+def cluster_token(
+    token: str | None,
+    token_file: str,
+    insecure: bool,
+    environ: Mapping[str, str] | None = None,
+) -> str | None:
+    """The cluster token: ``token``, else the file ``token_file``, else ``KVCONNECT_TOKEN``,
+    else the file ``KVCONNECT_TOKEN_FILE``, else the default token file
+    (:func:`default_token_file`). With none of them, ``insecure`` gives None; otherwise a new
+    token is generated into the default file (mode 0600) so that processes of this user on
+    this host share it, and other hosts must be given it. Raises ConfigError for an unreadable
+    or empty file."""
+    env = os.environ if environ is None else environ
+    if token:
+        return token
+    path = token_file or env.get(TOKEN_FILE_ENV, "")
+    if not path and env.get(TOKEN_ENV):
+        return env[TOKEN_ENV]
+    if path:
+        return read_token_file(Path(path))
+    default = default_token_file(env)
+    if default.exists():
+        return read_token_file(default)
+    if insecure:
+        return None
+    return generate_token_file(default)
+
+
+def read_token_file(path: Path) -> str:
+    """The first line of ``path``; warns once when others may read the file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise ConfigError(f"cannot read the cluster token file {path}: {exc}") from exc
+    token = text.strip().splitlines()[0].strip() if text.strip() else ""
+    if not token:
+        raise ConfigError(f"the cluster token file {path} is empty")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO) and path not in _WARNED:
+        _WARNED.add(path)
+        log.warning("cluster token file %s is readable by other users: chmod 600 it", path)
+    return token
+
+
+_WARNED: set[Path] = set()
+
+
+def generate_token_file(path: Path) -> str:
+    """Write a new random token to ``path`` (mode 0600; kept if another process was first)."""
+    token = secrets.token_urlsafe(32)
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return read_token_file(path)
+    except OSError as exc:
+        raise ConfigError(
+            f"no cluster token is configured and none could be generated at {path}: {exc}; "
+            f"set {TOKEN_ENV} or {TOKEN_FILE_ENV} (or insecure to run without one)"
+        ) from exc
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(token + "\n")
+    log.warning("generated a cluster token in %s (give it to the other hosts)", path)
+    return token
+
+
+def _check_token(token: str | None) -> None:
+    if token is not None and not token:
+        raise ConfigError("token must be a non-empty string or None")
 
 
 def _check_metadata(metadata: str) -> None:

@@ -20,6 +20,10 @@ from kvconnect.transfer.iov import native_available
 
 DATAPATHS = ["native", "python"]
 
+# Every engine, master and client of the suite (and the processes it starts) authenticates
+# with this token, as a secure deployment does; tests of other setups pass their own.
+os.environ.setdefault("KVCONNECT_TOKEN", "kvconnect-test-suite-token")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """In CI, etcd is part of the set-up (``dev.sh test`` installs it): its tests must run."""

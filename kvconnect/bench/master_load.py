@@ -9,6 +9,7 @@ import random
 import statistics
 import time
 
+from kvconnect.config import cluster_token
 from kvconnect.store import messages as m
 from kvconnect.store.rpc import RpcClient
 
@@ -102,7 +103,7 @@ def rss_bytes(pid: int) -> int:
 def _writer(endpoint: str, rate: float, seconds: float, size: int) -> None:
     """Put ``rate`` objects per second (in batches of 100) for ``seconds``, acknowledging the
     journal like a store server does (every 50 ms)."""
-    rpc = RpcClient(endpoint, 10.0)
+    rpc = RpcClient(endpoint, 10.0, token=cluster_token(None, "", False))
     end = time.monotonic() + seconds
     n = 0
     next_ack = 0.0

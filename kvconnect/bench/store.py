@@ -29,7 +29,7 @@ import numpy as np
 
 from kvconnect.bench import master_load
 from kvconnect.bench.baselines import find_mooncake_python
-from kvconnect.config import StoreClientConfig, StoreServerConfig, TransferConfig
+from kvconnect.config import StoreClientConfig, StoreServerConfig, TransferConfig, cluster_token
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
 from kvconnect.store.messages import Code
@@ -341,7 +341,7 @@ def _scale_phase(counts: list[int], mooncake: str | None) -> list[dict[str, Any]
     master = Process(
         ["master", "--master-listen", endpoint, "--master-heartbeat-ttl", "1e9"], "listening"
     )
-    rpc = RpcClient(endpoint, 30.0)
+    rpc = RpcClient(endpoint, 30.0, token=cluster_token(None, "", False))
     try:
         master_load.mount_virtual(rpc, 1 << 50)
         base = master_load.rss_bytes(master.pid)
@@ -411,7 +411,7 @@ def _eviction_phase(*, quick: bool) -> dict[str, Any]:
         master = Process(
             ["master", "--master-listen", endpoint, "--master-heartbeat-ttl", "1e9"], "listening"
         )
-        rpc = RpcClient(endpoint, 10.0)
+        rpc = RpcClient(endpoint, 10.0, token=cluster_token(None, "", False))
         try:
             master_load.mount_virtual(rpc, capacity)
             keys = master_load.fill(rpc, 0, 14_000, random.Random(1), 4 * KiB, 4 * KiB, SCALE_KEY)

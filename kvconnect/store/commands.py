@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
+from collections.abc import Callable
 
 from kvconnect.config import MasterConfig, StoreServerConfig, TransferConfig
 from kvconnect.store import messages as m
@@ -11,25 +13,41 @@ from kvconnect.store.master.service import MasterService
 from kvconnect.store.rpc import RpcClient
 from kvconnect.store.server import StoreServer
 
+log = logging.getLogger(__name__)
 
-def wait_for_signal() -> None:
-    """Block until SIGINT or SIGTERM."""
+EXIT_CRASHED = 70  # EX_SOFTWARE: the master's serving loop failed; a supervisor restarts us
+
+
+def wait_for_signal(failed: Callable[[], bool] = lambda: False) -> None:
+    """Block until SIGINT or SIGTERM, or until ``failed()`` (checked every 0.2 s)."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
+    while not stop.wait(0.2) and not failed():
         pass
 
 
 def run_master(config: MasterConfig) -> int:
-    """``kvconnect master``."""
+    """``kvconnect master``; exits EXIT_CRASHED if its serving loop fails."""
+    config = _with_token(config)
     service = MasterService(config)
     print(f"kvconnect master listening on {service.start()}", flush=True)
     try:
-        wait_for_signal()
+        wait_for_signal(lambda: service.crashed is not None)
     finally:
         service.close()
-    return 0
+    return EXIT_CRASHED if service.crashed is not None else 0
+
+
+def _with_token(config: MasterConfig) -> MasterConfig:
+    """``config`` with its cluster token resolved (generated if none is configured)."""
+    token = config.cluster_token()
+    if token is None:
+        log.warning(
+            "the master runs WITHOUT authentication (insecure): anyone who reaches it "
+            "can mount, remove and list"
+        )
+    return config.replace(token=token)
 
 
 def run_store(config: StoreServerConfig, transfer: TransferConfig) -> int:
@@ -41,21 +59,24 @@ def run_store(config: StoreServerConfig, transfer: TransferConfig) -> int:
 
 
 def run_serve(master: MasterConfig, store: StoreServerConfig, transfer: TransferConfig) -> int:
-    """``kvconnect serve``: a master and one store server in this process."""
+    """``kvconnect serve``: a master and one store server in this process (one token)."""
+    master = _with_token(master)
+    if transfer.token is None and not transfer.token_file:
+        transfer = transfer.replace(token=master.token, insecure=master.token is None)
     service = MasterService(master)
     endpoint = service.start()
     try:
         with StoreServer(store.replace(master=endpoint), transfer) as server:
             print(f"kvconnect serving: master {endpoint}, store {server.spec.name}", flush=True)
-            wait_for_signal()
+            wait_for_signal(lambda: service.crashed is not None)
     finally:
         service.close()
-    return 0
+    return EXIT_CRASHED if service.crashed is not None else 0
 
 
-def run_status(endpoint: str, timeout: float) -> int:
+def run_status(endpoint: str, timeout: float, token: str | None) -> int:
     """``kvconnect status``: print the cluster's segments, usage and keys."""
-    rpc = RpcClient(endpoint, timeout)
+    rpc = RpcClient(endpoint, timeout, token=token)
     try:
         reply = rpc.call(m.Stats())
     finally:

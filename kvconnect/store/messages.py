@@ -237,6 +237,8 @@ class StatsReply(msgspec.Struct, tag="stats"):
     evicted_bytes: int
     segments: list[SegmentStats]
     term: int = 0  # with HA: the leader's term (create revision of its etcd key); 0: standby
+    refused: int = 0  # connections refused for want of the cluster token
+    dropped: int = 0  # messages dropped unanswered (malformed, too deep, reply not sendable)
 
 
 class Error(msgspec.Struct, tag="error"):

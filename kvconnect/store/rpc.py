@@ -1,9 +1,12 @@
 """Request/reply plumbing over zmq (ROUTER on the master, DEALER per client thread).
 
 The server is single-threaded: it answers requests in arrival order and runs background work
-between polls in bounded steps, so state needs no locks. Clients get one DEALER socket per
-thread (zmq sockets are not thread-safe); a call waits at most its timeout, and late replies of
-abandoned calls are recognized by request id and dropped.
+between polls in bounded steps, so state needs no locks. Whatever one message holds, it costs
+only that message: a message that cannot be decoded, answered or replied to is dropped and
+counted, and a message over ``max_message_bytes`` disconnects its sender. With a cluster
+token every connection is CURVE-authenticated (:mod:`kvconnect.auth`). Clients get one DEALER
+socket per thread (zmq sockets are not thread-safe); a call waits at most its timeout, and
+late replies of abandoned calls are recognized by request id and dropped.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from kvconnect.auth import ServerAuth, curve_keys, secure_client
 from kvconnect.errors import ClosedError, CoordinationUnavailable, MasterUnavailable
 from kvconnect.etcd import Etcd
 from kvconnect.store import messages as m
@@ -30,23 +34,47 @@ _reply_decoder = msgspec.msgpack.Decoder(m.ReplyEnvelope)
 
 Handler = Callable[[m.Request], m.Reply]
 LEADER_KEY = "/kvconnect/master/leader"  # value: the HA leader's endpoint (see master/ha.py)
+_PURPOSE = "master"  # CURVE key derivation label (kvconnect.auth)
+_LOG_EVERY = 10.0  # seconds between two log lines about dropped messages
 
 
 class RpcServer:
     """Serves ``handler`` on a ROUTER socket; ``tick`` runs between polls (background work)."""
 
-    def __init__(self, endpoint: str, handler: Handler, tick: Callable[[], float]) -> None:
-        """``tick`` returns how long (s) the loop may sleep before it wants to run again."""
+    def __init__(
+        self,
+        endpoint: str,
+        handler: Handler,
+        tick: Callable[[], float],
+        *,
+        token: str | None,
+        max_message_bytes: int,
+    ) -> None:
+        """``tick`` returns how long (s) the loop may sleep before it wants to run again;
+        ``token`` None serves unauthenticated clients."""
         self._endpoint = endpoint
         self._handler = handler
         self._tick = tick
         self._context = zmq.Context()
+        self._auth = ServerAuth(self._context, curve_keys(token, _PURPOSE) if token else None)
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._auth.secure(self._socket)
+        self._poller = zmq.Poller()
+        for sock in (self._socket, *self._auth.sockets):
+            self._poller.register(sock, zmq.POLLIN)
         self._stop = threading.Event()
         self.endpoint = ""
         self.malformed = 0
+        self._logged_at = -_LOG_EVERY
+        self.crashed: BaseException | None = None
+
+    @property
+    def refused(self) -> int:
+        """Connections refused for want of the cluster token."""
+        return self._auth.refused
 
     def bind(self) -> str:
         """Bind; returns the endpoint actually bound (resolves port 0 / ``*``)."""
@@ -55,13 +83,22 @@ class RpcServer:
         return self.endpoint
 
     def serve(self) -> None:
-        """Answer requests until :meth:`stop` (from any thread)."""
+        """Answer requests until :meth:`stop` (from any thread). If the loop itself fails, it
+        ends with the error kept in :attr:`crashed`: the process should exit."""
         try:
             while not self._stop.is_set():
                 wait = self._tick()
-                if self._socket.poll(int(max(0.0, min(wait, 0.05)) * 1000), zmq.POLLIN):
+                ready = dict(self._poller.poll(int(max(0.0, min(wait, 0.05)) * 1000)))
+                for sock in self._auth.sockets:
+                    if sock in ready:
+                        self._auth.handle(sock)
+                if self._socket in ready:
                     self._drain()
+        except BaseException as exc:
+            self.crashed = exc
+            log.critical("the master's serving loop failed: %s", exc, exc_info=True)
         finally:
+            self._auth.close()
             self._socket.close(0)
             self._context.term()
 
@@ -78,18 +115,32 @@ class RpcServer:
             except zmq.Again:
                 return
             if len(frames) != 2:
-                self.malformed += 1
+                self._dropped("a message of %d frames", len(frames))
                 continue
             identity, payload = frames
-            reply = self._answer(payload)
+            try:
+                reply = self._answer(payload)
+            except Exception as exc:  # e.g. RecursionError decoding hostile nesting
+                self._dropped("a message that could not be answered (%r)", exc)
+                continue
             if reply is not None:
-                self._socket.send_multipart([identity, reply], zmq.NOBLOCK)
+                try:
+                    self._socket.send_multipart([identity, reply], zmq.NOBLOCK)
+                except zmq.ZMQError as exc:  # the client stopped reading: its reply goes
+                    self._dropped("a reply that could not be sent (%s)", exc)
+
+    def _dropped(self, what: str, *args: object) -> None:
+        self.malformed += 1
+        now = time.monotonic()
+        if now - self._logged_at >= _LOG_EVERY:
+            self._logged_at = now
+            log.warning("dropped %s (%d dropped so far)", what % args, self.malformed)
 
     def _answer(self, payload: bytes) -> bytes | None:
         try:
             head = _head_decoder.decode(payload)
         except msgspec.DecodeError:
-            self.malformed += 1
+            self._dropped("a message without a readable header")
             return None  # no request id to answer to
         if head.version != m.PROTOCOL_VERSION:
             body: m.Reply = m.Error(
@@ -122,9 +173,11 @@ class RpcClient:
     or answers that it is not the leader.
     """
 
-    def __init__(self, target: str, timeout: float) -> None:
+    def __init__(self, target: str, timeout: float, *, token: str | None) -> None:
+        """``token``: the cluster token (None: plain, for an insecure master)."""
         self._target = target
         self._timeout = timeout
+        self._keys = curve_keys(token, _PURPOSE) if token else None
         self._etcd = (
             Etcd(target, timeout=min(timeout, 2.0)) if target.startswith("etcd://") else None
         )
@@ -195,11 +248,11 @@ class RpcClient:
             # IMMEDIATE: the socket is writable only while connected, so a dead master costs
             # the timeout here instead of a queued request that would be answered much later.
             if not sock.poll(_ms(deadline), zmq.POLLOUT):
-                raise MasterUnavailable(f"master {endpoint} is not connected") from None
+                raise MasterUnavailable(self._not_connected(endpoint)) from None
             try:
                 sock.send(payload, zmq.NOBLOCK)
             except zmq.Again as exc:
-                raise MasterUnavailable(f"master {endpoint} is not connected") from exc
+                raise MasterUnavailable(self._not_connected(endpoint)) from exc
         while True:
             # A receive timeout instead of a poll: one call less per request on the hot path.
             sock.setsockopt(zmq.RCVTIMEO, max(1, _ms(deadline)))
@@ -220,6 +273,11 @@ class RpcClient:
                     f"master {endpoint} did not answer {type(request).__name__} in time"
                 )
 
+    def _not_connected(self, endpoint: str) -> str:
+        if self._keys is None:
+            return f"master {endpoint} is not connected (or it requires a cluster token)"
+        return f"master {endpoint} is not connected (or it refused this client's cluster token)"
+
     def _socket(self, endpoint: str) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] | None = getattr(self._local, "socket", None)
         if sock is not None and getattr(self._local, "endpoint", None) == endpoint:
@@ -235,6 +293,7 @@ class RpcClient:
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            secure_client(sock, self._keys)
             sock.connect(endpoint)
             self._sockets.append(sock)
         self._local.socket = sock

@@ -54,7 +54,7 @@ class StoreServer(Lifecycle):
         )
         self.mount_id = uuid.uuid4().hex
         self.region: MemoryRegion | None = None
-        self._rpc = RpcClient(config.master, config.rpc_timeout)
+        self._rpc = RpcClient(config.master, config.rpc_timeout, token=self.engine.config.token)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._http: Any = None

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import IO
 
+from kvconnect.config import cluster_token
 from kvconnect.store import messages as m
 from kvconnect.store.rpc import RpcClient
 
@@ -150,7 +151,7 @@ class Cluster:
 
     def stats(self, timeout: float = 2.0) -> m.StatsReply:
         """The master's stats (raises MasterUnavailable if it does not answer)."""
-        rpc = RpcClient(self.master_endpoint, timeout)
+        rpc = RpcClient(self.master_endpoint, timeout, token=cluster_token(None, "", False))
         try:
             reply = rpc.call(m.Stats())
         finally:

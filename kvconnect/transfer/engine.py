@@ -81,8 +81,10 @@ class TransferEngine(Lifecycle):
 
         ``metadata`` overrides the backend chosen by ``config.metadata``; ``device_copier``
         overrides the CUDA runtime used for device memory (tests inject a host-memory one).
+        ``config.token`` of :attr:`config` is the cluster token in use (resolved here).
         """
-        self.config = config = config or TransferConfig()
+        config = config or TransferConfig()
+        self.config = config = config.replace(token=config.cluster_token())
         if config.metadata == "p2p" and config.name is not None:
             raise ConfigError("with p2p metadata the segment name is the listener's host:port")
         self._metadata = metadata or _metadata_backend(config)

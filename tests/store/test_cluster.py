@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import zmq
 
-from kvconnect.config import StoreClientConfig, TransferConfig
+from kvconnect.auth import curve_keys, secure_client
+from kvconnect.config import StoreClientConfig, TransferConfig, cluster_token
 from kvconnect.errors import CircuitOpen, InvalidRequest, MasterUnavailable
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
@@ -262,7 +263,7 @@ def test_killed_master_gives_clear_errors_and_clients_recover_after_restart(
 
 def _backlog(cluster: Cluster) -> int:
     """Journal changes the store servers have not acknowledged yet."""
-    rpc = RpcClient(cluster.master_endpoint, 0.5)
+    rpc = RpcClient(cluster.master_endpoint, 0.5, token=cluster_token(None, "", False))
     try:
         reply = rpc.call(m.Stats())
         assert isinstance(reply, m.StatsReply)
@@ -272,7 +273,7 @@ def _backlog(cluster: Cluster) -> int:
 
 
 def _mounted(cluster: Cluster) -> int:
-    rpc = RpcClient(cluster.master_endpoint, 0.5)
+    rpc = RpcClient(cluster.master_endpoint, 0.5, token=cluster_token(None, "", False))
     try:
         reply = rpc.call(m.Stats())
         return len(reply.segments) if isinstance(reply, m.StatsReply) else -1
@@ -302,7 +303,7 @@ def test_bad_input_gets_clear_errors_and_loses_nothing(cluster: Cluster) -> None
         stranger.close()
         assert client.stats().pending == 0, "a refused batch left an allocation behind"
         assert client.get("good") == pattern(3, MiB)[:10].tobytes()
-        rpc = RpcClient(cluster.master_endpoint, 2.0)
+        rpc = RpcClient(cluster.master_endpoint, 2.0, token=cluster_token(None, "", False))
         assert rpc.call(m.Unmount("nobody", ["no-such-mount"])) == m.CodesReply(
             [Code.UNKNOWN_SEGMENT]
         )
@@ -315,6 +316,7 @@ def test_malformed_frames_and_floods_leave_the_master_serving(cluster: Cluster) 
     context = zmq.Context()
     raw = context.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
+    secure_client(raw, curve_keys(cluster_token(None, "", False) or "", "master"))
     raw.connect(cluster.master_endpoint)
     try:
         for junk in (b"", b"\x00" * 10, b"garbage" * 100, msgspec.msgpack.encode([1, 2])):

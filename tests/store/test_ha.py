@@ -15,7 +15,7 @@ from datetime import datetime
 import numpy as np
 import pytest
 
-from kvconnect.config import StoreClientConfig
+from kvconnect.config import StoreClientConfig, cluster_token
 from kvconnect.errors import StoreError
 from kvconnect.etcd import Etcd
 from kvconnect.store import messages as m
@@ -111,7 +111,7 @@ def etcd() -> Iterator[EtcdServer]:
 
 def _mounted(url: str) -> int:
     """Segments the leader has mounted (0 while none answers)."""
-    rpc = RpcClient(url, 1.0)
+    rpc = RpcClient(url, 1.0, token=cluster_token(None, "", False))
     try:
         reply = rpc.call(m.Stats())
     except StoreError:

@@ -37,7 +37,13 @@ class MasterService:
         self._term = 0  # the term the current state belongs to
         self._elected = 0  # the term Leadership reported last (applied by the service thread)
         self._t0 = time.monotonic()
-        self._server = RpcServer(config.listen, self._handle, self._tick)
+        self._server = RpcServer(
+            config.listen,
+            self._handle,
+            self._tick,
+            token=config.cluster_token(),
+            max_message_bytes=config.max_message_bytes,
+        )
         self._thread: threading.Thread | None = None
         self._http: Any = None
         self.registry = CollectorRegistry()
@@ -69,6 +75,11 @@ class MasterService:
     def endpoint(self) -> str:
         """The bound zmq endpoint (after start)."""
         return self._server.endpoint
+
+    @property
+    def crashed(self) -> BaseException | None:
+        """Why the serving loop ended on its own (then the process should exit), or None."""
+        return self._server.crashed
 
     def start(self) -> str:
         """Bind, start the service thread (and the metrics server); returns the endpoint."""
@@ -218,6 +229,8 @@ class MasterService:
             evicted_bytes=self.state.evicted_bytes,
             segments=segments,
             term=self._term if self._serving() else 0,
+            refused=self._server.refused,
+            dropped=self._server.malformed,
         )
 
 
@@ -241,6 +254,16 @@ class _StateCollector(Collector):
         )
         yield CounterMetricFamily(
             "kvconnect_master_evicted_bytes", "Bytes evicted", value=stats.evicted_bytes
+        )
+        yield CounterMetricFamily(
+            "kvconnect_master_refused_connections",
+            "Connections refused for want of the cluster token",
+            value=stats.refused,
+        )
+        yield CounterMetricFamily(
+            "kvconnect_master_dropped_messages",
+            "Messages dropped unanswered (malformed, too deep, reply not sendable)",
+            value=stats.dropped,
         )
         used = GaugeMetricFamily(
             "kvconnect_segment_used_bytes", "Allocated bytes per segment", labels=["segment"]
