@@ -358,6 +358,11 @@ class HiCacheConfig(_Section):
     local_store_size: int = 0
     """Bytes of memory this process adds to the store as an embedded store server (0: none;
     engines then hold no store memory)."""
+    token_file: str = ""
+    """File holding the cluster token (else ``KVCONNECT_TOKEN``, ``KVCONNECT_TOKEN_FILE``, the
+    default token file); see the configuration reference."""
+    insecure: bool = False
+    """With no token configured, talk to an unauthenticated store instead of generating one."""
 
     def __post_init__(self) -> None:
         _check_positive(self, "read_timeout", "write_timeout", "rpc_timeout")
@@ -366,6 +371,10 @@ class HiCacheConfig(_Section):
             raise ConfigError("negative_ttl and local_store_size must be >= 0")
         if not self.master.startswith(("tcp://", "etcd://")):
             raise ConfigError(f"master must be tcp://host:port or etcd://…, got {self.master!r}")
+
+    def cluster_token(self) -> str | None:
+        """The token this backend authenticates with (see :func:`cluster_token`)."""
+        return cluster_token(None, self.token_file, self.insecure)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -414,6 +423,12 @@ class VllmConnectorConfig(_Section):
     """CPUs for kvconnect's threads in this engine (transfers, side channel, pool), e.g.
     ``"30-31"``; empty: they inherit the CPUs of the thread that starts them (on vLLM's CPU
     workers, the cores vLLM bound this instance's model thread to)."""
+    token_file: str = ""
+    """File holding the cluster token that authenticates the side channel, the transfer
+    engines and the pool (else ``KVCONNECT_TOKEN``, ``KVCONNECT_TOKEN_FILE``, the default
+    token file); prefill and decode must share it."""
+    insecure: bool = False
+    """With no token configured, run unauthenticated instead of generating one."""
 
     def __post_init__(self) -> None:
         _check_positive(self, "lease", "read_timeout", "rpc_timeout", "connect_timeout")
@@ -423,6 +438,10 @@ class VllmConnectorConfig(_Section):
         if not self.master.startswith(("tcp://", "etcd://")):
             raise ConfigError(f"master must be tcp://host:port or etcd://…, got {self.master!r}")
         parse_cpu_list(self.io_cpus)
+
+    def cluster_token(self) -> str | None:
+        """The token this connector authenticates with (see :func:`cluster_token`)."""
+        return cluster_token(None, self.token_file, self.insecure)
 
     @property
     def io_cpu_set(self) -> frozenset[int]:

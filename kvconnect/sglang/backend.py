@@ -96,7 +96,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
                 breaker_cooldown=self.config.breaker_cooldown,
                 negative_ttl=self.config.negative_ttl,
             ),
-            TransferConfig(transport=self.config.transport, listen_host=self.config.listen_host),
+            self._transfer_config(transport=self.config.transport),
         )
         try:
             self._client.start()
@@ -313,12 +313,19 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
             raise ConfigError("the host KV pool is not registered yet")
         return self._keys
 
+    def _transfer_config(self, **settings: Any) -> TransferConfig:
+        """This backend's transfer-engine settings, with its cluster token."""
+        token = self.config.cluster_token()
+        return TransferConfig(
+            listen_host=self.config.listen_host, token=token, insecure=token is None, **settings
+        )
+
     def _start_local_store(self) -> StoreServer | None:
         if not self.config.local_store_size:
             return None
         server = StoreServer(
             StoreServerConfig(master=self.config.master, size=self.config.local_store_size),
-            TransferConfig(listen_host=self.config.listen_host),
+            self._transfer_config(),
         )
         server.start()
         return server

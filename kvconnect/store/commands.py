@@ -87,7 +87,8 @@ def run_status(endpoint: str, timeout: float, token: str | None) -> int:
     term = f" (leader, term {reply.term})" if reply.term else ""
     print(
         f"master {endpoint}{term}: {reply.keys} keys, {reply.pending} pending puts, "
-        f"{reply.bytes_stored} bytes stored, {reply.evictions} evictions"
+        f"{reply.bytes_stored} bytes stored, {reply.evictions} evictions; "
+        f"{reply.refused} connections refused (no cluster token), {reply.dropped} messages dropped"
     )
     print(f"{'segment':<40}{'server':<28}{'used':>14}{'capacity':>14}{'use':>7}{'objects':>10}")
     for s in reply.segments:

@@ -34,13 +34,15 @@ class PrefillService:
         port: int,
         lease: float,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        token: str | None,
     ) -> None:
         self.engine_id = engine_id
         self._clock = clock
         self._lock = threading.Lock()
         self._leases = LeaseTable(lease)
         self._layouts: dict[int, RankLayout] = {}
-        self._server = SideChannelServer(host, port, self._handle)
+        self._server = SideChannelServer(host, port, self._handle, token=token)
 
     @property
     def port(self) -> int:

@@ -63,21 +63,29 @@ def _build_scheduler(
     transfer = vllm_config.kv_transfer_config
     parallel = vllm_config.parallel_config
     services = SchedulerServices(config, vllm_config.model_config.model)
+    token = config.cluster_token()
     try:
         if transfer.is_kv_producer:
             port = config.side_channel_port
             if port:
                 port += getattr(parallel, "data_parallel_rank", 0) or 0
-            services.prefill = PrefillService(transfer.engine_id, config.host, port, config.lease)
+            services.prefill = PrefillService(
+                transfer.engine_id, config.host, port, config.lease, token=token
+            )
             services.prefill.start()
         if transfer.is_kv_consumer:
-            services.client = SideChannelClient(config.rpc_timeout)
+            services.client = SideChannelClient(config.rpc_timeout, token=token)
             services.keeper = LeaseKeeper(services.client, config.lease)
             services.keeper.start()
         if config.pool:
             services.store = StoreClient(
                 StoreClientConfig(master=config.master, rpc_timeout=config.pool_rpc_timeout),
-                TransferConfig(listen_host=config.host, transport=config.transport),
+                TransferConfig(
+                    listen_host=config.host,
+                    transport=config.transport,
+                    token=token,
+                    insecure=token is None,
+                ),
             )
             services.store.start()
             services.pool = StorePoolIndex(services.store)

@@ -3,7 +3,8 @@
 The server runs on one thread in prefill's scheduler process and answers from a handler (it
 must be quick: it takes a lock on the lease table). Clients — decode's scheduler and workers —
 keep one DEALER socket per (thread, endpoint); every call waits at most its timeout and
-raises PeerUnreachable after it.
+raises PeerUnreachable after it. With a cluster token both ends are CURVE-authenticated
+(:mod:`kvconnect.auth`); a message that cannot be decoded or answered costs only itself.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from kvconnect.auth import ServerAuth, curve_keys, secure_client
 from kvconnect.errors import ClosedError, PeerUnreachable, ProtocolError
 from kvconnect.vllm import messages as msg
 
@@ -26,6 +28,8 @@ _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(msg.Envelope)
 _replies = msgspec.msgpack.Decoder(msg.ReplyEnvelope)
 _POLL_MS = 100
+_PURPOSE = "vllm side channel"  # CURVE key derivation label (kvconnect.auth)
+_MAX_MESSAGE_BYTES = 16 << 20  # far above any request (block ids of one request)
 
 Handler = Callable[[msg.Request], msg.Reply]
 
@@ -33,12 +37,19 @@ Handler = Callable[[msg.Request], msg.Reply]
 class SideChannelServer:
     """Answers side-channel calls with ``handler`` on a thread of its own."""
 
-    def __init__(self, host: str, port: int, handler: Handler) -> None:
+    def __init__(self, host: str, port: int, handler: Handler, *, token: str | None) -> None:
+        """``token`` None serves unauthenticated callers (insecure)."""
         self._address = f"tcp://{host}:{port}"
         self._handler = handler
         self._context = zmq.Context()
+        self._auth = ServerAuth(self._context, curve_keys(token, _PURPOSE) if token else None)
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
+        self._auth.secure(self._socket)
+        self._poller = zmq.Poller()
+        for sock in (self._socket, *self._auth.sockets):
+            self._poller.register(sock, zmq.POLLIN)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.port = 0
@@ -60,16 +71,29 @@ class SideChannelServer:
             self._thread.join(timeout=5)
             self._thread = None
         else:
-            self._socket.close(0)
+            self._close_sockets()
         self._context.term()
+
+    @property
+    def refused(self) -> int:
+        """Connections refused for want of the cluster token."""
+        return self._auth.refused
+
+    def _close_sockets(self) -> None:
+        self._auth.close()
+        self._socket.close(0)
 
     def _serve(self) -> None:
         try:
             while not self._stop.is_set():
-                if self._socket.poll(_POLL_MS, zmq.POLLIN):
+                ready = dict(self._poller.poll(_POLL_MS))
+                for sock in self._auth.sockets:
+                    if sock in ready:
+                        self._auth.handle(sock)
+                if self._socket in ready:
                     self._answer(self._socket.recv_multipart())
         finally:
-            self._socket.close(0)
+            self._close_sockets()
 
     def _answer(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
@@ -78,9 +102,10 @@ class SideChannelServer:
         identity, payload = frames
         try:
             envelope = _requests.decode(payload)
-        except msgspec.DecodeError as exc:
+        except Exception as exc:  # DecodeError, or RecursionError on hostile nesting
             self.malformed += 1
-            log.warning("malformed side-channel request dropped: %s", exc)
+            if self.malformed in (1, 10, 100, 1000) or self.malformed % 10_000 == 0:
+                log.warning("dropped %d malformed side-channel request(s): %r", self.malformed, exc)
             return
         if envelope.version != msg.PROTOCOL_VERSION:
             body: msg.Reply = msg.Ack(
@@ -95,14 +120,19 @@ class SideChannelServer:
                 log.exception("side-channel handler failed on %s", type(envelope.body).__name__)
                 body = msg.Ack(False, f"{type(exc).__name__}: {exc}")
         reply = msg.ReplyEnvelope(msg.PROTOCOL_VERSION, envelope.call, body)
-        self._socket.send_multipart([identity, _encoder.encode(reply)])
+        try:
+            self._socket.send_multipart([identity, _encoder.encode(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError:  # the caller stopped reading; its call times out on its side
+            self.malformed += 1
 
 
 class SideChannelClient:
     """Calls prefill side channels; thread-safe (a socket per thread and endpoint)."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, *, token: str | None) -> None:
+        """``token``: the cluster token the prefill engines serve with (None: plain)."""
         self.timeout = timeout
+        self._keys = curve_keys(token, _PURPOSE) if token else None
         self._context = zmq.Context()
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -121,7 +151,7 @@ class SideChannelClient:
             if wait <= 0 or not sock.poll(wait, zmq.POLLIN):
                 raise PeerUnreachable(
                     f"prefill side channel {endpoint} did not answer "
-                    f"{type(request).__name__} in time"
+                    f"{type(request).__name__} in time (is its cluster token the same?)"
                 )
             try:
                 reply = _replies.decode(sock.recv())
@@ -151,6 +181,7 @@ class SideChannelClient:
                 raise ClosedError("side-channel client is closed")
             sock = self._context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            secure_client(sock, self._keys)
             sock.connect(endpoint)
             self._sockets.append(sock)
         sockets[endpoint] = sock

@@ -88,14 +88,17 @@ class ConnectorWorker:
         self.config = config
         self.format = fmt
         self._num_blocks = num_blocks
+        token = config.cluster_token()
         self.engine = TransferEngine(
             TransferConfig.from_env(  # KVCONNECT_TRANSFER_* tune the rest
                 listen_host=config.host,
                 transport=config.transport,
                 connect_timeout=config.connect_timeout,
+                token=token,
+                insecure=token is None,
             )
         )
-        self._client = SideChannelClient(config.rpc_timeout)
+        self._client = SideChannelClient(config.rpc_timeout, token=token)
         self._store: StoreClient | None = None
         self._pool_keys: PoolKeys | None = None
         self._pool = ThreadPoolExecutor(

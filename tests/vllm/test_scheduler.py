@@ -4,6 +4,7 @@ over the real side channel."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,7 @@ DECODE = {"do_remote_decode": True}
 
 @pytest.fixture
 def client() -> Iterator[SideChannelClient]:
-    c = SideChannelClient(timeout=2.0)
+    c = SideChannelClient(timeout=2.0, token=os.environ["KVCONNECT_TOKEN"])
     yield c
     c.close()
 

@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 
 BLOCKS = 16
 FORMAT = EngineFormat(model="m", dtype="float32", block_size=4, tp_rank=0, tp_size=1)
+TOKEN = os.environ["KVCONNECT_TOKEN"]  # set by tests/conftest.py
 CONFIG = VllmConnectorConfig(transport="tcp", read_timeout=5.0, rpc_timeout=1.0)
 
 
@@ -56,7 +57,7 @@ def wait_results(worker: ConnectorWorker, timeout: float = 10.0) -> tuple[set[st
 def prefill() -> Iterator[tuple[ConnectorWorker, PrefillService, dict[str, Any]]]:
     caches = kv_caches(seed=1)
     worker = ConnectorWorker(CONFIG, FORMAT, BLOCKS)
-    service = PrefillService("prefill", "127.0.0.1", 0, lease=30)
+    service = PrefillService("prefill", "127.0.0.1", 0, lease=30, token=TOKEN)
     try:
         service.set_layouts({0: worker.register(caches)})
         service.start()
@@ -102,7 +103,7 @@ def test_a_read_after_the_lease_lapsed_is_a_load_error(decode: Any) -> None:
     d_worker, _ = decode
     caches = kv_caches(seed=2)
     worker = ConnectorWorker(CONFIG, FORMAT, BLOCKS)
-    service = PrefillService("prefill", "127.0.0.1", 0, lease=0.1)
+    service = PrefillService("prefill", "127.0.0.1", 0, lease=0.1, token=TOKEN)
     try:
         service.set_layouts({0: worker.register(caches)})
         service.start()
@@ -119,7 +120,7 @@ def test_a_read_after_the_lease_lapsed_is_a_load_error(decode: Any) -> None:
 def test_incompatible_prefill_is_refused(decode: Any) -> None:
     d_worker, d_caches = decode
     other = ConnectorWorker(CONFIG, replace(FORMAT, dtype="bfloat16"), BLOCKS)
-    service = PrefillService("prefill", "127.0.0.1", 0, lease=30)
+    service = PrefillService("prefill", "127.0.0.1", 0, lease=30, token=TOKEN)
     try:
         service.set_layouts({0: other.register(kv_caches(seed=3))})
         service.start()
@@ -136,7 +137,7 @@ def test_incompatible_prefill_is_refused(decode: Any) -> None:
 
 def test_unreachable_prefill_fails_within_the_timeouts(decode: Any) -> None:
     d_worker, _ = decode
-    service = PrefillService("prefill", "127.0.0.1", 0, lease=30)
+    service = PrefillService("prefill", "127.0.0.1", 0, lease=30, token=TOKEN)
     service.start()
     service.close()  # prefill is gone before decode reads
     d_worker.start(StepPlan(recv=(_job(service, (1,), (1,)),)))
@@ -182,7 +183,7 @@ def test_a_dead_prefill_is_reported_before_the_give_up_call_times_out() -> None:
     silent_rpc = 6.0
     caches = kv_caches(seed=5)
     prefill = ConnectorWorker(CONFIG, FORMAT, BLOCKS)
-    service = PrefillService("prefill", "127.0.0.1", 0, lease=30)
+    service = PrefillService("prefill", "127.0.0.1", 0, lease=30, token=TOKEN)
     decode = ConnectorWorker(replace(CONFIG, rpc_timeout=silent_rpc), FORMAT, BLOCKS)
     try:
         service.set_layouts({0: prefill.register(caches)})

@@ -1,0 +1,85 @@
+"""The prefill side channel without the cluster token and under hostile input (real sockets)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from kvconnect.auth import curve_keys, secure_client
+from kvconnect.errors import PeerUnreachable
+from kvconnect.vllm import messages as msg
+from kvconnect.vllm.sidechannel import SideChannelClient, SideChannelServer
+from tests.conftest import wait_for
+
+TOKEN = "side-channel-test-token"
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[SideChannelServer, list[msg.Request]]]:
+    seen: list[msg.Request] = []
+
+    def handler(request: msg.Request) -> msg.Reply:
+        seen.append(request)
+        return msg.Ack(True)
+
+    server = SideChannelServer("127.0.0.1", 0, handler, token=TOKEN)
+    server.start()
+    yield server, seen
+    server.close()
+
+
+def test_calls_without_the_token_never_reach_the_handler(
+    served: tuple[SideChannelServer, list[msg.Request]],
+) -> None:
+    server, seen = served
+    endpoint = f"tcp://127.0.0.1:{server.port}"
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    give_up = msgspec.msgpack.encode(msg.Envelope(msg.PROTOCOL_VERSION, 1, msg.GiveUp(["r1"])))
+    try:
+        plain = context.socket(zmq.DEALER)
+        wrong = context.socket(zmq.DEALER)
+        secure_client(wrong, curve_keys("a-wrong-token", "vllm side channel"))
+        for sock in (plain, wrong):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            sock.send(give_up)
+        wait_for(lambda: server.refused >= 2, "refused handshakes not counted")
+        assert not plain.poll(200)
+        assert not wrong.poll(0)
+        assert seen == []
+        stranger = SideChannelClient(0.5, token="a-wrong-token")
+        with pytest.raises(PeerUnreachable, match="cluster token"):
+            stranger.call(endpoint, msg.GiveUp(["r2"]))
+        stranger.close()
+        assert seen == []
+        friend = SideChannelClient(2.0, token=TOKEN)
+        assert friend.call(endpoint, msg.GiveUp(["r3"])) == msg.Ack(True)
+        friend.close()
+        assert seen == [msg.GiveUp(["r3"])]
+    finally:
+        context.destroy(linger=0)
+
+
+def test_hostile_messages_cost_only_themselves(
+    served: tuple[SideChannelServer, list[msg.Request]],
+) -> None:
+    server, seen = served
+    endpoint = f"tcp://127.0.0.1:{server.port}"
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        raw = context.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        secure_client(raw, curve_keys(TOKEN, "vllm side channel"))
+        raw.connect(endpoint)
+        raw.send(b"\x91" * 100_000 + b"\xc0")  # nesting deep enough to exhaust the decoder
+        raw.send(b"\xc1" * 32)
+        wait_for(lambda: server.malformed >= 2, "hostile messages not dropped")
+        friend = SideChannelClient(2.0, token=TOKEN)
+        assert friend.call(endpoint, msg.Renew(["r1"])) == msg.Ack(True)
+        friend.close()
+        assert seen == [msg.Renew(["r1"])]
+    finally:
+        context.destroy(linger=0)
