@@ -111,7 +111,6 @@ class ConnectorWorker:
         self._regions: dict[int, MemoryRegion] = {}
         self._load_errors: set[int] = set()
         self._holds: dict[str, set[str]] = {}  # finished request → what its blocks wait for
-        self._lease_held: set[str] = set()
         self._saves: dict[str, bool] = {}  # request → its save is done
         self._saving: dict[str, Future[None]] = {}  # saves running, by request
         self._cuda = False
@@ -181,9 +180,8 @@ class ConnectorWorker:
         for load in plan.load:
             self._pool.submit(self._guard, self._load, load)
         for rid in plan.held:
-            self._lease_held.add(rid)
-        for rid in plan.released:
-            self._lease_held.discard(rid)
+            self._holds.setdefault(rid, set()).add("lease")
+        for rid in plan.released:  # held in this plan or an earlier one
             self._release(rid, "lease")
 
     def save(self, plan: StepPlan) -> None:
@@ -207,14 +205,11 @@ class ConnectorWorker:
     def results(self, finished: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` of this step.
         ``finished``: requests the scheduler finished this step."""
-        for rid in finished:
-            waits = set()
-            if rid in self._lease_held:
-                waits.add("lease")
-            if self._saves.get(rid) is False:
-                waits.add("save")
-            if rid in self._saves or waits:
-                self._holds[rid] = waits
+        for rid in finished:  # a finished request with a save waits for it, if it runs
+            if rid in self._saves:
+                waits = self._holds.setdefault(rid, set())
+                if not self._saves[rid]:
+                    waits.add("save")
         recving: set[str] = set()
         failed: set[str] = set()
         while True:

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from vllm.config import (
     CacheConfig,
@@ -25,6 +27,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+
+from kvconnect.config import VllmConnectorConfig
+from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
 
 BLOCK = 16
 EOS = 2
@@ -78,6 +83,42 @@ def make_scheduler(
     )
 
 
+@contextmanager
+def kv_worker(
+    num_blocks: int = 64, seed: int | None = None
+) -> Iterator[tuple[ConnectorWorker, dict[str, torch.Tensor]]]:
+    """A real worker side (transfer engine over TCP) with two registered KV layers
+    ``[K|V, blocks, tokens, heads, dim]``, random (``seed``) or zeros, as ``make_scheduler``'s
+    workers would have."""
+    shape = (2, num_blocks, BLOCK, 1, 8)
+    generator = torch.Generator().manual_seed(seed or 0)
+    caches = {
+        f"model.layers.{i}.attn": (
+            torch.randn(*shape, generator=generator) if seed is not None else torch.zeros(*shape)
+        )
+        for i in range(2)
+    }
+    fmt = EngineFormat(model="m", dtype="float32", block_size=BLOCK, tp_rank=0, tp_size=1)
+    worker = ConnectorWorker(
+        VllmConnectorConfig(transport="tcp", read_timeout=5.0, rpc_timeout=2.0), fmt, num_blocks
+    )
+    try:
+        worker.register(caches)
+        yield worker, caches
+    finally:
+        worker.close()
+
+
+def handshake(scheduler: Scheduler, worker: ConnectorWorker) -> None:
+    """What vLLM's engine core does at start: hand the workers' layouts to the scheduler
+    side (one worker, TP rank 0)."""
+    from kvconnect.vllm.connector import KVConnectHandshake
+
+    assert worker.layout is not None
+    layout = KVConnectHandshake(msgspec.msgpack.encode(worker.layout))
+    scheduler.connector.set_xfer_handshake_metadata({0: layout})
+
+
 def make_request(
     request_id: str,
     tokens: list[int],
@@ -105,11 +146,19 @@ def step(
     failed: Iterable[str] = (),
     invalid: Iterable[int] = (),
     token: int = 7,
+    worker: ConnectorWorker | None = None,
 ) -> tuple[SchedulerOutput, dict[str, Any]]:
     """One step: schedule, then report a sampled ``token`` for every scheduled request that
-    finished its prompt, plus the given transfer results. Returns the scheduler output and the
-    engine-core outputs by request id."""
+    finished its prompt, plus the given transfer results, or with a ``worker`` the results of
+    that real worker side running the step's plan (as vLLM's model runner calls it). Returns
+    the scheduler output and the engine-core outputs by request id."""
     output = scheduler.schedule()
+    if worker is not None:
+        plan = plan_of(output)
+        worker.start(plan)
+        worker.save(plan)
+        sending, recving, failed = worker.results(output.finished_req_ids)
+        invalid = worker.load_errors()
     ids = list(output.num_scheduled_tokens)
     sampled = []
     for rid in ids:
