@@ -30,7 +30,13 @@ if HAVE_VLLM:
 collect_ignore = (
     []
     if HAVE_VLLM
-    else ["harness.py", "test_scheduler.py", "test_end_to_end.py", "test_pd_lifecycle.py"]
+    else [
+        "harness.py",
+        "test_scheduler.py",
+        "test_end_to_end.py",
+        "test_pd_lifecycle.py",
+        "test_vllm_integration.py",
+    ]
 )
 
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,17 +18,20 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvconnect.config import VllmConnectorConfig
+from kvconnect.vllm.connector import KVConnectHandshake, KVConnectMetadata
 from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
 
 BLOCK = 16
@@ -43,8 +46,11 @@ def make_scheduler(
     num_blocks: int = 64,
     policy: str = "fail",
     engine_id: str | None = None,
+    transfer: Mapping[str, Any] | None = None,
+    log_stats: bool = False,
 ) -> Scheduler:
-    """A scheduler whose connector is kvconnect's, with ``num_blocks`` KV blocks."""
+    """A scheduler whose connector is kvconnect's (or what ``transfer`` says instead: fields
+    of vLLM's ``KVTransferConfig``), with ``num_blocks`` KV blocks."""
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32"),
         scheduler_config=SchedulerConfig(
@@ -56,12 +62,15 @@ def make_scheduler(
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="KVConnectConnector",
-            kv_connector_module_path="kvconnect.vllm.connector",
-            kv_role=role,
-            engine_id=engine_id,
-            kv_connector_extra_config=extra,
-            kv_load_failure_policy=policy,
+            **{
+                "kv_connector": "KVConnectConnector",
+                "kv_connector_module_path": "kvconnect.vllm.connector",
+                "kv_role": role,
+                "engine_id": engine_id,
+                "kv_connector_extra_config": extra,
+                "kv_load_failure_policy": policy,
+                **(transfer or {}),
+            }
         ),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
@@ -79,6 +88,7 @@ def make_scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
+        log_stats=log_stats,
         block_size=BLOCK,
     )
 
@@ -112,8 +122,6 @@ def kv_worker(
 def handshake(scheduler: Scheduler, worker: ConnectorWorker) -> None:
     """What vLLM's engine core does at start: hand the workers' layouts to the scheduler
     side (one worker, TP rank 0)."""
-    from kvconnect.vllm.connector import KVConnectHandshake
-
     assert worker.layout is not None
     layout = KVConnectHandshake(msgspec.msgpack.encode(worker.layout))
     scheduler.connector.set_xfer_handshake_metadata({0: layout})
@@ -138,7 +146,14 @@ def make_request(
     )
 
 
-def step(
+def step(scheduler: Scheduler, **kwargs: Any) -> tuple[SchedulerOutput, dict[str, Any]]:
+    """One step (see :func:`run`); returns the scheduler output and the engine-core outputs
+    by request id."""
+    output, outputs = run(scheduler, **kwargs)
+    return output, {o.request_id: o for eo in outputs.values() for o in eo.outputs}
+
+
+def run(
     scheduler: Scheduler,
     *,
     sending: Iterable[str] = (),
@@ -147,11 +162,13 @@ def step(
     invalid: Iterable[int] = (),
     token: int = 7,
     worker: ConnectorWorker | None = None,
-) -> tuple[SchedulerOutput, dict[str, Any]]:
+    stats: KVConnectorStats | None = None,
+) -> tuple[SchedulerOutput, dict[int, EngineCoreOutputs]]:
     """One step: schedule, then report a sampled ``token`` for every scheduled request that
     finished its prompt, plus the given transfer results, or with a ``worker`` the results of
-    that real worker side running the step's plan (as vLLM's model runner calls it). Returns
-    the scheduler output and the engine-core outputs by request id."""
+    that real worker side running the step's plan (as vLLM's model runner calls it), and the
+    workers' connector ``stats``. Returns the scheduler output and vLLM's engine-core outputs
+    (with ``log_stats``, one of them carries the statistics for the front end)."""
     output = scheduler.schedule()
     if worker is not None:
         plan = plan_of(output)
@@ -174,16 +191,19 @@ def step(
             finished_recving=set(recving) or None,
             failed_recving=set(failed),
             invalid_block_ids=set(invalid),
+            kv_connector_stats=stats,
         ),
     )
-    outputs = scheduler.update_from_output(output, runner)
-    by_id = {o.request_id: o for eo in outputs.values() for o in eo.outputs}
-    return output, by_id
+    return output, scheduler.update_from_output(output, runner)
 
 
 def plan_of(output: SchedulerOutput) -> Any:
-    """kvconnect's plan for the step (``StepPlan``)."""
-    return output.kv_connector_metadata.plan
+    """kvconnect's plan for the step (``StepPlan``), also inside vLLM's MultiConnector."""
+    meta = output.kv_connector_metadata
+    for child in getattr(meta, "metadata", (meta,)):
+        if isinstance(child, KVConnectMetadata):
+            return child.plan
+    raise AssertionError(f"no kvconnect plan in {meta!r}")
 
 
 def assert_empty(scheduler: Scheduler) -> None:
