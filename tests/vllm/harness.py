@@ -93,22 +93,42 @@ def make_scheduler(
     )
 
 
+FORMAT = EngineFormat(model="m", dtype="float32", block_size=BLOCK, tp_rank=0, tp_size=1)
+HEADS, HEAD_SIZE = 2, 4
+
+
+def kv_caches(num_blocks: int, seed: int | None, layout: str = "NHD") -> dict[str, torch.Tensor]:
+    """Two KV layers ``[K|V, blocks, ...]``, random (``seed``) or zeros: ``NHD`` is
+    ``[.., tokens, heads, dim]``; ``HND`` is ``[.., heads, tokens, dim]``; ``HND-strides`` is
+    HND in memory seen through NHD's shape (how vLLM permutes strides): the same block size
+    in bytes, other bytes."""
+    physical = (2, num_blocks, BLOCK, HEADS, HEAD_SIZE)
+    if layout != "NHD":
+        physical = (2, num_blocks, HEADS, BLOCK, HEAD_SIZE)
+    generator = torch.Generator().manual_seed(seed or 0)
+    caches = {}
+    for i in range(2):
+        tensor = (
+            torch.randn(*physical, generator=generator)
+            if seed is not None
+            else torch.zeros(*physical)
+        )
+        caches[f"model.layers.{i}.attn"] = (
+            tensor.transpose(2, 3) if layout == "HND-strides" else tensor
+        )
+    return caches
+
+
 @contextmanager
 def kv_worker(
-    num_blocks: int = 64, seed: int | None = None
+    num_blocks: int = 64,
+    seed: int | None = None,
+    layout: str = "NHD",
+    fmt: EngineFormat = FORMAT,
 ) -> Iterator[tuple[ConnectorWorker, dict[str, torch.Tensor]]]:
-    """A real worker side (transfer engine over TCP) with two registered KV layers
-    ``[K|V, blocks, tokens, heads, dim]``, random (``seed``) or zeros, as ``make_scheduler``'s
-    workers would have."""
-    shape = (2, num_blocks, BLOCK, 1, 8)
-    generator = torch.Generator().manual_seed(seed or 0)
-    caches = {
-        f"model.layers.{i}.attn": (
-            torch.randn(*shape, generator=generator) if seed is not None else torch.zeros(*shape)
-        )
-        for i in range(2)
-    }
-    fmt = EngineFormat(model="m", dtype="float32", block_size=BLOCK, tp_rank=0, tp_size=1)
+    """A real worker side (transfer engine over TCP) with :func:`kv_caches` registered, as
+    ``make_scheduler``'s workers would have."""
+    caches = kv_caches(num_blocks, seed, layout)
     worker = ConnectorWorker(
         VllmConnectorConfig(transport="tcp", read_timeout=5.0, rpc_timeout=2.0), fmt, num_blocks
     )

@@ -4,8 +4,10 @@ point between prefill's steps, and prefill's blocks are freed whatever the inter
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from kvconnect.vllm import messages as msg
 from kvconnect.vllm.sidechannel import SideChannelClient
 from kvconnect.vllm.worker import ConnectorWorker
 from tests.vllm.harness import (
+    FORMAT,
     assert_empty,
     handshake,
     kv_worker,
@@ -114,3 +117,67 @@ def test_a_give_up_before_prefills_next_step_frees_its_blocks(prefill: Engine) -
     finally:
         client.close()
     _next_step_frees_prefill(prefill)
+
+
+@pytest.mark.parametrize(
+    ("layout", "change", "field"),
+    [
+        ("HND", {}, "layer model.layers.0.attn block_shape"),
+        ("HND-strides", {}, "layer model.layers.0.attn block_strides"),
+        ("NHD", {"engine": "vllm 0.32.0"}, "engine"),
+        ("NHD", {"revision": "0123abcd"}, "revision"),
+        ("NHD", {"attention_backend": "FLASHINFER"}, "attention_backend"),
+        ("NHD", {"kv_layout": "HND"}, "kv_layout"),
+    ],
+)
+def test_an_incompatible_prefill_is_refused_once_and_decode_recomputes(
+    tiny_config: Path,
+    caplog: pytest.LogCaptureFixture,
+    layout: str,
+    change: dict[str, str],
+    field: str,
+) -> None:
+    """Prefill's blocks have the same size as decode's but other bytes (or come from another
+    engine version, model revision, attention backend or layout): decode reads none of them,
+    says why once, counts the refusals, and vLLM recomputes the prompts."""
+    p = make_scheduler(tiny_config, "kv_producer", {"lease": 30.0}, engine_id="prefill-engine")
+    d = make_scheduler(tiny_config, "kv_consumer", {"lease": 30.0}, policy="recompute")
+    prefill_format = replace(FORMAT, **change)
+    try:
+        with (
+            kv_worker(seed=1, layout=layout, fmt=prefill_format) as (pw, _),
+            kv_worker() as (dw, d_caches),
+        ):
+            handshake(p, pw)
+            handshake(d, dw)
+            prompts = {"p1": PROMPT, "p2": [t + 100 for t in PROMPT]}  # no common prefix
+            for rid, prompt in prompts.items():
+                p.add_request(
+                    make_request(rid, prompt, max_tokens=1, params={"do_remote_decode": True})
+                )
+            _, outputs = step(p, worker=pw)
+            for rid, prompt in prompts.items():
+                params = outputs[rid].kv_transfer_params
+                d.add_request(make_request(f"d-{rid}", prompt, max_tokens=1, params=params))
+            computed = {"d-p1": 0, "d-p2": 0}
+            deadline = time.monotonic() + 10
+            with caplog.at_level(logging.ERROR, logger="kvconnect"):
+                while d.requests:
+                    assert time.monotonic() < deadline, "decode never finished"
+                    output, _ = step(d, worker=dw)
+                    for rid, count in output.num_scheduled_tokens.items():
+                        computed[rid] += count
+                    time.sleep(0.01)
+            assert computed == {"d-p1": len(PROMPT), "d-p2": len(PROMPT)}, "recomputed in full"
+            assert not any(cache.any() for cache in d_caches.values()), "nothing was read"
+            (record,) = [r for r in caplog.records if r.name.startswith("kvconnect")]
+            assert record.levelno == logging.ERROR
+            assert f"{field}: " in record.getMessage(), record.getMessage()
+            stats = dw.stats.take()
+            assert (stats["pd_reads"], stats["pd_failed"], stats["pd_incompatible"]) == (2, 2, 2)
+            _step_until((p, pw, {}), lambda: not p.requests)  # decode gave the blocks up
+            assert_empty(p)
+            assert_empty(d)
+    finally:
+        p.shutdown()
+        d.shutdown()

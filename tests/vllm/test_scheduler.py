@@ -24,6 +24,7 @@ from kvconnect.vllm.sidechannel import SideChannelClient
 from kvconnect.vllm.worker import ConnectorWorker
 from tests.vllm.harness import (
     BLOCK,
+    FORMAT,
     assert_empty,
     kv_worker,
     make_request,
@@ -206,7 +207,7 @@ def test_load_failure_follows_the_policy(tiny_config: Path, policy: str) -> None
 
 def _layout() -> RankLayout:
     layer = LayerLayout("l", 1, 0, 1, 0, 64, 4096, 4096)
-    return RankLayout("segment", "c0ffee" * 4, (layer, layer))
+    return RankLayout("segment", "c0ffee" * 4, (layer, layer), FORMAT.kv_format())
 
 
 def test_shared_pool_hit_loads_the_prefix_and_saves_the_rest(tiny_config: Path) -> None:
