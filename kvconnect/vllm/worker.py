@@ -378,7 +378,8 @@ class ConnectorWorker:
                 self._peers[engine_id] = reply
         assert self.layout is not None
         if tp_size != self.format.tp_size or len(reply.ranks) != self.format.tp_size:
-            self._refuse(engine_id, f"tp_size: {tp_size} at the peer, {self.format.tp_size} here")
+            theirs_tp = f"{tp_size} ({len(reply.ranks)} ranks)"
+            self._refuse(engine_id, f"tp_size: {theirs_tp} at the peer, {self.format.tp_size} here")
         theirs = reply.ranks[self.format.tp_rank]
         problem = check_compatible(self.layout, theirs)
         if problem is not None and self.config.enforce_compat:
