@@ -128,13 +128,15 @@ def test_a_give_up_before_prefills_next_step_frees_its_blocks(prefill: Engine) -
         ("NHD", {"revision": "0123abcd"}, "revision"),
         ("NHD", {"attention_backend": "FLASHINFER"}, "attention_backend"),
         ("NHD", {"kv_layout": "HND"}, "kv_layout"),
+        ("NHD", {"dtype": "fp8/float32"}, "dtype"),
+        ("NHD", {"tp_size": 2}, "tp_size"),
     ],
 )
 def test_an_incompatible_prefill_is_refused_once_and_decode_recomputes(
     tiny_config: Path,
     caplog: pytest.LogCaptureFixture,
     layout: str,
-    change: dict[str, str],
+    change: dict[str, object],
     field: str,
 ) -> None:
     """Prefill's blocks have the same size as decode's but other bytes (or come from another
