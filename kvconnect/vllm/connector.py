@@ -5,18 +5,21 @@ Load it with ``--kv-transfer-config '{"kv_connector": "KVConnectConnector",
 "kv_consumer" | "kv_both", "kv_connector_extra_config": {...}}'``.
 
 vLLM imports this module in its API server, engine core and every worker, so it imports only
-vLLM's connector base at module level; the scheduler or worker side is built by role. This
+vLLM's connector base and factory at module level (and registers the class there by name, for
+vLLM's MultiConnector); the scheduler or worker side is built by role. This
 class only dispatches: decisions live in :mod:`kvconnect.vllm.scheduler` (no torch) and data
 movement in :mod:`kvconnect.vllm.worker`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -145,7 +148,18 @@ class KVConnectConnector(KVConnectorBase_V1):
         return self._scheduler.request_finished(request, block_ids, completed)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        layouts = {rank: _layout_decoder.decode(meta.layout) for rank, meta in metadata.items()}
+        # Inside vLLM's MultiConnector every child gets the first child's handshake metadata.
+        layouts = {
+            rank: _layout_decoder.decode(meta.layout)
+            for rank, meta in metadata.items()
+            if isinstance(meta, KVConnectHandshake)
+        }
+        if metadata and not layouts:
+            log.error(
+                "kvconnect got another connector's handshake instead of its workers' KV "
+                "layouts (MultiConnector hands every child the first child's): list kvconnect "
+                "first, or decode engines cannot read from this one"
+            )
         self._services.set_layouts(layouts)
 
     # ------------------------------------------------------------------- worker side
@@ -198,6 +212,13 @@ class KVConnectConnector(KVConnectorBase_V1):
         return KVConnectStats(data=data) if data else None
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.33 refuses ``enable_sleep_mode`` then): sleeping frees the KV cache the
+        transfer engines registered, and peers would read or write memory that is no longer
+        the cache."""
+        return False
+
+    @classmethod
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
@@ -212,3 +233,16 @@ class KVConnectConnector(KVConnectorBase_V1):
     def _plan(self) -> StepPlan:
         meta = self._get_connector_metadata()
         return meta.plan if isinstance(meta, KVConnectMetadata) else StepPlan()
+
+
+def _register() -> None:
+    # vLLM loads this module by path, but MultiConnector finds a child's stats class by
+    # registry name (a child's stats cross processes as plain dicts keyed by class name).
+    # ValueError: registered already (an earlier import, or vLLM itself).
+    with contextlib.suppress(ValueError):
+        KVConnectorFactory.register_connector(
+            KVConnectConnector.__name__, __name__, KVConnectConnector.__name__
+        )
+
+
+_register()

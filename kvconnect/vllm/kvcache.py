@@ -41,12 +41,14 @@ def describe_layer(
     name: str, tensor: Any, region: int, offset: int, num_blocks: int
 ) -> LayerLayout:
     """Where ``tensor``'s blocks are: the block dimension is the one of ``num_blocks`` entries
-    after which the tensor is contiguous; at most one dimension (K/V) may come before it."""
+    after which each block fills one contiguous range (its dimensions in any order of
+    strides: vLLM permutes strides for HND layouts); at most one dimension (K/V) may come
+    before it."""
     shape = tuple(tensor.shape)
     strides = tuple(tensor.stride())
     item = tensor.element_size()
     for dim in range(min(2, len(shape))):
-        if shape[dim] != num_blocks or not _contiguous(shape[dim + 1 :], strides[dim + 1 :]):
+        if shape[dim] != num_blocks or not _dense(shape[dim + 1 :], strides[dim + 1 :]):
             continue
         chunks, chunk_stride = (shape[0], strides[0] * item) if dim == 1 else (1, 0)
         return LayerLayout(
@@ -58,6 +60,9 @@ def describe_layer(
             num_blocks=num_blocks,
             block_stride=strides[dim] * item,
             block_bytes=math.prod(shape[dim + 1 :]) * item,
+            block_shape=shape[dim + 1 :],
+            block_strides=strides[dim + 1 :],
+            dtype=str(tensor.dtype),
         )
     raise ConfigError(
         f"KV cache layer {name} has shape {shape} and strides {strides}: kvconnect needs "
@@ -65,10 +70,11 @@ def describe_layer(
     )
 
 
-def _contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+def _dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """The elements fill one contiguous range, whatever the order of the dimensions."""
     expected = 1
-    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
-        if size != 1 and stride != expected:
+    for stride, size in sorted((st, sz) for sz, st in zip(shape, strides, strict=True) if sz != 1):
+        if stride != expected:
             return False
         expected *= size
     return True

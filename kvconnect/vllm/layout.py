@@ -14,6 +14,34 @@ from collections.abc import Sequence
 
 import msgspec
 
+from kvconnect.errors import ConfigError
+
+FORMAT_VERSION = 2
+"""kvconnect's own block format (what :class:`LayerLayout` describes)."""
+
+
+class IncompatiblePeer(ConfigError):
+    """A peer's KV blocks mean something else than this engine's: never read them."""
+
+
+class KVFormat(msgspec.Struct, frozen=True):
+    """What gives an engine's KV bytes their meaning, besides where they lie. Two ranks'
+    blocks are interchangeable only when every field is equal (and so are their layers')."""
+
+    engine: str
+    """The inference engine and its version, e.g. ``vllm 0.33.0``."""
+    model: str
+    revision: str
+    """The model's revision (empty: whatever the path holds)."""
+    dtype: str
+    """KV cache dtype / model dtype."""
+    block_size: int
+    tp_size: int
+    attention_backend: str
+    kv_layout: str
+    """The engine's name for the order of a block's dimensions (e.g. vLLM's NHD/HND family)."""
+    kvconnect: int = FORMAT_VERSION
+
 
 class LayerLayout(msgspec.Struct, frozen=True, array_like=True):
     """One layer's blocks inside a registered region."""
@@ -28,6 +56,12 @@ class LayerLayout(msgspec.Struct, frozen=True, array_like=True):
     num_blocks: int
     block_stride: int
     block_bytes: int
+    block_shape: tuple[int, ...] = ()
+    """Shape of one block (the tensor's dimensions after the block dimension)."""
+    block_strides: tuple[int, ...] = ()
+    """Their strides in elements: with the shape, the order of the bytes (NHD vs HND)."""
+    dtype: str = ""
+    """Element type."""
 
     def block_offset(self, chunk: int, block: int) -> int:
         """Offset in the region of ``block``'s bytes of ``chunk``."""
@@ -39,6 +73,10 @@ class LayerLayout(msgspec.Struct, frozen=True, array_like=True):
         return self.block_stride == self.block_bytes
 
 
+_LAYER_FORMAT = ("name", "chunks", "block_bytes", "block_shape", "block_strides", "dtype")
+"""The fields of a layer that give its bytes their meaning (the others say where they are)."""
+
+
 class RankLayout(msgspec.Struct, frozen=True, array_like=True):
     """What a peer needs to read one TP rank's KV cache."""
 
@@ -47,16 +85,14 @@ class RankLayout(msgspec.Struct, frozen=True, array_like=True):
     compat: str
     """:func:`compat_hash` of the rank's KV format."""
     layers: tuple[LayerLayout, ...]
+    format: KVFormat
 
 
-def compat_hash(fields: Sequence[object], layers: Sequence[LayerLayout]) -> str:
+def compat_hash(fmt: KVFormat, layers: Sequence[LayerLayout]) -> str:
     """Equal for two ranks exactly when their blocks are interchangeable byte for byte: same
-    ``fields`` (model, dtype, block size, TP size and rank layout …) and per layer the same
-    name, chunk count and block size."""
-    digest = hashlib.sha256(repr(tuple(fields)).encode())
-    for layer in layers:
-        digest.update(repr((layer.name, layer.chunks, layer.block_bytes)).encode())
-    return digest.hexdigest()[:32]
+    ``fmt`` and per layer the same name, chunks, block size, shape, strides and dtype."""
+    layer_formats = [[getattr(layer, f) for f in _LAYER_FORMAT] for layer in layers]
+    return hashlib.sha256(msgspec.msgpack.encode([fmt, layer_formats])).hexdigest()[:32]
 
 
 def block_runs(local: Sequence[int], remote: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -101,12 +137,29 @@ def range_pairs(
 
 
 def check_compatible(local: RankLayout, remote: RankLayout) -> str | None:
-    """Why ``remote``'s blocks cannot be read into ``local``'s, or None."""
-    if local.compat != remote.compat:
-        return (
-            f"KV format differs (compatibility hash {remote.compat} at the peer, "
-            f"{local.compat} here): same model, dtype, block size, TP size and KV layout needed"
-        )
+    """Why ``remote``'s blocks cannot be read into ``local``'s (every field that differs), or
+    None."""
+    problems = _differences("", remote.format, local.format, KVFormat.__struct_fields__)
     if len(local.layers) != len(remote.layers):
-        return f"peer has {len(remote.layers)} KV layers, this engine {len(local.layers)}"
-    return None
+        problems.append(f"KV layers: {len(remote.layers)} at the peer, {len(local.layers)} here")
+    else:
+        layers = [
+            _differences(f"layer {mine.name} ", theirs, mine, _LAYER_FORMAT)
+            for mine, theirs in zip(local.layers, remote.layers, strict=True)
+        ]
+        differing = [p for p in layers if p]
+        if differing:
+            problems.extend(differing[0])
+            if len(differing) > 1:
+                problems.append(f"and {len(differing) - 1} more layers differ")
+    if not problems and local.compat != remote.compat:
+        problems.append(f"compatibility hash: {remote.compat} at the peer, {local.compat} here")
+    return "; ".join(problems) or None
+
+
+def _differences(prefix: str, theirs: object, mine: object, fields: Sequence[str]) -> list[str]:
+    return [
+        f"{prefix}{name}: {getattr(theirs, name)!r} at the peer, {getattr(mine, name)!r} here"
+        for name in fields
+        if getattr(theirs, name) != getattr(mine, name)
+    ]

@@ -13,7 +13,7 @@ import msgspec
 
 from kvconnect.vllm.layout import RankLayout
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2  # 2: layouts carry their KVFormat
 
 
 class GetLayout(msgspec.Struct, tag="layout", frozen=True):

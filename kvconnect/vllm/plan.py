@@ -36,9 +36,12 @@ class StepPlan:
     load: tuple[PoolJob, ...] = ()
     save: tuple[PoolJob, ...] = ()
     held: tuple[str, ...] = ()
-    """Finished prefill requests whose blocks stay allocated for decode (until released)."""
+    """Prefill requests finished since the last plan whose blocks stay allocated for decode.
+    Every worker reports each of them finished sending once it is released and its save (if
+    any) is done, also when it is released in this very plan."""
     released: tuple[str, ...] = ()
-    """Held requests whose blocks may be freed now."""
+    """Held requests whose blocks may be freed now: held in this plan or an earlier one (decode
+    may confirm, give up, or let the lease lapse before prefill's next step)."""
     preempted: tuple[str, ...] = ()
     """Requests preempted this step while their blocks were being saved: the forward pass
     must not overwrite those blocks before the saves finished."""

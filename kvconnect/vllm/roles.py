@@ -108,15 +108,22 @@ def build_worker(
     config: VllmConnectorConfig, vllm_config: Any, kv_cache_config: Any
 ) -> ConnectorWorker:
     """The worker side of this process's TP rank (started by ``register``)."""
+    import vllm
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     model = vllm_config.model_config
     cache = vllm_config.cache_config
+    backends = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
     fmt = EngineFormat(
         model=model.model,
         dtype=f"{cache.cache_dtype}/{model.dtype}",
         block_size=cache.block_size,
         tp_rank=get_tensor_model_parallel_rank(),
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        engine=f"vllm {vllm.__version__}",
+        revision=model.revision or "",
+        attention_backend=",".join(backends),
+        kv_layout=cache.get_resolved_kv_cache_layout().name,
     )
     return ConnectorWorker(config, fmt, kv_cache_config.num_blocks)

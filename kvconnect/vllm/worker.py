@@ -28,6 +28,8 @@ from kvconnect.vllm import messages as msg
 from kvconnect.vllm.affinity import bind_this_thread, threads_on
 from kvconnect.vllm.kvcache import register_kv_caches
 from kvconnect.vllm.layout import (
+    IncompatiblePeer,
+    KVFormat,
     LayerLayout,
     RankLayout,
     block_runs,
@@ -53,6 +55,23 @@ class EngineFormat:
     block_size: int
     tp_rank: int
     tp_size: int
+    engine: str = ""
+    revision: str = ""
+    attention_backend: str = ""
+    kv_layout: str = ""
+
+    def kv_format(self) -> KVFormat:
+        """The format every rank of this engine shares (the TP rank is not part of it)."""
+        return KVFormat(
+            engine=self.engine,
+            model=self.model,
+            revision=self.revision,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            tp_size=self.tp_size,
+            attention_backend=self.attention_backend,
+            kv_layout=self.kv_layout,
+        )
 
 
 @dataclass(slots=True)
@@ -64,6 +83,7 @@ class _Outcome:
     nbytes: int = 0
     seconds: float = 0.0
     io_seconds: float = 0.0  # the data movement alone (the batched READ)
+    refused: bool = False  # the peer's KV format differs: nothing was read
 
 
 @dataclass(slots=True)
@@ -110,11 +130,11 @@ class ConnectorWorker:
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._peers: dict[str, msg.LayoutReply] = {}
+        self._refused: dict[str, str] = {}  # prefill engine → why its KV is never read
         self.layout: RankLayout | None = None
         self._regions: dict[int, MemoryRegion] = {}
         self._load_errors: set[int] = set()
         self._holds: dict[str, set[str]] = {}  # finished request → what its blocks wait for
-        self._lease_held: set[str] = set()
         self._saves: dict[str, bool] = {}  # request → its save is done
         self._saving: dict[str, Future[None]] = {}  # saves running, by request
         self._cuda = False
@@ -128,9 +148,9 @@ class ConnectorWorker:
             self.engine.start()
         layers, self._regions = register_kv_caches(self.engine, kv_caches, self._num_blocks)
         self._cuda = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
-        fmt = self.format
-        fields = ("kvconnect-vllm", 1, fmt.model, fmt.dtype, fmt.block_size, fmt.tp_size)
-        self.layout = RankLayout(self.engine.name, compat_hash(fields, layers), tuple(layers))
+        kv_format = self.format.kv_format()
+        compat = compat_hash(kv_format, layers)
+        self.layout = RankLayout(self.engine.name, compat, tuple(layers), kv_format)
         if self.config.pool:
             with threads_on(self.config.io_cpu_set):
                 self._start_pool(layers)
@@ -184,9 +204,8 @@ class ConnectorWorker:
         for load in plan.load:
             self._pool.submit(self._guard, self._load, load)
         for rid in plan.held:
-            self._lease_held.add(rid)
-        for rid in plan.released:
-            self._lease_held.discard(rid)
+            self._holds.setdefault(rid, set()).add("lease")
+        for rid in plan.released:  # held in this plan or an earlier one
             self._release(rid, "lease")
 
     def save(self, plan: StepPlan) -> None:
@@ -210,14 +229,11 @@ class ConnectorWorker:
     def results(self, finished: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` of this step.
         ``finished``: requests the scheduler finished this step."""
-        for rid in finished:
-            waits = set()
-            if rid in self._lease_held:
-                waits.add("lease")
-            if self._saves.get(rid) is False:
-                waits.add("save")
-            if rid in self._saves or waits:
-                self._holds[rid] = waits
+        for rid in finished:  # a finished request with a save waits for it, if it runs
+            if rid in self._saves:
+                waits = self._holds.setdefault(rid, set())
+                if not self._saves[rid]:
+                    waits.add("save")
         recving: set[str] = set()
         failed: set[str] = set()
         while True:
@@ -259,6 +275,7 @@ class ConnectorWorker:
                 pd_bytes=outcome.nbytes,
                 pd_seconds=outcome.seconds,
                 pd_read_seconds=outcome.io_seconds,
+                pd_incompatible=1 if outcome.refused else 0,
             )
         elif outcome.kind == "load":
             self.stats.add(
@@ -290,10 +307,14 @@ class ConnectorWorker:
         try:
             theirs = self._peer_layout(remote.endpoint, remote.engine_id, remote.tp_size)
         except KVConnectError as exc:
-            log.error("cannot read KV of %s from %s: %s", job.request_id, remote.endpoint, exc)
+            refused = isinstance(exc, IncompatiblePeer)  # logged once per prefill engine
+            if not refused:
+                log.error("cannot read KV of %s from %s: %s", job.request_id, remote.endpoint, exc)
             seconds = time.monotonic() - started
             self._outcomes.put(
-                _Outcome(job.request_id, "recv", False, job.local_blocks, 0, seconds)
+                _Outcome(
+                    job.request_id, "recv", False, job.local_blocks, 0, seconds, refused=refused
+                )
             )
             self._give_up(remote.endpoint, remote.request_id)
             return
@@ -339,9 +360,14 @@ class ConnectorWorker:
         return requests
 
     def _peer_layout(self, endpoint: str, engine_id: str, tp_size: int) -> RankLayout:
-        """The prefill rank this rank reads from (asked once per prefill engine)."""
+        """The prefill rank this rank reads from (asked once per prefill engine). Raises
+        IncompatiblePeer when that engine's KV means something else here: decided and logged
+        once per engine, at first contact."""
         with self._lock:
             reply = self._peers.get(engine_id)
+            refusal = self._refused.get(engine_id)
+        if refusal is not None:
+            raise IncompatiblePeer(refusal)
         if reply is None:
             answer = self._client.call(endpoint, msg.GetLayout())
             if not isinstance(answer, msg.LayoutReply):
@@ -353,17 +379,28 @@ class ConnectorWorker:
                 )
             with self._lock:
                 self._peers[engine_id] = reply
-        if tp_size != self.format.tp_size or len(reply.ranks) != self.format.tp_size:
-            raise ConfigError(
-                f"prefill TP size {tp_size} differs from decode's {self.format.tp_size}: "
-                "kvconnect needs equal TP sizes"
-            )
-        theirs = reply.ranks[self.format.tp_rank]
         assert self.layout is not None
+        if tp_size != self.format.tp_size or len(reply.ranks) != self.format.tp_size:
+            theirs_tp = f"{tp_size} ({len(reply.ranks)} ranks)"
+            self._refuse(engine_id, f"tp_size: {theirs_tp} at the peer, {self.format.tp_size} here")
+        theirs = reply.ranks[self.format.tp_rank]
         problem = check_compatible(self.layout, theirs)
         if problem is not None and self.config.enforce_compat:
-            raise ConfigError(f"incompatible prefill engine {engine_id}: {problem}")
+            self._refuse(engine_id, problem)
         return theirs
+
+    def _refuse(self, engine_id: str, problem: str) -> None:
+        refusal = f"prefill engine {engine_id} has an incompatible KV format ({problem})"
+        with self._lock:
+            first = engine_id not in self._refused
+            self._refused[engine_id] = refusal
+        if first:
+            log.error(
+                "%s: reading none of its KV; its requests are recomputed (or fail, per "
+                "kv_load_failure_policy)",
+                refusal,
+            )
+        raise IncompatiblePeer(refusal)
 
     def _confirm(self, endpoint: str, remote_id: str, rid: str) -> bool:
         try:

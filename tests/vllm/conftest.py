@@ -27,7 +27,17 @@ if HAVE_VLLM:
         import vllm.distributed.kv_transfer.kv_connector.v1.base
         import vllm.v1.core.sched.scheduler  # noqa: F401
 
-collect_ignore = [] if HAVE_VLLM else ["harness.py", "test_scheduler.py", "test_end_to_end.py"]
+collect_ignore = (
+    []
+    if HAVE_VLLM
+    else [
+        "harness.py",
+        "test_scheduler.py",
+        "test_end_to_end.py",
+        "test_pd_lifecycle.py",
+        "test_vllm_integration.py",
+    ]
+)
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from vllm.config import (
     CacheConfig,
@@ -16,15 +18,21 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+
+from kvconnect.config import VllmConnectorConfig
+from kvconnect.vllm.connector import KVConnectHandshake, KVConnectMetadata
+from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
 
 BLOCK = 16
 EOS = 2
@@ -38,8 +46,11 @@ def make_scheduler(
     num_blocks: int = 64,
     policy: str = "fail",
     engine_id: str | None = None,
+    transfer: Mapping[str, Any] | None = None,
+    log_stats: bool = False,
 ) -> Scheduler:
-    """A scheduler whose connector is kvconnect's, with ``num_blocks`` KV blocks."""
+    """A scheduler whose connector is kvconnect's (or what ``transfer`` says instead: fields
+    of vLLM's ``KVTransferConfig``), with ``num_blocks`` KV blocks."""
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32"),
         scheduler_config=SchedulerConfig(
@@ -51,12 +62,15 @@ def make_scheduler(
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="KVConnectConnector",
-            kv_connector_module_path="kvconnect.vllm.connector",
-            kv_role=role,
-            engine_id=engine_id,
-            kv_connector_extra_config=extra,
-            kv_load_failure_policy=policy,
+            **{
+                "kv_connector": "KVConnectConnector",
+                "kv_connector_module_path": "kvconnect.vllm.connector",
+                "kv_role": role,
+                "engine_id": engine_id,
+                "kv_connector_extra_config": extra,
+                "kv_load_failure_policy": policy,
+                **(transfer or {}),
+            }
         ),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
@@ -74,8 +88,63 @@ def make_scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
+        log_stats=log_stats,
         block_size=BLOCK,
     )
+
+
+FORMAT = EngineFormat(model="m", dtype="float32", block_size=BLOCK, tp_rank=0, tp_size=1)
+HEADS, HEAD_SIZE = 2, 4
+
+
+def kv_caches(num_blocks: int, seed: int | None, layout: str = "NHD") -> dict[str, torch.Tensor]:
+    """Two KV layers ``[K|V, blocks, ...]``, random (``seed``) or zeros: ``NHD`` is
+    ``[.., tokens, heads, dim]``; ``HND`` is ``[.., heads, tokens, dim]``; ``HND-strides`` is
+    HND in memory seen through NHD's shape (how vLLM permutes strides): the same block size
+    in bytes, other bytes."""
+    physical = (2, num_blocks, BLOCK, HEADS, HEAD_SIZE)
+    if layout != "NHD":
+        physical = (2, num_blocks, HEADS, BLOCK, HEAD_SIZE)
+    generator = torch.Generator().manual_seed(seed or 0)
+    caches = {}
+    for i in range(2):
+        tensor = (
+            torch.randn(*physical, generator=generator)
+            if seed is not None
+            else torch.zeros(*physical)
+        )
+        caches[f"model.layers.{i}.attn"] = (
+            tensor.transpose(2, 3) if layout == "HND-strides" else tensor
+        )
+    return caches
+
+
+@contextmanager
+def kv_worker(
+    num_blocks: int = 64,
+    seed: int | None = None,
+    layout: str = "NHD",
+    fmt: EngineFormat = FORMAT,
+) -> Iterator[tuple[ConnectorWorker, dict[str, torch.Tensor]]]:
+    """A real worker side (transfer engine over TCP) with :func:`kv_caches` registered, as
+    ``make_scheduler``'s workers would have."""
+    caches = kv_caches(num_blocks, seed, layout)
+    worker = ConnectorWorker(
+        VllmConnectorConfig(transport="tcp", read_timeout=5.0, rpc_timeout=2.0), fmt, num_blocks
+    )
+    try:
+        worker.register(caches)
+        yield worker, caches
+    finally:
+        worker.close()
+
+
+def handshake(scheduler: Scheduler, worker: ConnectorWorker) -> None:
+    """What vLLM's engine core does at start: hand the workers' layouts to the scheduler
+    side (one worker, TP rank 0)."""
+    assert worker.layout is not None
+    layout = KVConnectHandshake(msgspec.msgpack.encode(worker.layout))
+    scheduler.connector.set_xfer_handshake_metadata({0: layout})
 
 
 def make_request(
@@ -97,7 +166,14 @@ def make_request(
     )
 
 
-def step(
+def step(scheduler: Scheduler, **kwargs: Any) -> tuple[SchedulerOutput, dict[str, Any]]:
+    """One step (see :func:`run`); returns the scheduler output and the engine-core outputs
+    by request id."""
+    output, outputs = run(scheduler, **kwargs)
+    return output, {o.request_id: o for eo in outputs.values() for o in eo.outputs}
+
+
+def run(
     scheduler: Scheduler,
     *,
     sending: Iterable[str] = (),
@@ -105,11 +181,21 @@ def step(
     failed: Iterable[str] = (),
     invalid: Iterable[int] = (),
     token: int = 7,
-) -> tuple[SchedulerOutput, dict[str, Any]]:
+    worker: ConnectorWorker | None = None,
+    stats: KVConnectorStats | None = None,
+) -> tuple[SchedulerOutput, dict[int, EngineCoreOutputs]]:
     """One step: schedule, then report a sampled ``token`` for every scheduled request that
-    finished its prompt, plus the given transfer results. Returns the scheduler output and the
-    engine-core outputs by request id."""
+    finished its prompt, plus the given transfer results, or with a ``worker`` the results of
+    that real worker side running the step's plan (as vLLM's model runner calls it), and the
+    workers' connector ``stats``. Returns the scheduler output and vLLM's engine-core outputs
+    (with ``log_stats``, one of them carries the statistics for the front end)."""
     output = scheduler.schedule()
+    if worker is not None:
+        plan = plan_of(output)
+        worker.start(plan)
+        worker.save(plan)
+        sending, recving, failed = worker.results(output.finished_req_ids)
+        invalid = worker.load_errors()
     ids = list(output.num_scheduled_tokens)
     sampled = []
     for rid in ids:
@@ -125,16 +211,19 @@ def step(
             finished_recving=set(recving) or None,
             failed_recving=set(failed),
             invalid_block_ids=set(invalid),
+            kv_connector_stats=stats,
         ),
     )
-    outputs = scheduler.update_from_output(output, runner)
-    by_id = {o.request_id: o for eo in outputs.values() for o in eo.outputs}
-    return output, by_id
+    return output, scheduler.update_from_output(output, runner)
 
 
 def plan_of(output: SchedulerOutput) -> Any:
-    """kvconnect's plan for the step (``StepPlan``)."""
-    return output.kv_connector_metadata.plan
+    """kvconnect's plan for the step (``StepPlan``), also inside vLLM's MultiConnector."""
+    meta = output.kv_connector_metadata
+    for child in getattr(meta, "metadata", (meta,)):
+        if isinstance(child, KVConnectMetadata):
+            return child.plan
+    raise AssertionError(f"no kvconnect plan in {meta!r}")
 
 
 def assert_empty(scheduler: Scheduler) -> None:

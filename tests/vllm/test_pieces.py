@@ -6,12 +6,21 @@ from __future__ import annotations
 import os
 import threading
 
+import msgspec
 import pytest
 
 from kvconnect.errors import ConfigError
 from kvconnect.testing.vllm_servers import cpu_groups
 from kvconnect.vllm.config import parse_config
-from kvconnect.vllm.layout import LayerLayout, block_runs, range_pairs
+from kvconnect.vllm.layout import (
+    KVFormat,
+    LayerLayout,
+    RankLayout,
+    block_runs,
+    check_compatible,
+    compat_hash,
+    range_pairs,
+)
 from kvconnect.vllm.leases import Confirmation, LeaseTable
 from kvconnect.vllm.params import prefill_params, remote_prefill
 
@@ -101,6 +110,45 @@ def test_kv_tensor_layouts_are_understood() -> None:
     assert (layer.chunks, layer.block_bytes) == (1, 2 * 16 * 64 * 4)
     with pytest.raises(ConfigError, match="contiguous"):
         describe_layer("c", torch.zeros(16, 8, 64).transpose(0, 1), 1, 0, num_blocks=8)
+    # HND in memory behind NHD's shape (vLLM permutes strides): each block is still one range
+    hnd = describe_layer("d", torch.zeros(2, 8, 4, 16, 64).transpose(2, 3), 1, 0, num_blocks=8)
+    nhd = describe_layer("d", torch.zeros(2, 8, 16, 4, 64), 1, 0, num_blocks=8)
+    assert (hnd.block_bytes, hnd.block_shape, hnd.dtype) == (
+        nhd.block_bytes,
+        (16, 4, 64),
+        "torch.float32",
+    )
+    assert (hnd.block_strides, nhd.block_strides) == ((64, 1024, 1), (256, 64, 1))
+
+
+def _rank(layer: LayerLayout, **changes: object) -> RankLayout:
+    fmt = msgspec.structs.replace(
+        KVFormat("vllm 0.33.0", "m", "", "auto/float16", 16, 1, "FLASH_ATTN", "NHD"), **changes
+    )
+    return RankLayout("segment", compat_hash(fmt, [layer, layer]), (layer, layer), fmt)
+
+
+def test_compatibility_names_every_field_that_differs() -> None:
+    torch = pytest.importorskip("torch")
+    from kvconnect.vllm.kvcache import describe_layer
+
+    nhd = describe_layer("l", torch.zeros(2, 8, 16, 4, 64), 1, 0, num_blocks=8)
+    hnd = describe_layer("l", torch.zeros(2, 8, 4, 16, 64), 1, 0, num_blocks=8)
+    mine = _rank(nhd)
+    assert check_compatible(mine, _rank(nhd)) is None
+    assert check_compatible(mine, msgspec.structs.replace(_rank(nhd), segment="other")) is None
+    theirs = _rank(hnd, attention_backend="FLASHINFER")
+    assert theirs.compat != mine.compat
+    assert check_compatible(mine, theirs) == (
+        "attention_backend: 'FLASHINFER' at the peer, 'FLASH_ATTN' here; "
+        "layer l block_shape: (4, 16, 64) at the peer, (16, 4, 64) here; "
+        "layer l block_strides: (1024, 64, 1) at the peer, (256, 64, 1) here; "
+        "and 1 more layers differ"
+    )
+    for field, value in (("engine", "vllm 0.32.0"), ("revision", "abc"), ("kv_layout", "HND")):
+        problem = check_compatible(mine, _rank(nhd, **{field: value}))
+        assert problem is not None
+        assert problem.startswith(f"{field}: {value!r} at the peer"), problem
 
 
 def test_settings_from_extra_config_file_and_environment(tmp_path: object) -> None:

@@ -22,7 +22,17 @@ from kvconnect.vllm.connector import KVConnectHandshake
 from kvconnect.vllm.layout import LayerLayout, RankLayout
 from kvconnect.vllm.pool import pool_keys
 from kvconnect.vllm.sidechannel import SideChannelClient
-from tests.vllm.harness import BLOCK, assert_empty, make_request, make_scheduler, plan_of, step
+from kvconnect.vllm.worker import ConnectorWorker
+from tests.vllm.harness import (
+    BLOCK,
+    FORMAT,
+    assert_empty,
+    kv_worker,
+    make_request,
+    make_scheduler,
+    plan_of,
+    step,
+)
 
 PROMPT = list(range(10, 50))  # 40 tokens: 2 full blocks and a partial one
 DECODE = {"do_remote_decode": True}
@@ -58,20 +68,28 @@ def _prefill_once(p: Any, rid: str = "p1") -> dict[str, Any]:
     return params
 
 
-def _released(p: Any, rid: str, timeout: float = 5.0) -> None:
-    """Step ``p`` until its plan releases ``rid``, report it sent, and check all is free."""
+@pytest.fixture
+def p_worker() -> Iterator[ConnectorWorker]:
+    """Prefill's worker side: it, not the test, decides when held blocks are sent."""
+    with kv_worker() as (worker, _):
+        yield worker
+
+
+def _released(p: Any, worker: ConnectorWorker, rid: str, timeout: float = 5.0) -> None:
+    """Step ``p`` with its real worker side until vLLM frees ``rid``; check all is free."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        output, _ = step(p)
-        if rid in plan_of(output).released:
-            step(p, sending=[rid])
+        step(p, worker=worker)
+        if rid not in p.requests:
             assert_empty(p)
             return
         time.sleep(0.05)
     raise AssertionError(f"prefill never released {rid}")
 
 
-def test_remote_prefill_then_decode(tiny_config: Path, client: SideChannelClient) -> None:
+def test_remote_prefill_then_decode(
+    tiny_config: Path, client: SideChannelClient, p_worker: ConnectorWorker
+) -> None:
     p, d = _prefill(tiny_config), _decode(tiny_config)
     try:
         params = _prefill_once(p)
@@ -86,7 +104,7 @@ def test_remote_prefill_then_decode(tiny_config: Path, client: SideChannelClient
         endpoint = f"tcp://{params['remote_host']}:{params['remote_port']}"
         reply = client.call(endpoint, msg.Confirm(params["remote_request_id"], 0))
         assert reply == msg.Ack(True)
-        _released(p, "p1")
+        _released(p, p_worker, "p1")
         output, _ = step(d, recving=["d1"])
         output, _ = step(d)
         assert output.num_scheduled_tokens == {"d1": 1}, "only the last token is recomputed"
@@ -99,12 +117,12 @@ def test_remote_prefill_then_decode(tiny_config: Path, client: SideChannelClient
 
 
 def test_lapsed_lease_frees_prefill_blocks_and_refuses_late_reads(
-    tiny_config: Path, client: SideChannelClient
+    tiny_config: Path, client: SideChannelClient, p_worker: ConnectorWorker
 ) -> None:
     p = _prefill(tiny_config, lease=0.3)
     try:
         params = _prefill_once(p)
-        _released(p, "p1")  # decode never came: the lease lapsed
+        _released(p, p_worker, "p1")  # decode never came: the lease lapsed
         endpoint = f"tcp://{params['remote_host']}:{params['remote_port']}"
         reply = client.call(endpoint, msg.Confirm("p1", 0))
         assert isinstance(reply, msg.Ack)
@@ -113,14 +131,16 @@ def test_lapsed_lease_frees_prefill_blocks_and_refuses_late_reads(
         p.shutdown()
 
 
-def test_decode_aborted_before_loading_frees_prefill_blocks(tiny_config: Path) -> None:
+def test_decode_aborted_before_loading_frees_prefill_blocks(
+    tiny_config: Path, p_worker: ConnectorWorker
+) -> None:
     p, d = _prefill(tiny_config), _decode(tiny_config)
     try:
         params = _prefill_once(p)
         d.add_request(make_request("d1", PROMPT, params=params))
         d.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
         assert_empty(d)
-        _released(p, "p1")  # decode told prefill at once, long before the lease
+        _released(p, p_worker, "p1")  # decode told prefill at once, long before the lease
     finally:
         p.shutdown()
         d.shutdown()
@@ -141,7 +161,9 @@ def test_decode_aborted_while_loading_waits_for_the_read(tiny_config: Path) -> N
         d.shutdown()
 
 
-def test_full_local_hit_gives_prefill_blocks_back(tiny_config: Path) -> None:
+def test_full_local_hit_gives_prefill_blocks_back(
+    tiny_config: Path, p_worker: ConnectorWorker
+) -> None:
     p, d = _prefill(tiny_config), _decode(tiny_config)
     try:
         # Decode computes the prompt itself first, so its prefix cache holds the full blocks.
@@ -153,7 +175,7 @@ def test_full_local_hit_gives_prefill_blocks_back(tiny_config: Path) -> None:
         d.add_request(make_request("d1", [*PROMPT[:32], 98], max_tokens=1, params=params))
         output, _ = step(d)
         assert not plan_of(output).recv, "nothing to read: every block was cached here"
-        _released(p, "p1")
+        _released(p, p_worker, "p1")
         step(d)
         assert_empty(d)
     finally:
@@ -186,7 +208,7 @@ def test_load_failure_follows_the_policy(tiny_config: Path, policy: str) -> None
 
 def _layout() -> RankLayout:
     layer = LayerLayout("l", 1, 0, 1, 0, 64, 4096, 4096)
-    return RankLayout("segment", "c0ffee" * 4, (layer, layer))
+    return RankLayout("segment", "c0ffee" * 4, (layer, layer), FORMAT.kv_format())
 
 
 def test_shared_pool_hit_loads_the_prefix_and_saves_the_rest(tiny_config: Path) -> None:
