@@ -5,6 +5,7 @@ point between prefill's steps, and prefill's blocks are freed whatever the inter
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -110,7 +111,7 @@ def test_a_read_confirmed_before_prefills_next_step_frees_its_blocks(
 
 def test_a_give_up_before_prefills_next_step_frees_its_blocks(prefill: Engine) -> None:
     params = _finish_prefill(prefill)
-    client = SideChannelClient(timeout=2.0)
+    client = SideChannelClient(timeout=2.0, token=os.environ["KVCONNECT_TOKEN"])
     try:  # what decode sends when it will not read (aborted, or it had the prefix)
         endpoint = f"tcp://{params['remote_host']}:{params['remote_port']}"
         assert client.call(endpoint, msg.GiveUp(["p1"])) == msg.Ack(True)
