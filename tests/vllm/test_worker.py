@@ -13,11 +13,14 @@ from typing import Any
 
 import pytest
 
-from kvconnect.config import TransferConfig, VllmConnectorConfig
+from kvconnect.config import StoreClientConfig, TransferConfig, VllmConnectorConfig
+from kvconnect.store.client import StoreClient
 from kvconnect.testing.cluster import Cluster
 from kvconnect.vllm.params import RemotePrefill
 from kvconnect.vllm.pd import PrefillService
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
+from kvconnect.vllm.pool import StorePoolIndex
+from kvconnect.vllm.roles import SchedulerServices
 from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
 
 torch = pytest.importorskip("torch")
@@ -174,6 +177,42 @@ def test_pool_blocks_round_trip_between_engines(layout: str) -> None:
         finally:
             writer.close()
             reader.close()
+
+
+def test_a_pool_hit_is_only_blocks_whole_on_every_rank() -> None:
+    """The scheduler's lookup counts a block only when every object of it (each layer's K and
+    V, of each TP rank) is stored: a block missing one would fail its load, and the request
+    with it under vLLM's default ``kv_load_failure_policy=fail``."""
+    hashes = ("h1", "h2", "h3")
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        config = replace(CONFIG, pool=True, master=cluster.master_endpoint)
+        ranks = [
+            ConnectorWorker(config, replace(FORMAT, tp_rank=rank, tp_size=2), BLOCKS)
+            for rank in (0, 1)
+        ]
+        store = StoreClient(StoreClientConfig(master=cluster.master_endpoint))
+        services = SchedulerServices(config, FORMAT.model)
+        try:
+            layouts = {rank: w.register(kv_caches(seed=rank)) for rank, w in enumerate(ranks)}
+            store.start()
+            services.pool = index = StorePoolIndex(store)
+            services.set_layouts(layouts)
+            assert index.leading(hashes) == 0, "nothing saved yet"
+            for worker in ranks:
+                worker.save(StepPlan(save=(PoolJob("w", hashes, (3, 4, 5)),)))
+                worker.protect(StepPlan(preempted=("w",)))  # waits for the save
+                assert worker.results({"w"})[0] == {"w"}
+            assert index.leading(hashes) == 3
+            rank0 = index.keys[0]
+            assert store.remove(rank0.block_keys("h3")[0]).name == "OK"  # layer 0's K of h3
+            assert index.leading(hashes) == 2
+            rank1 = index.keys[1]
+            assert store.remove(rank1.block_keys("h2")[-1]).name == "OK"  # rank 1's h2
+            assert index.leading(hashes) == 1, "the hit stops before the partial block"
+        finally:
+            store.close()
+            for worker in ranks:
+                worker.close()
 
 
 def test_a_dead_prefill_is_reported_before_the_give_up_call_times_out() -> None:
