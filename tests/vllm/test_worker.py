@@ -1,10 +1,13 @@
 """The connector's worker side with real transfer engines over TCP (no vLLM needed): decode
-reads prefill's blocks byte for byte, refuses what it must not use, and the pool round-trips
-blocks between two engines through a real store."""
+reads prefill's blocks byte for byte, refuses what it must not use, the pool round-trips
+blocks between two engines through a real store, a stopped prefill delays nothing but its own
+reads, and a transfer that cannot be stopped keeps its blocks from vLLM until it settles."""
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -16,29 +19,21 @@ import pytest
 from kvconnect.config import StoreClientConfig, TransferConfig, VllmConnectorConfig
 from kvconnect.store.client import StoreClient
 from kvconnect.testing.cluster import Cluster
+from kvconnect.testing.prefill_peer import BLOCKS, FORMAT, PrefillPeer, block_digest, kv_caches
+from kvconnect.transfer.copying import Copier
+from kvconnect.transfer.transport import TransferOp
 from kvconnect.vllm.params import RemotePrefill
-from kvconnect.vllm.pd import PrefillService
+from kvconnect.vllm.pd import LeaseKeeper, PrefillService
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
 from kvconnect.vllm.pool import StorePoolIndex
 from kvconnect.vllm.roles import SchedulerServices
-from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
+from kvconnect.vllm.sidechannel import SideChannelClient
+from kvconnect.vllm.worker import ConnectorWorker
+from tests.conftest import wait_for
 
 torch = pytest.importorskip("torch")
 
-BLOCKS = 16
-FORMAT = EngineFormat(model="m", dtype="float32", block_size=4, tp_rank=0, tp_size=1)
 CONFIG = VllmConnectorConfig(transport="tcp", read_timeout=5.0, rpc_timeout=1.0)
-
-
-def kv_caches(seed: int | None, layout: str = "kv_first") -> dict[str, Any]:
-    """Two layers; random (``seed``) or zero contents."""
-    shape = (2, BLOCKS, 4, 2, 8) if layout == "kv_first" else (BLOCKS, 2, 4, 16)
-    generator = torch.Generator().manual_seed(seed or 0)
-    caches = {}
-    for name in ("model.layers.0.attn", "model.layers.1.attn"):
-        tensor = torch.randn(*shape, generator=generator) if seed is not None else None
-        caches[name] = tensor if tensor is not None else torch.zeros(*shape)
-    return caches
 
 
 def block(cache: Any, index: int, layout: str = "kv_first") -> Any:
@@ -46,6 +41,7 @@ def block(cache: Any, index: int, layout: str = "kv_first") -> Any:
 
 
 def wait_results(worker: ConnectorWorker, timeout: float = 10.0) -> tuple[set[str], set[str]]:
+    """The first step's ``(finished_recving, failed_recving)`` that is not empty."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _sending, recving, failed = worker.results(set())
@@ -53,6 +49,19 @@ def wait_results(worker: ConnectorWorker, timeout: float = 10.0) -> tuple[set[st
             return recving, failed
         time.sleep(0.01)
     raise AssertionError("no result")
+
+
+def wait_sent(worker: ConnectorWorker, request_id: str, timeout: float = 10.0) -> None:
+    """Finish ``request_id`` (its save holds its blocks) and wait until they are released."""
+    finished = {request_id}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sending, _recving, _failed = worker.results(finished)
+        if request_id in sending:
+            return
+        finished = set()
+        time.sleep(0.01)
+    raise AssertionError(f"{request_id}'s blocks were not released")
 
 
 @pytest.fixture
@@ -298,3 +307,209 @@ def test_io_cpus_places_the_workers_threads_and_leaves_the_model_thread_alone() 
     assert seen["threads"], "register starts the engine's listener"
     assert all(mask == {io_core} for mask in seen["threads"].values()), seen["threads"]
     assert seen["model"] == {model_core}
+
+
+# --------------------------------------------------------------- a prefill that hangs
+
+
+def test_a_stopped_prefill_delays_no_other_read_load_or_save() -> None:
+    """A SIGSTOPped prefill accepts connections and answers nothing: reads from it hang until
+    their deadline. More of them than a shared thread pool has threads must not delay a read
+    from another prefill, nor the pool's saves and loads."""
+    config = replace(CONFIG, read_timeout=60.0, rpc_timeout=30.0, connect_timeout=30.0, pool=True)
+    with (
+        Cluster(servers=1, server_size=8 << 20) as cluster,
+        PrefillPeer(seed=1) as stuck,
+        PrefillPeer(seed=2) as healthy,
+    ):
+        caches = kv_caches(seed=None)
+        decode = ConnectorWorker(replace(config, master=cluster.master_endpoint), FORMAT, BLOCKS)
+        stopped = False
+        try:
+            decode.register(caches)
+            stuck.hold("warm")  # decode knows the stuck prefill: its reads hang in the READ
+            decode.start(StepPlan(recv=(RecvJob("warm", stuck.remote("warm", (0,)), (0,), (0,)),)))
+            assert wait_results(decode) == ({"warm"}, set())
+            hung = tuple(
+                RecvJob(f"s{i}", stuck.remote(f"p{i}", (i,)), (i,), (i,)) for i in range(1, 6)
+            )
+            for job in hung:
+                stuck.hold(job.remote.request_id)
+            healthy.hold("h")
+            os.kill(stuck.pid, signal.SIGSTOP)
+            stopped = True
+            decode.start(StepPlan(recv=hung))
+            decode.start(
+                StepPlan(recv=(RecvJob("h", healthy.remote("h", (2, 3)), (8, 9), (2, 3)),))
+            )
+            assert wait_results(decode) == ({"h"}, set()), "the healthy read comes first"
+            assert block_digest(caches, (8, 9)) == healthy.digest((2, 3))
+            decode.save(StepPlan(save=(PoolJob("v", ("x",), (8,)),)))
+            wait_sent(decode, "v")
+            decode.start(StepPlan(load=(PoolJob("l", ("x",), (10,)),)))
+            assert wait_results(decode) == ({"l"}, set())
+            assert block_digest(caches, (10,)) == healthy.digest((2,))
+
+            os.kill(stuck.pid, signal.SIGCONT)
+            stopped = False
+            done: set[str] = set()
+            while len(done) < len(hung):
+                recving, failed = wait_results(decode, timeout=60)
+                assert not failed
+                done |= recving
+            assert done == {job.request_id for job in hung}
+            for job in hung:
+                assert block_digest(caches, job.local_blocks) == stuck.digest(job.remote_blocks)
+        finally:
+            if stopped:
+                os.kill(stuck.pid, signal.SIGCONT)
+            decode.close()
+
+
+def test_a_stopped_prefill_delays_no_other_lease_renewal() -> None:
+    """Decode's scheduler renews the leases of every prefill it waits for; one that does not
+    answer (each call waits for the 30 s timeout) must not hold up the renewals of another."""
+    client = SideChannelClient(timeout=30.0)
+    keeper = LeaseKeeper(client, lease=0.6)  # a renewal round every 0.1 s
+    with PrefillPeer(seed=1) as stuck, PrefillPeer(seed=2) as healthy:
+        stopped = False
+        try:
+            stuck.hold("s")
+            healthy.hold("h")
+            os.kill(stuck.pid, signal.SIGSTOP)
+            stopped = True
+            keeper.track("ds", stuck.remote("s", (1,)))
+            keeper.track("dh", healthy.remote("h", (1,)))
+            keeper.start()
+            wait_for(
+                lambda: healthy.renewals().get("h", 0) >= 5,
+                "the healthy prefill's lease is renewed round after round",
+                timeout=20,
+            )
+            os.kill(stuck.pid, signal.SIGCONT)
+            stopped = False
+            wait_for(lambda: stuck.renewals().get("s", 0) >= 1, "the stuck renewal arrives")
+        finally:
+            if stopped:
+                os.kill(stuck.pid, signal.SIGCONT)
+            keeper.close()
+            client.close()
+
+
+# ------------------------------------------------- transfers that cannot be stopped
+
+
+class Gate:
+    """Holds every copy of the local and shared-memory transports while closed: a transport
+    thread that keeps a transfer's memory past its deadline and the settle grace."""
+
+    def __init__(self) -> None:
+        self.held = threading.Semaphore(0)  # released once per held copy
+        self._open = threading.Event()
+        self._open.set()
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    def pass_through(self) -> None:
+        if not self._open.is_set():
+            self.held.release()
+            self._open.wait()
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    gate = Gate()
+    original = Copier.copy
+
+    def copy(self: Copier, op: TransferOp, work: Any) -> None:
+        gate.pass_through()
+        original(self, op, work)
+
+    monkeypatch.setattr(Copier, "copy", copy)
+    try:
+        yield gate
+    finally:
+        gate.open()
+
+
+def _unsettled(caplog: pytest.LogCaptureFixture, request_id: str) -> bool:
+    return any(f" of {request_id} could not be stopped" in r.getMessage() for r in caplog.records)
+
+
+def test_a_read_that_cannot_be_stopped_keeps_its_blocks_until_it_settles(
+    prefill: Any, gate: Gate, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A READ whose transport thread still writes decode's blocks after the deadline: the
+    request stays waiting for its KV (vLLM would reuse blocks it sees as failed) and fails
+    only once the transfer lets go."""
+    caplog.set_level(logging.ERROR, logger="kvconnect")
+    _, service, _ = prefill
+    config = replace(CONFIG, transport="auto", read_timeout=0.5)  # same process: local copies
+    decode = ConnectorWorker(config, FORMAT, BLOCKS)
+    try:
+        decode.register(kv_caches(seed=None))
+        service.hold("p1", readers=1)
+        gate.close()
+        decode.start(StepPlan(recv=(_job(service, (5, 6), (1, 2)),)))
+        assert gate.held.acquire(timeout=10), "the copy started"
+        wait_for(lambda: _unsettled(caplog, "d1"), "the read outlived its deadline", timeout=30)
+        assert decode.results(set()) == (set(), set(), set()), "the blocks stay with kvconnect"
+        assert decode.load_errors() == set()
+        gate.open()
+        assert wait_results(decode) == ({"d1"}, {"d1"}), "reported once settled, as failed"
+        assert decode.load_errors() == {5, 6}
+    finally:
+        gate.open()
+        decode.close()
+
+
+def test_pool_transfers_that_cannot_be_stopped_keep_their_blocks_until_they_settle(
+    gate: Gate, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pool load still writing its blocks, a save still reading its blocks after their
+    deadlines: neither request is reported (load: finished_recving; save: finished_sending,
+    which frees the blocks) before the transfer settled."""
+    caplog.set_level(logging.ERROR, logger="kvconnect")
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        config = replace(
+            CONFIG,
+            transport="auto",  # the store server is on this host: shared-memory copies
+            pool=True,
+            master=cluster.master_endpoint,
+            pool_read_timeout=0.5,
+            pool_write_timeout=0.5,
+        )
+        worker = ConnectorWorker(config, FORMAT, BLOCKS)
+        try:
+            worker.register(kv_caches(seed=4))
+            worker.save(StepPlan(save=(PoolJob("w", ("h1",), (3,)),)))
+            wait_sent(worker, "w")
+            gate.close()
+            worker.start(StepPlan(load=(PoolJob("r", ("h1",), (0,)),)))
+            worker.save(StepPlan(save=(PoolJob("v", ("h2",), (4,)),)))
+            for _ in range(2):
+                assert gate.held.acquire(timeout=10), "both copies started"
+            wait_for(
+                lambda: _unsettled(caplog, "r") and _unsettled(caplog, "v"),
+                "the load and the save outlived their deadlines",
+                timeout=30,
+            )
+            assert worker.results({"v"}) == (set(), set(), set()), "no block handed back"
+            gate.open()
+            seen: dict[str, set[str]] = {"sending": set(), "recving": set(), "failed": set()}
+
+            def collect() -> bool:
+                for name, ids in zip(seen, worker.results(set()), strict=True):
+                    seen[name] |= ids
+                return bool(seen["sending"] and seen["recving"])
+
+            wait_for(collect, "the load and the save are reported once settled")
+            assert seen == {"sending": {"v"}, "recving": {"r"}, "failed": {"r"}}
+            assert worker.load_errors() == {0}
+        finally:
+            gate.open()
+            worker.close()
