@@ -436,8 +436,32 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
         gate.open()
 
 
-def _unsettled(caplog: pytest.LogCaptureFixture, request_id: str) -> bool:
-    return any(f" of {request_id} could not be stopped" in r.getMessage() for r in caplog.records)
+def _unsettled(caplog: pytest.LogCaptureFixture, *request_ids: str) -> bool:
+    """The worker found each request's transfer unsettled after its deadline."""
+    messages = [r.getMessage() for r in caplog.records]
+    return all(any(f" of {rid} could not be stopped" in m for m in messages) for rid in request_ids)
+
+
+class Steps:
+    """Collects what the worker reports at the end of each step."""
+
+    def __init__(self, worker: ConnectorWorker, finished: set[str] | None = None) -> None:
+        self._worker = worker
+        self._finished = finished or set()  # requests the scheduler finished (next step)
+        self.sending: set[str] = set()
+        self.recving: set[str] = set()
+        self.failed: set[str] = set()
+        self.load_errors: set[int] = set()
+
+    def step(self) -> bool:
+        """One step's results; whether anything was reported so far."""
+        sending, recving, failed = self._worker.results(self._finished)
+        self._finished = set()
+        self.sending |= sending
+        self.recving |= recving
+        self.failed |= failed
+        self.load_errors |= self._worker.load_errors()
+        return bool(self.sending or self.recving)
 
 
 def test_a_read_that_cannot_be_stopped_keeps_its_blocks_until_it_settles(
@@ -456,12 +480,17 @@ def test_a_read_that_cannot_be_stopped_keeps_its_blocks_until_it_settles(
         gate.close()
         decode.start(StepPlan(recv=(_job(service, (5, 6), (1, 2)),)))
         assert gate.held.acquire(timeout=10), "the copy started"
-        wait_for(lambda: _unsettled(caplog, "d1"), "the read outlived its deadline", timeout=30)
-        assert decode.results(set()) == (set(), set(), set()), "the blocks stay with kvconnect"
-        assert decode.load_errors() == set()
+        steps = Steps(decode)
+        wait_for(
+            lambda: steps.step() or _unsettled(caplog, "d1"),
+            "the read outlives its deadline and the settle grace",
+            timeout=30,
+        )
+        assert not steps.step(), "reported while the copy still writes the blocks"
+        assert not steps.load_errors
         gate.open()
-        assert wait_results(decode) == ({"d1"}, {"d1"}), "reported once settled, as failed"
-        assert decode.load_errors() == {5, 6}
+        wait_for(steps.step, "the read is reported once it settled")
+        assert (steps.recving, steps.failed, steps.load_errors) == ({"d1"}, {"d1"}, {5, 6})
     finally:
         gate.open()
         decode.close()
@@ -493,23 +522,20 @@ def test_pool_transfers_that_cannot_be_stopped_keep_their_blocks_until_they_sett
             worker.save(StepPlan(save=(PoolJob("v", ("h2",), (4,)),)))
             for _ in range(2):
                 assert gate.held.acquire(timeout=10), "both copies started"
+            steps = Steps(worker, finished={"v"})  # "v" finished: only its save holds it
             wait_for(
-                lambda: _unsettled(caplog, "r") and _unsettled(caplog, "v"),
-                "the load and the save outlived their deadlines",
+                lambda: steps.step() or _unsettled(caplog, "r", "v"),
+                "the load and the save outlive their deadlines and the settle grace",
                 timeout=30,
             )
-            assert worker.results({"v"}) == (set(), set(), set()), "no block handed back"
+            assert not steps.step(), "blocks handed back while copies still use them"
             gate.open()
-            seen: dict[str, set[str]] = {"sending": set(), "recving": set(), "failed": set()}
-
-            def collect() -> bool:
-                for name, ids in zip(seen, worker.results(set()), strict=True):
-                    seen[name] |= ids
-                return bool(seen["sending"] and seen["recving"])
-
-            wait_for(collect, "the load and the save are reported once settled")
-            assert seen == {"sending": {"v"}, "recving": {"r"}, "failed": {"r"}}
-            assert worker.load_errors() == {0}
+            wait_for(
+                lambda: steps.step() and bool(steps.sending and steps.recving),
+                "the load and the save are reported once settled",
+            )
+            assert (steps.sending, steps.recving, steps.failed) == ({"v"}, {"r"}, {"r"})
+            assert steps.load_errors == {0}
         finally:
             gate.open()
             worker.close()
