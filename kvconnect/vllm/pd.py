@@ -3,12 +3,15 @@
 :class:`PrefillService` runs in the prefill engine's scheduler process: the side channel that
 hands out the KV layout, and the lease table deciding when held blocks may be freed.
 :class:`LeaseKeeper` runs in the decode engine's scheduler process: it renews prefill's leases
-for requests still waiting for their KV and tells prefill about blocks it will not read.
+for requests still waiting for their KV and tells prefill about blocks it will not read. Its
+calls to each prefill engine run in a lane of their own (one thread per engine), so a prefill
+that does not answer delays no other's renewals.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -16,6 +19,7 @@ from collections.abc import Callable, Iterable
 
 from kvconnect.errors import KVConnectError
 from kvconnect.vllm import messages as msg
+from kvconnect.vllm.lanes import Lanes
 from kvconnect.vllm.layout import RankLayout
 from kvconnect.vllm.leases import Confirmation, LeaseTable
 from kvconnect.vllm.params import RemotePrefill
@@ -112,6 +116,7 @@ class LeaseKeeper:
     def __init__(self, client: SideChannelClient, lease: float) -> None:
         self._client = client
         self._interval = max(lease / 6, 0.05)
+        self._lanes = Lanes("vllm-lease", 1, on_exit=client.release)
         self._lock = threading.Lock()
         self._waiting: dict[str, RemotePrefill] = {}
         self._give_up: list[RemotePrefill] = []
@@ -126,11 +131,13 @@ class LeaseKeeper:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop renewing; waits for calls in flight (each bounded by the client's timeout)."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=self._client.timeout * 2 + 1)
+            self._thread.join()
             self._thread = None
+        self._lanes.close()
 
     def track(self, request_id: str, remote: RemotePrefill) -> None:
         """Decode request ``request_id`` waits for ``remote``'s blocks."""
@@ -166,11 +173,20 @@ class LeaseKeeper:
     def _send(
         self, kind: type[msg.Renew] | type[msg.GiveUp], remotes: Iterable[RemotePrefill]
     ) -> None:
+        """One call per prefill engine, each in the engine's lane (never blocks). A renewal
+        is skipped while the lane is still busy: the next round renews again, and a queue of
+        renewals behind one that hangs would only repeat it."""
         by_endpoint: dict[str, list[str]] = collections.defaultdict(list)
         for remote in remotes:
             by_endpoint[remote.endpoint].append(remote.request_id)
         for endpoint, ids in by_endpoint.items():
-            try:
-                self._client.call(endpoint, kind(ids))
-            except KVConnectError as exc:  # prefill's leases lapse on their own
-                log.warning("%s to %s failed: %s", kind.__name__, endpoint, exc)
+            if kind is msg.Renew and self._lanes.busy(endpoint):
+                log.debug("prefill %s has not answered yet: renewal skipped", endpoint)
+                continue
+            self._lanes.submit(endpoint, functools.partial(self._call, endpoint, kind(ids)))
+
+    def _call(self, endpoint: str, request: msg.Renew | msg.GiveUp) -> None:
+        try:
+            self._client.call(endpoint, request)
+        except KVConnectError as exc:  # prefill's leases lapse on their own
+            log.warning("%s to %s failed: %s", type(request).__name__, endpoint, exc)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from kvconnect.errors import StoreError
 from kvconnect.store.client import StoreClient
+from kvconnect.store.messages import MAX_BATCH
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,6 @@ class PoolKeys:
             for chunk in range(self.chunks)
         ]
 
-    def probe_key(self, block_hash: str) -> str:
-        """The one object of the block a lookup asks about (a load checks them all)."""
-        return f"{self.prefix}{block_hash}/{self.layers - 1}.{self.chunks - 1}"
-
 
 def pool_keys(
     *, namespace: str, model: str, compat: str, tp_rank: int, layers: int, chunks: int
@@ -57,21 +54,29 @@ class StorePoolIndex:
 
     def __init__(self, client: StoreClient) -> None:
         self._client = client
-        self.keys: PoolKeys | None = None
-        """Set once the workers described their KV cache; until then every lookup misses."""
+        self.keys: tuple[PoolKeys, ...] = ()
+        """Every TP rank's key scheme, set once the workers described their KV cache; until
+        then every lookup misses."""
 
     def leading(self, hashes: Sequence[str]) -> int:
-        """Blocks from the first that the pool holds; 0 when the store cannot be asked (the
+        """Blocks from the first that the pool holds whole: every object of the block, of
+        every rank (a block missing one part would fail its load, and under vLLM's default
+        ``kv_load_failure_policy=fail`` the request). 0 when the store cannot be asked (the
         client's breaker makes that fast while the store is down)."""
-        keys = self.keys
-        if keys is None:
+        ranks = self.keys
+        per_block = sum(rank.per_block for rank in ranks)
+        # One master call, within its batch limit: blocks past it count as misses (the load
+        # of the hit, one store batch too, then fits as well).
+        hashes = hashes[: MAX_BATCH // per_block] if per_block else ()
+        if not hashes:
             return 0
+        names = [key for h in hashes for rank in ranks for key in rank.block_keys(h)]
         try:
-            found = self._client.batch_exists([keys.probe_key(h) for h in hashes])
+            found = self._client.batch_exists(names)
         except StoreError as exc:
             log.debug("pool lookup failed, treating as a miss: %s", exc)
             return 0
-        for count, present in enumerate(found):
-            if not present:
+        for count in range(len(hashes)):
+            if not all(found[count * per_block : (count + 1) * per_block]):
                 return count
-        return len(found)
+        return len(hashes)

@@ -32,15 +32,17 @@ class SchedulerServices:
         """The workers' KV layouts, by TP rank."""
         if self.prefill is not None:
             self.prefill.set_layouts(layouts)
-        first = layouts.get(0)
-        if self.pool is not None and first is not None:
-            self.pool.keys = pool_keys(
-                namespace=self._config.namespace,
-                model=self._model,
-                compat=first.compat,
-                tp_rank=0,
-                layers=len(first.layers),
-                chunks=first.layers[0].chunks if first.layers else 1,
+        if self.pool is not None:  # a hit needs the blocks of every rank
+            self.pool.keys = tuple(
+                pool_keys(
+                    namespace=self._config.namespace,
+                    model=self._model,
+                    compat=layout.compat,
+                    tp_rank=rank,
+                    layers=len(layout.layers),
+                    chunks=layout.layers[0].chunks if layout.layers else 1,
+                )
+                for rank, layout in sorted(layouts.items())
             )
 
     def close(self) -> None:

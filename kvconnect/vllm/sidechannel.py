@@ -160,6 +160,19 @@ class SideChannelClient:
             if reply.call == call:  # older replies belong to calls that timed out
                 return reply.body
 
+    def release(self) -> None:
+        """Close the calling thread's sockets (for a thread that ends; its next call, if
+        any, opens new ones)."""
+        sockets: dict[str, zmq.Socket[bytes]] | None = getattr(self._local, "sockets", None)
+        if not sockets:
+            return
+        with self._lock:
+            for sock in sockets.values():
+                if sock in self._sockets:  # close() may have closed it already
+                    self._sockets.remove(sock)
+                    sock.close(0)
+        sockets.clear()
+
     def close(self) -> None:
         """Close every socket. Idempotent."""
         with self._lock:

@@ -2,31 +2,38 @@
 reports when held blocks may go (prefill), loads and saves pool blocks.
 
 Runs in each vLLM worker process (one per TP rank). vLLM calls it on its model-runner thread
-and never waits on it: reads, loads and saves run on a small thread pool and their results
-are collected at the end of each step.
+and never waits on it: reads, loads and saves run in the background and their results are
+collected at the end of each step. They run in lanes (:mod:`kvconnect.vllm.lanes`): the reads
+from each prefill engine, the pool's loads and the pool's saves each have threads of their
+own, so a prefill that hangs delays only the reads from it.
+
+A transfer that cannot be stopped by its deadline (the transfer engine reports it PENDING,
+the store UNSETTLED) still writes (read, load) or reads (save) vLLM's blocks: its request is
+reported only once the transfer settled, so vLLM keeps the blocks until then.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvconnect.config import StoreClientConfig, TransferConfig, VllmConnectorConfig
 from kvconnect.errors import ConfigError, KVConnectError
 from kvconnect.store.client import StoreClient
+from kvconnect.store.messages import Code
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
 from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
 from kvconnect.vllm import messages as msg
-from kvconnect.vllm.affinity import bind_this_thread, threads_on
+from kvconnect.vllm.affinity import threads_on
 from kvconnect.vllm.kvcache import register_kv_caches
+from kvconnect.vllm.lanes import Lanes
 from kvconnect.vllm.layout import (
     IncompatiblePeer,
     KVFormat,
@@ -43,7 +50,9 @@ from kvconnect.vllm.sidechannel import SideChannelClient
 
 log = logging.getLogger(__name__)
 
-_THREADS = 4
+_LANE_THREADS = 4  # threads of one lane: the reads from one prefill, pool loads, pool saves
+_LOADS = "pool-load"
+_SAVES = "pool-save"
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +130,8 @@ class ConnectorWorker:
         self._client = SideChannelClient(config.rpc_timeout, token=token)
         self._store: StoreClient | None = None
         self._pool_keys: PoolKeys | None = None
-        self._pool = ThreadPoolExecutor(
-            _THREADS,
-            thread_name_prefix="kvconnect-vllm",
-            initializer=bind_this_thread,
-            initargs=(config.io_cpu_set,),
+        self._lanes = Lanes(
+            "vllm", _LANE_THREADS, cpus=config.io_cpu_set, on_exit=self._client.release
         )
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -136,7 +142,7 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()
         self._holds: dict[str, set[str]] = {}  # finished request → what its blocks wait for
         self._saves: dict[str, bool] = {}  # request → its save is done
-        self._saving: dict[str, Future[None]] = {}  # saves running, by request
+        self._saving: dict[str, threading.Event] = {}  # saves not reported yet, by request
         self._cuda = False
         self.stats = WorkerStats()
 
@@ -181,8 +187,8 @@ class ConnectorWorker:
         self._store = store
 
     def close(self) -> None:
-        """Stop the thread pool (waiting for running jobs), then the engine. Idempotent."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Stop the lanes (waiting for running jobs), then the engine. Idempotent."""
+        self._lanes.close()
         if self._store is not None:
             self._store.close()
         self._client.close()
@@ -200,9 +206,9 @@ class ConnectorWorker:
                 plan.released,
             )
         for job in plan.recv:
-            self._pool.submit(self._guard, self._recv, job)
+            self._lanes.submit(f"read-{job.remote.endpoint}", self._guarded(self._recv, job))
         for load in plan.load:
-            self._pool.submit(self._guard, self._load, load)
+            self._lanes.submit(_LOADS, self._guarded(self._load, load))
         for rid in plan.held:
             self._holds.setdefault(rid, set()).add("lease")
         for rid in plan.released:  # held in this plan or an earlier one
@@ -216,15 +222,22 @@ class ConnectorWorker:
             torch.cuda.current_stream().synchronize()
         for job in plan.save:
             self._saves[job.request_id] = False
-            self._saving[job.request_id] = self._pool.submit(self._guard, self._save, job)
+            with self._lock:
+                self._saving[job.request_id] = threading.Event()
+            self._lanes.submit(_SAVES, self._guarded(self._save, job))
 
     def protect(self, plan: StepPlan) -> None:
         """Before the forward pass: wait until the saves of requests preempted this step
         stopped reading their blocks (vLLM reuses them right away). Bounded by the saves'
-        deadline: after it the transfer engine no longer touches the blocks."""
-        running = [self._saving[rid] for rid in plan.preempted if rid in self._saving]
-        if running:
-            wait_futures(running, timeout=self.config.pool_write_timeout + 1)
+        deadline (and a second): a save whose transfer has not settled by then keeps
+        reading blocks the forward pass overwrites, but it is failing and stores nothing."""
+        with self._lock:
+            saving = [self._saving[rid] for rid in plan.preempted if rid in self._saving]
+        end = time.monotonic() + self.config.pool_write_timeout + 1
+        for settled in saving:
+            if not settled.wait(max(0.0, end - time.monotonic())):
+                log.warning("a preempted request's save still reads its blocks")
+                return
 
     def results(self, finished: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` of this step.
@@ -244,7 +257,6 @@ class ConnectorWorker:
             self._account(outcome)
             if outcome.kind == "save":
                 self._saves[outcome.request_id] = True
-                self._saving.pop(outcome.request_id, None)
                 self._release(outcome.request_id, "save")
                 continue
             recving.add(outcome.request_id)
@@ -287,6 +299,9 @@ class ConnectorWorker:
         else:
             self.stats.add(pool_saves=1, pool_bytes_saved=outcome.nbytes)
 
+    def _guarded(self, job: Any, item: RecvJob | PoolJob) -> Callable[[], None]:
+        return functools.partial(self._guard, job, item)
+
     def _guard(self, job: Any, item: RecvJob | PoolJob) -> None:
         # A job must always produce an outcome, or vLLM would wait for its request for ever.
         try:
@@ -295,7 +310,32 @@ class ConnectorWorker:
             log.exception("kvconnect %s of %s failed", job.__name__, item.request_id)
             blocks = item.local_blocks if isinstance(item, RecvJob) else item.blocks
             kind = job.__name__.lstrip("_")
-            self._outcomes.put(_Outcome(item.request_id, kind, False, tuple(blocks)))
+            self._report(_Outcome(item.request_id, kind, False, tuple(blocks)))
+
+    def _report(self, outcome: _Outcome) -> None:
+        """Hand ``outcome`` to the next :meth:`results` (any thread; for a transfer that had
+        not settled, the transport thread that settles it)."""
+        self._outcomes.put(outcome)
+        if outcome.kind == "save":
+            with self._lock:
+                settled = self._saving.pop(outcome.request_id, None)
+            if settled is not None:
+                settled.set()
+
+    def _report_settled(
+        self, outcome: _Outcome, unsettled: bool, on_settled: Callable[[Callable[[], None]], None]
+    ) -> None:
+        """Report ``outcome`` once no transfer touches its blocks any more: at once unless
+        ``unsettled``; ``on_settled`` registers the report (``add_settled_callback`` of the
+        transfer batch, ``on_settled`` of the store's result)."""
+        if unsettled:
+            log.error(
+                "kvconnect %s of %s could not be stopped by its deadline: its blocks stay "
+                "with kvconnect until the transfer lets go",
+                outcome.kind,
+                outcome.request_id,
+            )
+        on_settled(functools.partial(self._report, outcome))
 
     # ------------------------------------------------------------------------------ PD
 
@@ -311,7 +351,7 @@ class ConnectorWorker:
             if not refused:
                 log.error("cannot read KV of %s from %s: %s", job.request_id, remote.endpoint, exc)
             seconds = time.monotonic() - started
-            self._outcomes.put(
+            self._report(
                 _Outcome(
                     job.request_id, "recv", False, job.local_blocks, 0, seconds, refused=refused
                 )
@@ -335,7 +375,9 @@ class ConnectorWorker:
         failed = () if ok else job.local_blocks
         moved = nbytes if ok else 0
         # Reported before telling prefill, so a dead prefill delays no recompute.
-        self._outcomes.put(_Outcome(job.request_id, "recv", ok, failed, moved, seconds, io_seconds))
+        outcome = _Outcome(job.request_id, "recv", ok, failed, moved, seconds, io_seconds)
+        unsettled = TransferStatus.PENDING in statuses
+        self._report_settled(outcome, unsettled, batch.add_settled_callback)
         if not read:
             with self._lock:  # a restarted prefill may reuse its engine id: ask again next time
                 self._peers.pop(remote.engine_id, None)
@@ -455,9 +497,8 @@ class ConnectorWorker:
             if not all(ok[i * per_block : (i + 1) * per_block])
         )
         seconds = time.monotonic() - started
-        self._outcomes.put(
-            _Outcome(job.request_id, "load", not failed, failed, sum(result.sizes), seconds)
-        )
+        outcome = _Outcome(job.request_id, "load", not failed, failed, sum(result.sizes), seconds)
+        self._report_settled(outcome, Code.UNSETTLED in result.codes, result.on_settled)
 
     def _save(self, job: PoolJob) -> None:
         assert self._store is not None
@@ -466,4 +507,5 @@ class ConnectorWorker:
             keys, regions, offsets, sizes, timeout=self.config.pool_write_timeout
         )
         written = sum(size for size, ok in zip(sizes, result.ok(), strict=True) if ok)
-        self._outcomes.put(_Outcome(job.request_id, "save", all(result.ok()), (), written))
+        outcome = _Outcome(job.request_id, "save", all(result.ok()), (), written)
+        self._report_settled(outcome, Code.UNSETTLED in result.codes, result.on_settled)

@@ -233,7 +233,8 @@ def test_shared_pool_hit_loads_the_prefix_and_saves_the_rest(tiny_config: Path) 
             prompt = list(range(100, 156))  # 3 full blocks and 8 tokens
             probe = make_request("probe", prompt)
             for block_hash in probe.block_hashes[:2]:  # the pool has the first two blocks
-                assert store.put(keys.probe_key(block_hash.hex()), b"x" * 64).name == "OK"
+                for key in keys.block_keys(block_hash.hex()):
+                    assert store.put(key, b"x" * 64).name == "OK"
 
             s.add_request(make_request("hit", prompt, max_tokens=1))
             output, _ = step(s)

@@ -1,10 +1,13 @@
 """The connector's worker side with real transfer engines over TCP (no vLLM needed): decode
-reads prefill's blocks byte for byte, refuses what it must not use, and the pool round-trips
-blocks between two engines through a real store."""
+reads prefill's blocks byte for byte, refuses what it must not use, the pool round-trips
+blocks between two engines through a real store, a stopped prefill delays nothing but its own
+reads, and a transfer that cannot be stopped keeps its blocks from vLLM until it settles."""
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -13,30 +16,25 @@ from typing import Any
 
 import pytest
 
-from kvconnect.config import TransferConfig, VllmConnectorConfig
+from kvconnect.config import StoreClientConfig, TransferConfig, VllmConnectorConfig
+from kvconnect.store.client import StoreClient
 from kvconnect.testing.cluster import Cluster
+from kvconnect.testing.prefill_peer import BLOCKS, FORMAT, PrefillPeer, block_digest, kv_caches
+from kvconnect.transfer.copying import Copier
+from kvconnect.transfer.transport import TransferOp
 from kvconnect.vllm.params import RemotePrefill
-from kvconnect.vllm.pd import PrefillService
+from kvconnect.vllm.pd import LeaseKeeper, PrefillService
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
-from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
+from kvconnect.vllm.pool import StorePoolIndex
+from kvconnect.vllm.roles import SchedulerServices
+from kvconnect.vllm.sidechannel import SideChannelClient
+from kvconnect.vllm.worker import ConnectorWorker
+from tests.conftest import wait_for
 
 torch = pytest.importorskip("torch")
 
-BLOCKS = 16
-FORMAT = EngineFormat(model="m", dtype="float32", block_size=4, tp_rank=0, tp_size=1)
 TOKEN = os.environ["KVCONNECT_TOKEN"]  # set by tests/conftest.py
 CONFIG = VllmConnectorConfig(transport="tcp", read_timeout=5.0, rpc_timeout=1.0)
-
-
-def kv_caches(seed: int | None, layout: str = "kv_first") -> dict[str, Any]:
-    """Two layers; random (``seed``) or zero contents."""
-    shape = (2, BLOCKS, 4, 2, 8) if layout == "kv_first" else (BLOCKS, 2, 4, 16)
-    generator = torch.Generator().manual_seed(seed or 0)
-    caches = {}
-    for name in ("model.layers.0.attn", "model.layers.1.attn"):
-        tensor = torch.randn(*shape, generator=generator) if seed is not None else None
-        caches[name] = tensor if tensor is not None else torch.zeros(*shape)
-    return caches
 
 
 def block(cache: Any, index: int, layout: str = "kv_first") -> Any:
@@ -44,6 +42,7 @@ def block(cache: Any, index: int, layout: str = "kv_first") -> Any:
 
 
 def wait_results(worker: ConnectorWorker, timeout: float = 10.0) -> tuple[set[str], set[str]]:
+    """The first step's ``(finished_recving, failed_recving)`` that is not empty."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _sending, recving, failed = worker.results(set())
@@ -51,6 +50,19 @@ def wait_results(worker: ConnectorWorker, timeout: float = 10.0) -> tuple[set[st
             return recving, failed
         time.sleep(0.01)
     raise AssertionError("no result")
+
+
+def wait_sent(worker: ConnectorWorker, request_id: str, timeout: float = 10.0) -> None:
+    """Finish ``request_id`` (its save holds its blocks) and wait until they are released."""
+    finished = {request_id}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sending, _recving, _failed = worker.results(finished)
+        if request_id in sending:
+            return
+        finished = set()
+        time.sleep(0.01)
+    raise AssertionError(f"{request_id}'s blocks were not released")
 
 
 @pytest.fixture
@@ -177,6 +189,42 @@ def test_pool_blocks_round_trip_between_engines(layout: str) -> None:
             reader.close()
 
 
+def test_a_pool_hit_is_only_blocks_whole_on_every_rank() -> None:
+    """The scheduler's lookup counts a block only when every object of it (each layer's K and
+    V, of each TP rank) is stored: a block missing one would fail its load, and the request
+    with it under vLLM's default ``kv_load_failure_policy=fail``."""
+    hashes = ("h1", "h2", "h3")
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        config = replace(CONFIG, pool=True, master=cluster.master_endpoint)
+        ranks = [
+            ConnectorWorker(config, replace(FORMAT, tp_rank=rank, tp_size=2), BLOCKS)
+            for rank in (0, 1)
+        ]
+        store = StoreClient(StoreClientConfig(master=cluster.master_endpoint))
+        services = SchedulerServices(config, FORMAT.model)
+        try:
+            layouts = {rank: w.register(kv_caches(seed=rank)) for rank, w in enumerate(ranks)}
+            store.start()
+            services.pool = index = StorePoolIndex(store)
+            services.set_layouts(layouts)
+            assert index.leading(hashes) == 0, "nothing saved yet"
+            for worker in ranks:
+                worker.save(StepPlan(save=(PoolJob("w", hashes, (3, 4, 5)),)))
+                worker.protect(StepPlan(preempted=("w",)))  # waits for the save
+                assert worker.results({"w"})[0] == {"w"}
+            assert index.leading(hashes) == 3
+            rank0 = index.keys[0]
+            assert store.remove(rank0.block_keys("h3")[0]).name == "OK"  # layer 0's K of h3
+            assert index.leading(hashes) == 2
+            rank1 = index.keys[1]
+            assert store.remove(rank1.block_keys("h2")[-1]).name == "OK"  # rank 1's h2
+            assert index.leading(hashes) == 1, "the hit stops before the partial block"
+        finally:
+            store.close()
+            for worker in ranks:
+                worker.close()
+
+
 def test_a_dead_prefill_is_reported_before_the_give_up_call_times_out() -> None:
     """Decode reports a failed read at once; telling prefill to free its blocks, a call a dead
     prefill never answers, comes after (else a dead prefill would delay every recompute)."""
@@ -260,3 +308,235 @@ def test_io_cpus_places_the_workers_threads_and_leaves_the_model_thread_alone() 
     assert seen["threads"], "register starts the engine's listener"
     assert all(mask == {io_core} for mask in seen["threads"].values()), seen["threads"]
     assert seen["model"] == {model_core}
+
+
+# --------------------------------------------------------------- a prefill that hangs
+
+
+def test_a_stopped_prefill_delays_no_other_read_load_or_save() -> None:
+    """A SIGSTOPped prefill accepts connections and answers nothing: reads from it hang until
+    their deadline. More of them than a shared thread pool has threads must not delay a read
+    from another prefill, nor the pool's saves and loads."""
+    config = replace(CONFIG, read_timeout=60.0, rpc_timeout=30.0, connect_timeout=30.0, pool=True)
+    with (
+        Cluster(servers=1, server_size=8 << 20) as cluster,
+        PrefillPeer(seed=1) as stuck,
+        PrefillPeer(seed=2) as healthy,
+    ):
+        caches = kv_caches(seed=None)
+        decode = ConnectorWorker(replace(config, master=cluster.master_endpoint), FORMAT, BLOCKS)
+        stopped = False
+        try:
+            decode.register(caches)
+            stuck.hold("warm")  # decode knows the stuck prefill: its reads hang in the READ
+            decode.start(StepPlan(recv=(RecvJob("warm", stuck.remote("warm", (0,)), (0,), (0,)),)))
+            assert wait_results(decode) == ({"warm"}, set())
+            hung = tuple(
+                RecvJob(f"s{i}", stuck.remote(f"p{i}", (i,)), (i,), (i,)) for i in range(1, 6)
+            )
+            for job in hung:
+                stuck.hold(job.remote.request_id)
+            healthy.hold("h")
+            os.kill(stuck.pid, signal.SIGSTOP)
+            stopped = True
+            decode.start(StepPlan(recv=hung))
+            decode.start(
+                StepPlan(recv=(RecvJob("h", healthy.remote("h", (2, 3)), (8, 9), (2, 3)),))
+            )
+            assert wait_results(decode) == ({"h"}, set()), "the healthy read comes first"
+            assert block_digest(caches, (8, 9)) == healthy.digest((2, 3))
+            decode.save(StepPlan(save=(PoolJob("v", ("x",), (8,)),)))
+            wait_sent(decode, "v")
+            decode.start(StepPlan(load=(PoolJob("l", ("x",), (10,)),)))
+            assert wait_results(decode) == ({"l"}, set())
+            assert block_digest(caches, (10,)) == healthy.digest((2,))
+
+            os.kill(stuck.pid, signal.SIGCONT)
+            stopped = False
+            done: set[str] = set()
+            while len(done) < len(hung):
+                recving, failed = wait_results(decode, timeout=60)
+                assert not failed
+                done |= recving
+            assert done == {job.request_id for job in hung}
+            for job in hung:
+                assert block_digest(caches, job.local_blocks) == stuck.digest(job.remote_blocks)
+        finally:
+            if stopped:
+                os.kill(stuck.pid, signal.SIGCONT)
+            decode.close()
+
+
+def test_a_stopped_prefill_delays_no_other_lease_renewal() -> None:
+    """Decode's scheduler renews the leases of every prefill it waits for; one that does not
+    answer (each call waits for the 30 s timeout) must not hold up the renewals of another."""
+    client = SideChannelClient(timeout=30.0, token=TOKEN)
+    keeper = LeaseKeeper(client, lease=0.6)  # a renewal round every 0.1 s
+    with PrefillPeer(seed=1) as stuck, PrefillPeer(seed=2) as healthy:
+        stopped = False
+        try:
+            stuck.hold("s")
+            healthy.hold("h")
+            os.kill(stuck.pid, signal.SIGSTOP)
+            stopped = True
+            keeper.track("ds", stuck.remote("s", (1,)))
+            keeper.track("dh", healthy.remote("h", (1,)))
+            keeper.start()
+            wait_for(
+                lambda: healthy.renewals().get("h", 0) >= 5,
+                "the healthy prefill's lease is renewed round after round",
+                timeout=20,
+            )
+            os.kill(stuck.pid, signal.SIGCONT)
+            stopped = False
+            wait_for(lambda: stuck.renewals().get("s", 0) >= 1, "the stuck renewal arrives")
+        finally:
+            if stopped:
+                os.kill(stuck.pid, signal.SIGCONT)
+            keeper.close()
+            client.close()
+
+
+# ------------------------------------------------- transfers that cannot be stopped
+
+
+class Gate:
+    """Holds every copy of the local and shared-memory transports while closed: a transport
+    thread that keeps a transfer's memory past its deadline and the settle grace."""
+
+    def __init__(self) -> None:
+        self.held = threading.Semaphore(0)  # released once per held copy
+        self._open = threading.Event()
+        self._open.set()
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    def pass_through(self) -> None:
+        if not self._open.is_set():
+            self.held.release()
+            self._open.wait()
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    gate = Gate()
+    original = Copier.copy
+
+    def copy(self: Copier, op: TransferOp, work: Any) -> None:
+        gate.pass_through()
+        original(self, op, work)
+
+    monkeypatch.setattr(Copier, "copy", copy)
+    try:
+        yield gate
+    finally:
+        gate.open()
+
+
+def _unsettled(caplog: pytest.LogCaptureFixture, *request_ids: str) -> bool:
+    """The worker found each request's transfer unsettled after its deadline."""
+    messages = [r.getMessage() for r in caplog.records]
+    return all(any(f" of {rid} could not be stopped" in m for m in messages) for rid in request_ids)
+
+
+class Steps:
+    """Collects what the worker reports at the end of each step."""
+
+    def __init__(self, worker: ConnectorWorker, finished: set[str] | None = None) -> None:
+        self._worker = worker
+        self._finished = finished or set()  # requests the scheduler finished (next step)
+        self.sending: set[str] = set()
+        self.recving: set[str] = set()
+        self.failed: set[str] = set()
+        self.load_errors: set[int] = set()
+
+    def step(self) -> bool:
+        """One step's results; whether anything was reported so far."""
+        sending, recving, failed = self._worker.results(self._finished)
+        self._finished = set()
+        self.sending |= sending
+        self.recving |= recving
+        self.failed |= failed
+        self.load_errors |= self._worker.load_errors()
+        return bool(self.sending or self.recving)
+
+
+def test_a_read_that_cannot_be_stopped_keeps_its_blocks_until_it_settles(
+    prefill: Any, gate: Gate, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A READ whose transport thread still writes decode's blocks after the deadline: the
+    request stays waiting for its KV (vLLM would reuse blocks it sees as failed) and fails
+    only once the transfer lets go."""
+    caplog.set_level(logging.ERROR, logger="kvconnect")
+    _, service, _ = prefill
+    config = replace(CONFIG, transport="auto", read_timeout=0.5)  # same process: local copies
+    decode = ConnectorWorker(config, FORMAT, BLOCKS)
+    try:
+        decode.register(kv_caches(seed=None))
+        service.hold("p1", readers=1)
+        gate.close()
+        decode.start(StepPlan(recv=(_job(service, (5, 6), (1, 2)),)))
+        assert gate.held.acquire(timeout=10), "the copy started"
+        steps = Steps(decode)
+        wait_for(
+            lambda: steps.step() or _unsettled(caplog, "d1"),
+            "the read outlives its deadline and the settle grace",
+            timeout=30,
+        )
+        assert not steps.step(), "reported while the copy still writes the blocks"
+        assert not steps.load_errors
+        gate.open()
+        wait_for(steps.step, "the read is reported once it settled")
+        assert (steps.recving, steps.failed, steps.load_errors) == ({"d1"}, {"d1"}, {5, 6})
+    finally:
+        gate.open()
+        decode.close()
+
+
+def test_pool_transfers_that_cannot_be_stopped_keep_their_blocks_until_they_settle(
+    gate: Gate, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pool load still writing its blocks, a save still reading its blocks after their
+    deadlines: neither request is reported (load: finished_recving; save: finished_sending,
+    which frees the blocks) before the transfer settled."""
+    caplog.set_level(logging.ERROR, logger="kvconnect")
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        config = replace(
+            CONFIG,
+            transport="auto",  # the store server is on this host: shared-memory copies
+            pool=True,
+            master=cluster.master_endpoint,
+            pool_read_timeout=0.5,
+            pool_write_timeout=0.5,
+        )
+        worker = ConnectorWorker(config, FORMAT, BLOCKS)
+        try:
+            worker.register(kv_caches(seed=4))
+            worker.save(StepPlan(save=(PoolJob("w", ("h1",), (3,)),)))
+            wait_sent(worker, "w")
+            gate.close()
+            worker.start(StepPlan(load=(PoolJob("r", ("h1",), (0,)),)))
+            worker.save(StepPlan(save=(PoolJob("v", ("h2",), (4,)),)))
+            for _ in range(2):
+                assert gate.held.acquire(timeout=10), "both copies started"
+            steps = Steps(worker, finished={"v"})  # "v" finished: only its save holds it
+            wait_for(
+                lambda: steps.step() or _unsettled(caplog, "r", "v"),
+                "the load and the save outlive their deadlines and the settle grace",
+                timeout=30,
+            )
+            assert not steps.step(), "blocks handed back while copies still use them"
+            gate.open()
+            wait_for(
+                lambda: steps.step() and bool(steps.sending and steps.recving),
+                "the load and the save are reported once settled",
+            )
+            assert (steps.sending, steps.recving, steps.failed) == ({"v"}, {"r"}, {"r"})
+            assert steps.load_errors == {0}
+        finally:
+            gate.open()
+            worker.close()

@@ -1,0 +1,193 @@
+"""A vLLM prefill engine's kvconnect side in its own process, without vLLM: one worker (KV
+cache registered with its transfer engine) and the side channel with its lease table.
+
+Tests put it beside a decode worker to stop (SIGSTOP) or kill a real prefill::
+
+    with PrefillPeer(seed=1) as prefill:
+        prefill.hold("p1")
+        job = RecvJob("d1", prefill.remote("p1", (2,)), (5,), (2,))
+        ...
+        assert prefill.digest((2,)) == block_digest(decode_caches, (5,))
+
+The child prints one hello line (side-channel port, pid, engine id), then answers one JSON
+command per line until stdin closes: ``hold``, ``renewals`` (Renew calls received, by request
+id), ``digest``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import hashlib
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+from kvconnect.config import VllmConnectorConfig, cluster_token
+from kvconnect.vllm import messages as msg
+from kvconnect.vllm.params import RemotePrefill
+from kvconnect.vllm.pd import PrefillService
+from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
+
+BLOCKS = 16
+FORMAT = EngineFormat(model="m", dtype="float32", block_size=4, tp_rank=0, tp_size=1)
+_LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
+
+
+def kv_caches(seed: int | None, layout: str = "kv_first", blocks: int = BLOCKS) -> dict[str, Any]:
+    """Two float32 layers of ``blocks`` blocks (``kv_first``: K/V outermost); random from
+    ``seed``, or zeros when it is None. Imports torch."""
+    import torch
+
+    shape = (2, blocks, 4, 2, 8) if layout == "kv_first" else (blocks, 2, 4, 16)
+    generator = torch.Generator().manual_seed(seed or 0)
+    return {
+        name: torch.randn(*shape, generator=generator) if seed is not None else torch.zeros(*shape)
+        for name in _LAYERS
+    }
+
+
+def block_digest(caches: Mapping[str, Any], blocks: Sequence[int]) -> str:
+    """SHA-256 over ``blocks`` of every layer of K/V-outermost ``caches``."""
+    digest = hashlib.sha256()
+    for name in sorted(caches):
+        for block in blocks:
+            digest.update(caches[name][:, block].contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class PrefillPeer:
+    """Start ``python -m kvconnect.testing.prefill_peer`` and talk to it."""
+
+    def __init__(self, *, seed: int, lease: float = 30.0, timeout: float = 60.0) -> None:
+        """``seed``: the KV cache's contents (:func:`kv_caches`); ``lease``: prefill's lease."""
+        args = [sys.executable, "-m", "kvconnect.testing.prefill_peer"]
+        args += ["--seed", str(seed), "--lease", str(lease)]
+        self._timeout = timeout
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        hello = self._read_line()
+        self.port: int = hello["port"]
+        self.pid: int = hello["pid"]
+        self.engine_id: str = hello["engine_id"]
+
+    def remote(self, request_id: str, blocks: Sequence[int]) -> RemotePrefill:
+        """What decode learns from ``kv_transfer_params`` about held request ``request_id``."""
+        return RemotePrefill(
+            self.engine_id, request_id, "127.0.0.1", self.port, tuple(blocks), 1, None
+        )
+
+    def hold(self, request_id: str) -> None:
+        """Keep ``request_id``'s blocks for one decode reader (as ``request_finished``)."""
+        self._call({"cmd": "hold", "request_id": request_id})
+
+    def renewals(self) -> dict[str, int]:
+        """How many Renew calls named each request so far."""
+        return dict(self._call({"cmd": "renewals"})["renewals"])
+
+    def digest(self, blocks: Sequence[int]) -> str:
+        """:func:`block_digest` of the peer's KV cache."""
+        return str(self._call({"cmd": "digest", "blocks": list(blocks)})["digest"])
+
+    def close(self) -> None:
+        """Close stdin (the peer closes its worker and exits) and reap it; kills it if it does
+        not exit (e.g. still stopped)."""
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=self._timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=self._timeout)
+        self.proc.stdout.close()
+
+    def __enter__(self) -> PrefillPeer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _call(self, command: Mapping[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(dict(command)) + "\n")
+        self.proc.stdin.flush()
+        return self._read_line()
+
+    def _read_line(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        end = time.monotonic() + self._timeout
+        while True:
+            remaining = end - time.monotonic()
+            ready = remaining > 0 and select.select([self.proc.stdout], [], [], remaining)[0]
+            if not ready:
+                self.proc.kill()
+                raise RuntimeError(f"prefill peer did not answer within {self._timeout}s")
+            line = self.proc.stdout.readline()
+            if line:
+                reply: dict[str, Any] = json.loads(line)
+                return reply
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prefill peer exited with status {self.proc.returncode}")
+
+
+# ------------------------------------------------------------------------------ child side
+
+
+class _CountingService(PrefillService):
+    """The real service, counting the renewals it answers (what the tests observe)."""
+
+    def __init__(self, engine_id: str, lease: float) -> None:
+        super().__init__(engine_id, "127.0.0.1", 0, lease, token=cluster_token(None, "", False))
+        self.renewals: collections.Counter[str] = collections.Counter()
+
+    def _handle(self, request: msg.Request) -> msg.Reply:
+        if isinstance(request, msg.Renew):
+            self.renewals.update(request.request_ids)
+        return super()._handle(request)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the child process."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--lease", type=float, default=30.0)
+    args = parser.parse_args(argv)
+    caches = kv_caches(args.seed)
+    worker = ConnectorWorker(VllmConnectorConfig(transport="tcp"), FORMAT, BLOCKS)
+    engine_id = f"prefill-{os.getpid()}"  # decode knows prefill engines by their id
+    service = _CountingService(engine_id, args.lease)
+    try:
+        service.set_layouts({0: worker.register(caches)})
+        service.start()
+        hello = {"port": service.port, "pid": os.getpid(), "engine_id": engine_id}
+        print(json.dumps(hello), flush=True)
+        for line in sys.stdin:
+            command = json.loads(line)
+            reply: dict[str, Any] = {"ok": True}
+            if command["cmd"] == "hold":
+                service.hold(command["request_id"], readers=1)
+            elif command["cmd"] == "renewals":
+                reply = {"renewals": dict(service.renewals)}
+            elif command["cmd"] == "digest":
+                reply = {"digest": block_digest(caches, command["blocks"])}
+            print(json.dumps(reply), flush=True)
+    finally:
+        service.close()
+        worker.close()
+
+
+if __name__ == "__main__":
+    main()
