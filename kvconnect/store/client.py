@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TypeVar
+from dataclasses import dataclass
 
 from kvconnect.config import StoreClientConfig, TransferConfig
 from kvconnect.errors import (
@@ -45,7 +42,9 @@ from kvconnect.errors import (
     StoreError,
 )
 from kvconnect.lifecycle import Lifecycle
+from kvconnect.store import batching as b
 from kvconnect.store import messages as m
+from kvconnect.store.batching import BatchResult, Regions
 from kvconnect.store.messages import Code, check_key
 from kvconnect.store.resilience import CircuitBreaker, NegativeCache
 from kvconnect.store.rpc import RpcClient
@@ -54,73 +53,9 @@ from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
 from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
 
-_STORED = (Code.OK, Code.EXISTS)
+__all__ = ["BatchResult", "Regions", "StoreClient"]
+
 _RETRY = (Code.FAILED, Code.TIMEOUT)  # settled failures: another replica may serve the key
-
-Regions = MemoryRegion | Sequence[MemoryRegion]
-"""One registered region for the whole batch, or one per key."""
-
-_T = TypeVar("_T")
-
-
-@dataclass(frozen=True, slots=True)
-class BatchResult:
-    """Per-key outcome of a batch, and the bytes moved per key (0 where nothing was stored or
-    read by this call).
-
-    A key is UNSETTLED when its transfer could not be stopped by the deadline: a transport
-    thread may still write (get) or read (put) its buffer range, so the caller must not reuse
-    that range before :meth:`on_settled` runs its callback.
-    """
-
-    codes: tuple[Code, ...]
-    sizes: tuple[int, ...]
-    _unsettled: tuple[TransferBatch, ...] = field(default=(), repr=False, compare=False)
-
-    def on_settled(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once no transfer of this batch touches its buffers any more: at
-        once if none does (every key but UNSETTLED ones), else on a transport thread."""
-        if not self._unsettled:
-            callback()
-            return
-        lock, left = threading.Lock(), [len(self._unsettled)]
-
-        def one_settled() -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                callback()
-
-        for batch in self._unsettled:
-            batch.add_settled_callback(one_settled)
-
-    def leading(self) -> int:
-        """How many keys from the start completed: the prefix a caller can use as is."""
-        for n, code in enumerate(self.codes):
-            if code not in _STORED:
-                return n
-        return len(self.codes)
-
-    def ok(self) -> list[bool]:
-        """Per key: the object is now stored (put) or was read (get)."""
-        return [code in _STORED for code in self.codes]
-
-
-@dataclass(frozen=True, slots=True)
-class _Part:
-    index: int
-    count: int
-    object_sizes: list[int]
-    object_offsets: list[int]
-
-    def take(self, picked: list[int]) -> _Part:
-        return _Part(
-            self.index,
-            self.count,
-            _take(self.object_sizes, picked),
-            _take(self.object_offsets, picked),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,20 +65,6 @@ class _Batch:
     requests: list[TransferRequest]
     owners: list[int]
     deadline: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Ranges:
-    """A batch's arguments, checked: per key its region, offset and size."""
-
-    regions: list[MemoryRegion]
-    offsets: list[int]
-    sizes: list[int]
-
-    def take(self, picked: list[int]) -> _Ranges:
-        return _Ranges(
-            _take(self.regions, picked), _take(self.offsets, picked), _take(self.sizes, picked)
-        )
 
 
 class _Refused(StoreError):
@@ -212,11 +133,11 @@ class StoreClient(Lifecycle):
         """Per key, whether it is stored (invalid keys, and keys that failed to read recently,
         count as absent). Raises like :meth:`exists`."""
         keys = list(keys)
-        picked = _valid_keys(keys)
+        picked = b.valid_keys(keys)
         found = [False] * len(keys)
         if not picked:
             return found
-        asked = _take(keys, picked)
+        asked = b.take(keys, picked)
         reply = self._call(m.Exists(asked))
         if not isinstance(reply, m.ExistsReply) or len(reply.found) != len(asked):
             raise StoreError(f"unexpected reply to exists: {reply!r}")
@@ -232,12 +153,12 @@ class StoreClient(Lifecycle):
     def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list[Code]:
         """Remove objects; per-key codes (INVALID for invalid keys)."""
         keys = list(keys)
-        picked = _valid_keys(keys)
+        picked = b.valid_keys(keys)
         codes = [Code.INVALID] * len(keys)
         if not picked:
             return codes
         try:
-            reply = self._call(m.Remove(_take(keys, picked), force))
+            reply = self._call(m.Remove(b.take(keys, picked), force))
         except StoreError as exc:
             answers = [_failure_code(exc)] * len(picked)
         else:
@@ -307,16 +228,16 @@ class StoreClient(Lifecycle):
         Each object has ``object_sizes[i]`` bytes; this writer stores its ``sizes[i]`` bytes at
         ``object_offsets[i]`` within it. The object becomes readable once all parts are in.
         """
-        _same_length(keys, sizes=sizes, object_sizes=object_sizes, object_offsets=object_offsets)
-        sizes = _integers(sizes, "sizes")
-        part, parts = _integer(part, "part"), _integer(parts, "parts")
+        b.same_length(keys, sizes=sizes, object_sizes=object_sizes, object_offsets=object_offsets)
+        sizes = b.integers(sizes, "sizes")
+        part, parts = b.integer(part, "part"), b.integer(parts, "parts")
         if not 0 <= part < parts:
             raise InvalidRequest(f"part {part} is not in 0..{parts - 1}")
-        info = _Part(
+        info = b.Part(
             part,
             parts,
-            _integers(object_sizes, "object_sizes"),
-            _integers(object_offsets, "object_offsets"),
+            b.integers(object_sizes, "object_sizes"),
+            b.integers(object_offsets, "object_offsets"),
         )
         for size, within, total in zip(sizes, info.object_offsets, info.object_sizes, strict=True):
             if within < 0 or within + size > total:
@@ -331,25 +252,25 @@ class StoreClient(Lifecycle):
         region: Regions,
         offsets: Sequence[int],
         sizes: Sequence[int],
-        part: _Part | None,
+        part: b.Part | None,
         timeout: float | None,
     ) -> BatchResult:
         keys = list(keys)
-        ranges = self._check_ranges(keys, region, offsets, sizes)
+        ranges = b.check_ranges(keys, region, offsets, sizes, self.engine.owns)
         deadline = self._clock() + (self.config.io_timeout if timeout is None else timeout)
-        picked = _valid_keys(keys)
+        picked = b.valid_keys(keys)
         if len(picked) == len(keys):
             return self._put_valid(keys, ranges, part, deadline)
         chosen = part.take(picked) if part else None
-        result = self._put_valid(_take(keys, picked), ranges.take(picked), chosen, deadline)
-        return _spread(result, picked, len(keys))
+        result = self._put_valid(b.take(keys, picked), ranges.take(picked), chosen, deadline)
+        return b.spread(result, picked, len(keys))
 
     def _put_valid(
-        self, keys: list[str], ranges: _Ranges, part: _Part | None, deadline: float
+        self, keys: list[str], ranges: b.Ranges, part: b.Part | None, deadline: float
     ) -> BatchResult:
         """Put valid keys (``ranges`` checked)."""
         if not keys:
-            return _all(Code.OK, 0)
+            return b.all_codes(Code.OK, 0)
         totals = part.object_sizes if part else ranges.sizes
         items = [
             m.PutItem(key, total, part.count if part else 1)
@@ -361,9 +282,9 @@ class StoreClient(Lifecycle):
                 deadline=deadline,
             )
         except StoreError as exc:
-            return _all(_failure_code(exc), len(keys))
+            return b.all_codes(_failure_code(exc), len(keys))
         if not isinstance(reply, m.PutStartReply) or len(reply.results) != len(keys):
-            return _all(Code.INTERNAL, len(keys))
+            return b.all_codes(Code.INTERNAL, len(keys))
         codes = [p.code for p in reply.results]
         requests: list[TransferRequest] = []
         owners: list[int] = []
@@ -402,7 +323,7 @@ class StoreClient(Lifecycle):
         keys: list[str],
         puts: list[int],
         started: list[int],
-        part: _Part | None,
+        part: b.Part | None,
         codes: list[Code],
     ) -> None:
         """End the puts whose bytes are in (their codes become the master's verdict), revoke
@@ -452,7 +373,7 @@ class StoreClient(Lifecycle):
         buffer = bytearray(found.results[0].size)
 
         def read_into(region: MemoryRegion) -> BatchResult:
-            ranges = _Ranges([region], [0], [len(buffer)])
+            ranges = b.Ranges([region], [0], [len(buffer)])
             return self._read([key], ranges, found, start, deadline)
 
         result = self._with_region(buffer, read_into)
@@ -476,23 +397,23 @@ class StoreClient(Lifecycle):
         from its next replica within the same deadline (see :meth:`_read`).
         """
         keys = list(keys)
-        ranges = self._check_ranges(keys, region, offsets, sizes)
+        ranges = b.check_ranges(keys, region, offsets, sizes, self.engine.owns)
         start = self._clock()
         deadline = start + (self.config.io_timeout if timeout is None else timeout)
-        picked = _valid_keys(keys)
+        picked = b.valid_keys(keys)
         if len(picked) == len(keys):
             return self._get_valid(keys, ranges, start, deadline)
-        result = self._get_valid(_take(keys, picked), ranges.take(picked), start, deadline)
-        return _spread(result, picked, len(keys))
+        result = self._get_valid(b.take(keys, picked), ranges.take(picked), start, deadline)
+        return b.spread(result, picked, len(keys))
 
     def _get_valid(
-        self, keys: list[str], ranges: _Ranges, start: float, deadline: float
+        self, keys: list[str], ranges: b.Ranges, start: float, deadline: float
     ) -> BatchResult:
         if not keys:
-            return _all(Code.OK, 0)
+            return b.all_codes(Code.OK, 0)
         reply = self._lookup(keys, deadline)
         if isinstance(reply, Code):
-            return _all(reply, len(keys))
+            return b.all_codes(reply, len(keys))
         return self._read(keys, ranges, reply, start, deadline)
 
     def _lookup(self, keys: list[str], deadline: float) -> m.ReplicasReply | Code:
@@ -509,7 +430,7 @@ class StoreClient(Lifecycle):
     def _read(
         self,
         keys: list[str],
-        ranges: _Ranges,
+        ranges: b.Ranges,
         reply: m.ReplicasReply,
         start: float,
         deadline: float,
@@ -550,7 +471,7 @@ class StoreClient(Lifecycle):
         self,
         todo: list[int],
         replica: int,
-        ranges: _Ranges,
+        ranges: b.Ranges,
         reply: m.ReplicasReply,
         deadline: float,
     ) -> list[_Batch]:
@@ -593,30 +514,6 @@ class StoreClient(Lifecycle):
             raise
         result.on_settled(functools.partial(self.engine.unregister, region))
         return result
-
-    def _check_ranges(
-        self,
-        keys: list[str],
-        region: Regions,
-        offsets: Sequence[int],
-        sizes: Sequence[int],
-    ) -> _Ranges:
-        """Refuse a batch that cannot work before asking the master for anything; returns
-        each key's region, offset and size (as ints)."""
-        _same_length(keys, offsets=offsets, sizes=sizes)
-        regions = [region] * len(keys) if isinstance(region, MemoryRegion) else list(region)
-        if len(regions) != len(keys):
-            raise InvalidRequest(f"{len(regions)} regions for {len(keys)} keys")
-        for one in set(regions):
-            if not isinstance(one, MemoryRegion) or not self.engine.owns(one):
-                raise InvalidRequest(f"region {one!r} is not registered with this client's engine")
-        ranges = _Ranges(regions, _integers(offsets, "offsets"), _integers(sizes, "sizes"))
-        for one, offset, size in zip(regions, ranges.offsets, ranges.sizes, strict=True):
-            if offset < 0 or size < 0 or offset + size > one.length:
-                raise InvalidRequest(
-                    f"range [{offset}, {offset + size}) is outside the {one.length}-byte region"
-                )
-        return ranges
 
     def _call(self, request: m.Request, *, deadline: float | None = None) -> m.Reply:
         """One RPC to the master. Raises MasterUnavailable, CircuitOpen, or a StoreError
@@ -703,42 +600,3 @@ def _codes(reply: m.Reply, count: int) -> list[Code]:
     if not isinstance(reply, m.CodesReply) or len(reply.codes) != count:
         return [Code.INTERNAL] * count
     return list(reply.codes)
-
-
-def _all(code: Code, count: int) -> BatchResult:
-    return BatchResult((code,) * count, (0,) * count)
-
-
-def _valid_keys(keys: Sequence[object]) -> list[int]:
-    """Indices of the keys the store can hold."""
-    return [i for i, key in enumerate(keys) if check_key(key)]
-
-
-def _take(values: Sequence[_T], picked: list[int]) -> list[_T]:
-    return [values[i] for i in picked]
-
-
-def _spread(result: BatchResult, picked: list[int], count: int) -> BatchResult:
-    """The result of a batch of ``count`` keys from that of its valid keys ``picked``: the
-    others are INVALID."""
-    codes, sizes = [Code.INVALID] * count, [0] * count
-    for i, code, size in zip(picked, result.codes, result.sizes, strict=True):
-        codes[i], sizes[i] = code, size
-    return BatchResult(tuple(codes), tuple(sizes), result._unsettled)
-
-
-def _integer(value: object, name: str) -> int:
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidRequest(f"{name} must be an integer, got {value!r}") from None
-
-
-def _integers(values: Sequence[object], name: str) -> list[int]:
-    return [_integer(value, name) for value in values]
-
-
-def _same_length(keys: Sequence[str], **others: Sequence[int]) -> None:
-    for name, values in others.items():
-        if len(values) != len(keys):
-            raise InvalidRequest(f"{name} has {len(values)} entries for {len(keys)} keys")
