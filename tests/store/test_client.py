@@ -76,6 +76,18 @@ def test_bad_keys_are_invalid_per_key_and_the_rest_of_the_batch_goes_through(
         assert bytes(chunk) == bytes(want), key
 
     assert client.batch_exists(keys) == [key in good for key in keys]
+    parts = client.batch_put_part_from(
+        ["part-ok", "\udfff", ""],
+        source,
+        [0, 0, 0],
+        [KiB] * 3,
+        part=0,
+        parts=1,
+        object_sizes=[KiB] * 3,
+        object_offsets=[0] * 3,
+    )
+    assert parts.codes == (Code.OK, Code.INVALID, Code.INVALID)
+    assert client.get("part-ok") == bytes(source.view[:KiB])
     assert client.batch_remove(BAD_KEYS) == [Code.INVALID] * len(BAD_KEYS)
     assert client.breaker.state is BreakerState.CLOSED
     assert client.stats().pending == 0
@@ -176,6 +188,7 @@ def _primary(client: StoreClient, key: str) -> str:
 @pytest.mark.parametrize(
     ("transport", "fault"),
     [("tcp", signal.SIGKILL), ("tcp", signal.SIGSTOP), ("auto", signal.SIGKILL)],
+    ids=["tcp-killed", "tcp-stopped", "shm-killed"],
 )
 def test_a_read_falls_back_to_the_live_replica(transport: str, fault: signal.Signals) -> None:
     with Cluster(servers=2, server_size=32 * MiB, server_args=FAST_SERVER) as cluster:
