@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -133,6 +133,12 @@ def check_ranges(
 def all_codes(code: Code, count: int) -> BatchResult:
     """``count`` keys, each ``code``, nothing moved."""
     return BatchResult((code,) * count, (0,) * count)
+
+
+def plain_keys(keys: Iterable[str]) -> list[str]:
+    """``keys`` as a list, with str subclasses (``numpy.str_``) as plain str: the wire encodes
+    only str. Anything else stays as it is (an invalid key)."""
+    return [str.__str__(key) if isinstance(key, str) else key for key in keys]
 
 
 def valid_keys(keys: Sequence[object]) -> list[int]:

@@ -132,7 +132,7 @@ class StoreClient(Lifecycle):
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         """Per key, whether it is stored (invalid keys, and keys that failed to read recently,
         count as absent). Raises like :meth:`exists`."""
-        keys = list(keys)
+        keys = b.plain_keys(keys)
         picked = b.valid_keys(keys)
         found = [False] * len(keys)
         if not picked:
@@ -152,7 +152,7 @@ class StoreClient(Lifecycle):
 
     def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list[Code]:
         """Remove objects; per-key codes (INVALID for invalid keys)."""
-        keys = list(keys)
+        keys = b.plain_keys(keys)
         picked = b.valid_keys(keys)
         codes = [Code.INVALID] * len(keys)
         if not picked:
@@ -255,7 +255,7 @@ class StoreClient(Lifecycle):
         part: b.Part | None,
         timeout: float | None,
     ) -> BatchResult:
-        keys = list(keys)
+        keys = b.plain_keys(keys)
         ranges = b.check_ranges(keys, region, offsets, sizes, self.engine.owns)
         deadline = self._clock() + (self.config.io_timeout if timeout is None else timeout)
         picked = b.valid_keys(keys)
@@ -364,6 +364,7 @@ class StoreClient(Lifecycle):
         not stored, cannot be read in time, or ``key`` is invalid."""
         if not check_key(key):
             return None
+        (key,) = b.plain_keys([key])
         start = self._clock()
         deadline = start + (self.config.io_timeout if timeout is None else timeout)
         reply = self._lookup([key], deadline)
@@ -396,7 +397,7 @@ class StoreClient(Lifecycle):
         ``result.leading()`` keys and recompute the rest. A key whose replica fails is read
         from its next replica within the same deadline (see :meth:`_read`).
         """
-        keys = list(keys)
+        keys = b.plain_keys(keys)
         ranges = b.check_ranges(keys, region, offsets, sizes, self.engine.owns)
         start = self._clock()
         deadline = start + (self.config.io_timeout if timeout is None else timeout)

@@ -56,8 +56,8 @@ def _filled(client: StoreClient, seed: int, size: int) -> MemoryRegion:
 def test_bad_keys_are_invalid_per_key_and_the_rest_of_the_batch_goes_through(
     client: StoreClient,
 ) -> None:
-    good = ["good-a", "good-b", "ключ-✓"]
-    keys = [good[0], *BAD_KEYS[:4], good[1], *BAD_KEYS[4:], good[2]]
+    good = ["good-a", "good-b", "ключ-✓", np.str_("numpy-str")]
+    keys = [good[0], *BAD_KEYS[:4], good[1], *BAD_KEYS[4:], good[2], good[3]]
     count = len(keys)
     source = _filled(client, 1, count * KiB)
     offsets = [n * KiB for n in range(count)]
