@@ -286,27 +286,8 @@ class StoreClient(Lifecycle):
         if not isinstance(reply, m.PutStartReply) or len(reply.results) != len(keys):
             return b.all_codes(Code.INTERNAL, len(keys))
         codes = [p.code for p in reply.results]
-        requests: list[TransferRequest] = []
-        owners: list[int] = []
-        for i, placement in enumerate(reply.results):
-            if placement.code is not Code.OK:
-                continue
-            within = part.object_offsets[i] if part else 0
-            for loc in placement.locations:
-                requests.append(
-                    TransferRequest(
-                        ranges.regions[i],
-                        ranges.offsets[i],
-                        loc.segment,
-                        loc.region,
-                        loc.offset + within,
-                        ranges.sizes[i],
-                    )
-                )
-                owners.append(i)
-        outcome, unsettled = self._transfer(
-            TransferOp.WRITE, [_Batch(requests, owners, deadline)], len(keys)
-        )
+        writes = _writes(reply, ranges, part, deadline)
+        outcome, unsettled = self._transfer(TransferOp.WRITE, [writes], len(keys))
         started = [i for i in range(len(keys)) if codes[i] is Code.OK]
         for i in started:
             codes[i] = outcome[i]
@@ -574,6 +555,30 @@ class StoreClient(Lifecycle):
         so this is what the breaker must learn)."""
         if codes and Code.OK not in codes:
             self._breaker.failure(self._clock())
+
+
+def _writes(
+    reply: m.PutStartReply, ranges: b.Ranges, part: b.Part | None, deadline: float
+) -> _Batch:
+    """The writes of the placed keys: each to every replica."""
+    writes = _Batch([], [], deadline)
+    for i, placement in enumerate(reply.results):
+        if placement.code is not Code.OK:
+            continue
+        within = part.object_offsets[i] if part else 0
+        for loc in placement.locations:
+            writes.requests.append(
+                TransferRequest(
+                    ranges.regions[i],
+                    ranges.offsets[i],
+                    loc.segment,
+                    loc.region,
+                    loc.offset + within,
+                    ranges.sizes[i],
+                )
+            )
+            writes.owners.append(i)
+    return writes
 
 
 # What a request's status means for its key, and which outcome wins when a key has several
