@@ -4,21 +4,34 @@ Metadata goes to the master (one RPC per batch); bytes move straight between the
 registered memory and store-server memory through the transfer engine — over shared memory on
 the same host, TCP otherwise. Threads: every method may be called from any thread.
 
-Batch methods return a :class:`BatchResult` (a code per key) and never raise for store trouble:
-an unreachable master or an open circuit breaker gives ``Code.UNAVAILABLE`` for every key.
-``batch_exists`` and ``exists`` raise StoreError subclasses instead (there is no per-key code
-to carry it). Invalid arguments raise InvalidRequest.
+The contract (docs/store.md, "Client API"):
+
+- Invalid *arguments* raise InvalidRequest before anything is sent: lists of different
+  lengths, offsets or sizes that are not integers or fall outside their region, a region not
+  registered with this client, a part outside its object.
+- Bad *data* is a per-key code, never an exception: a key that is not a non-empty string of
+  at most ``MAX_KEY_BYTES`` bytes of UTF-8 without NUL (a lone surrogate cannot be encoded) is
+  ``Code.INVALID`` and never leaves the client; so is a size of 0. The other keys of the batch
+  go through. Single-key calls agree: ``put``/``remove`` return INVALID, ``get`` None and
+  ``exists`` False.
+- Store trouble is a per-key code too: an unreachable master or an open circuit breaker gives
+  ``Code.UNAVAILABLE`` for every key; a request the master refuses gives every key the
+  master's code (e.g. INVALID for a batch over ``MAX_BATCH`` keys). ``batch_exists``/``exists``
+  and ``stats`` raise StoreError subclasses instead (there is no per-key code to carry it).
+- ``BatchResult.sizes`` are the bytes the call moved per key: 0 for every key it did not store
+  or read (EXISTS included: nothing was written).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvconnect.config import StoreClientConfig, TransferConfig
 from kvconnect.errors import (
@@ -29,8 +42,10 @@ from kvconnect.errors import (
     StoreError,
 )
 from kvconnect.lifecycle import Lifecycle
+from kvconnect.store import batching as b
 from kvconnect.store import messages as m
-from kvconnect.store.messages import Code
+from kvconnect.store.batching import BatchResult, Regions
+from kvconnect.store.messages import Code, check_key
 from kvconnect.store.resilience import CircuitBreaker, NegativeCache
 from kvconnect.store.rpc import RpcClient
 from kvconnect.transfer.batch import TransferBatch
@@ -38,51 +53,28 @@ from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
 from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
 
-_STORED = (Code.OK, Code.EXISTS)
+__all__ = ["BatchResult", "Regions", "StoreClient"]
 
-Regions = MemoryRegion | Sequence[MemoryRegion]
-"""One registered region for the whole batch, or one per key."""
-
-
-@dataclass(frozen=True, slots=True)
-class BatchResult:
-    """Per-key outcome of a batch, and the object sizes read (0 where nothing was read).
-
-    A key is UNSETTLED when its transfer could not be stopped by the deadline: a transport
-    thread may still write (get) or read (put) its buffer range, so the caller must not reuse
-    that range before :meth:`on_settled` runs its callback.
-    """
-
-    codes: tuple[Code, ...]
-    sizes: tuple[int, ...]
-    _batch: TransferBatch | None = field(default=None, repr=False, compare=False)
-
-    def on_settled(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once no transfer of this batch touches its buffers any more: at
-        once if none does (every key but UNSETTLED ones), else on a transport thread."""
-        if self._batch is None:
-            callback()
-        else:
-            self._batch.add_settled_callback(callback)
-
-    def leading(self) -> int:
-        """How many keys from the start completed: the prefix a caller can use as is."""
-        for n, code in enumerate(self.codes):
-            if code not in _STORED:
-                return n
-        return len(self.codes)
-
-    def ok(self) -> list[bool]:
-        """Per key: the object is now stored (put) or was read (get)."""
-        return [code in _STORED for code in self.codes]
+_RETRY = (Code.FAILED, Code.TIMEOUT)  # settled failures: another replica may serve the key
 
 
 @dataclass(frozen=True, slots=True)
-class _Part:
-    index: int
-    count: int
-    object_sizes: Sequence[int]
-    object_offsets: Sequence[int]
+class _Batch:
+    """Requests to submit as one transfer batch; ``owners[i]``: the key of ``requests[i]``."""
+
+    requests: list[TransferRequest]
+    owners: list[int]
+    deadline: float
+
+
+class _Refused(StoreError):
+    """The master is up and answered this request with an error code."""
+
+    def __init__(self, request: m.Request, reply: m.Error) -> None:
+        super().__init__(
+            f"master refused {type(request).__name__}: {reply.code.name}: {reply.message}"
+        )
+        self.code = reply.code
 
 
 class StoreClient(Lifecycle):
@@ -133,30 +125,47 @@ class StoreClient(Lifecycle):
     # --------------------------------------------------------------------------------- keys
 
     def exists(self, key: str) -> bool:
-        """Whether ``key`` is stored. Raises MasterUnavailable / CircuitOpen."""
+        """Whether ``key`` is stored (False for an invalid key). Raises StoreError
+        subclasses (MasterUnavailable, CircuitOpen, a refusal by the master)."""
         return self.batch_exists([key])[0]
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        """Per key, whether it is stored (keys that failed to read recently count as absent)."""
-        keys = list(keys)
-        reply = self._call(m.Exists(keys))
-        if not isinstance(reply, m.ExistsReply) or len(reply.found) != len(keys):
+        """Per key, whether it is stored (invalid keys, and keys that failed to read recently,
+        count as absent). Raises like :meth:`exists`."""
+        keys = b.plain_keys(keys)
+        picked = b.valid_keys(keys)
+        found = [False] * len(keys)
+        if not picked:
+            return found
+        asked = b.take(keys, picked)
+        reply = self._call(m.Exists(asked))
+        if not isinstance(reply, m.ExistsReply) or len(reply.found) != len(asked):
             raise StoreError(f"unexpected reply to exists: {reply!r}")
-        failing = self._negative.failing(keys, self._clock())
-        return [found and not bad for found, bad in zip(reply.found, failing, strict=True)]
+        failing = self._negative.failing(asked, self._clock())
+        for i, there, bad in zip(picked, reply.found, failing, strict=True):
+            found[i] = there and not bad
+        return found
 
     def remove(self, key: str, *, force: bool = False) -> Code:
         """Remove one object; BUSY while it is being read or written (unless ``force``)."""
         return self.batch_remove([key], force=force)[0]
 
     def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list[Code]:
-        """Remove objects; per-key codes."""
-        keys = list(keys)
+        """Remove objects; per-key codes (INVALID for invalid keys)."""
+        keys = b.plain_keys(keys)
+        picked = b.valid_keys(keys)
+        codes = [Code.INVALID] * len(keys)
+        if not picked:
+            return codes
         try:
-            reply = self._call(m.Remove(keys, force))
-        except StoreError:
-            return [Code.UNAVAILABLE] * len(keys)
-        return _codes(reply, len(keys))
+            reply = self._call(m.Remove(b.take(keys, picked), force))
+        except StoreError as exc:
+            answers = [_failure_code(exc)] * len(picked)
+        else:
+            answers = _codes(reply, len(picked))
+        for i, code in zip(picked, answers, strict=True):
+            codes[i] = code
+        return codes
 
     def stats(self) -> m.StatsReply:
         """The cluster as the master sees it. Raises StoreError subclasses."""
@@ -170,16 +179,17 @@ class StoreClient(Lifecycle):
     def put(
         self, key: str, value: bytes | bytearray | memoryview, *, timeout: float | None = None
     ) -> Code:
-        """Store ``value`` under ``key`` (a copy-free registration of ``value`` for the call)."""
-        if not len(value):
+        """Store ``value`` under ``key`` (a copy-free registration of ``value`` for the call).
+        An invalid key or an empty value is INVALID. While the result is UNSETTLED a transport
+        thread may still read ``value``: the registration (which keeps it alive) ends once it
+        lets go; the caller must not modify a mutable ``value`` before then."""
+        if not check_key(key) or not len(value):
             return Code.INVALID
-        region = self.engine.register(value)
-        try:
-            return self.batch_put_from([key], region, [0], [region.length], timeout=timeout).codes[
-                0
-            ]
-        finally:
-            self.engine.unregister(region)
+
+        def put_into(region: MemoryRegion) -> BatchResult:
+            return self.batch_put_from([key], region, [0], [region.length], timeout=timeout)
+
+        return self._with_region(value, put_into).codes[0]
 
     def batch_put_from(
         self,
@@ -194,7 +204,9 @@ class StoreClient(Lifecycle):
         one registered region, or one per key).
 
         Keys already stored are skipped (EXISTS). A key that cannot be written in time is
-        revoked at the master (its space is freed) and reported TIMEOUT or FAILED.
+        revoked at the master (its space is quarantined) and reported TIMEOUT or FAILED; one
+        whose write could not be stopped is UNSETTLED: neither completed nor revoked, the
+        master discards it at its ``put_timeout`` and quarantines its space.
         """
         return self._put(keys, region, offsets, sizes, None, timeout)
 
@@ -216,11 +228,18 @@ class StoreClient(Lifecycle):
         Each object has ``object_sizes[i]`` bytes; this writer stores its ``sizes[i]`` bytes at
         ``object_offsets[i]`` within it. The object becomes readable once all parts are in.
         """
-        _same_length(keys, object_sizes=object_sizes, object_offsets=object_offsets)
-        info = _Part(part, parts, object_sizes, object_offsets)
+        b.same_length(keys, sizes=sizes, object_sizes=object_sizes, object_offsets=object_offsets)
+        sizes = b.integers(sizes, "sizes")
+        part, parts = b.integer(part, "part"), b.integer(parts, "parts")
         if not 0 <= part < parts:
             raise InvalidRequest(f"part {part} is not in 0..{parts - 1}")
-        for size, within, total in zip(sizes, object_offsets, object_sizes, strict=True):
+        info = b.Part(
+            part,
+            parts,
+            b.integers(object_sizes, "object_sizes"),
+            b.integers(object_offsets, "object_offsets"),
+        )
+        for size, within, total in zip(sizes, info.object_offsets, info.object_sizes, strict=True):
             if within < 0 or within + size > total:
                 raise InvalidRequest(
                     f"part range [{within}, {within + size}) outside {total} bytes"
@@ -233,13 +252,26 @@ class StoreClient(Lifecycle):
         region: Regions,
         offsets: Sequence[int],
         sizes: Sequence[int],
-        part: _Part | None,
+        part: b.Part | None,
         timeout: float | None,
     ) -> BatchResult:
-        keys = list(keys)
-        regions = self._check_ranges(keys, region, offsets, sizes)
+        keys = b.plain_keys(keys)
+        ranges = b.check_ranges(keys, region, offsets, sizes, self.engine.owns)
         deadline = self._clock() + (self.config.io_timeout if timeout is None else timeout)
-        totals = part.object_sizes if part else sizes
+        picked = b.valid_keys(keys)
+        if len(picked) == len(keys):
+            return self._put_valid(keys, ranges, part, deadline)
+        chosen = part.take(picked) if part else None
+        result = self._put_valid(b.take(keys, picked), ranges.take(picked), chosen, deadline)
+        return b.spread(result, picked, len(keys))
+
+    def _put_valid(
+        self, keys: list[str], ranges: b.Ranges, part: b.Part | None, deadline: float
+    ) -> BatchResult:
+        """Put valid keys (``ranges`` checked)."""
+        if not keys:
+            return b.all_codes(Code.OK, 0)
+        totals = part.object_sizes if part else ranges.sizes
         items = [
             m.PutItem(key, total, part.count if part else 1)
             for key, total in zip(keys, totals, strict=True)
@@ -249,50 +281,40 @@ class StoreClient(Lifecycle):
                 m.PutStart(self.client_id, items, self.config.replicas, self._host_id),
                 deadline=deadline,
             )
-        except StoreError:
-            return _all(Code.UNAVAILABLE, len(keys))
+        except StoreError as exc:
+            return b.all_codes(_failure_code(exc), len(keys))
         if not isinstance(reply, m.PutStartReply) or len(reply.results) != len(keys):
-            return _all(Code.INTERNAL, len(keys))
+            return b.all_codes(Code.INTERNAL, len(keys))
         codes = [p.code for p in reply.results]
-        requests: list[TransferRequest] = []
-        owners: list[int] = []
-        for i, placement in enumerate(reply.results):
-            if placement.code is not Code.OK:
-                continue
-            within = part.object_offsets[i] if part else 0
-            for loc in placement.locations:
-                requests.append(
-                    TransferRequest(
-                        regions[i],
-                        offsets[i],
-                        loc.segment,
-                        loc.region,
-                        loc.offset + within,
-                        sizes[i],
-                    )
-                )
-                owners.append(i)
-        outcome, batch = self._transfer(TransferOp.WRITE, requests, owners, len(keys), deadline)
+        writes = _writes(reply, ranges, part, deadline)
+        outcome, unsettled = self._transfer(TransferOp.WRITE, [writes], len(keys))
         started = [i for i in range(len(keys)) if codes[i] is Code.OK]
-        written = [i for i in started if outcome[i] is Code.OK]
-        failed = [i for i in started if outcome[i] is not Code.OK]
         for i in started:
             codes[i] = outcome[i]
-        self._finish_puts(keys, [p.put for p in reply.results], written, failed, part, codes)
-        self._negative.discard([keys[i] for i in written])
-        return BatchResult(tuple(codes), tuple(sizes), batch)
+        self._judge([codes[i] for i in started])
+        self._finish_puts(keys, [p.put for p in reply.results], started, part, codes)
+        self._negative.discard([keys[i] for i in started if codes[i] is Code.OK])
+        moved = [
+            size if code is Code.OK else 0 for code, size in zip(codes, ranges.sizes, strict=True)
+        ]
+        return BatchResult(tuple(codes), tuple(moved), tuple(unsettled))
 
     def _finish_puts(
         self,
         keys: list[str],
         puts: list[int],
-        written: list[int],
-        failed: list[int],
-        part: _Part | None,
+        started: list[int],
+        part: b.Part | None,
         codes: list[Code],
     ) -> None:
         """End the puts whose bytes are in (their codes become the master's verdict), revoke
-        the others. ``written``/``failed``: indices into ``keys``."""
+        those that failed. ``started``: indices into ``keys`` of the puts the master placed.
+
+        An UNSETTLED put is left pending: a write may still land in its space, and the master
+        only reuses that after discarding the put at ``put_timeout`` plus ``quarantine``.
+        """
+        written = [i for i in started if codes[i] is Code.OK]
+        failed = [i for i in started if codes[i] not in (Code.OK, Code.UNSETTLED)]
         if written:
             index = part.index if part else 0
             end = m.PutEnd(
@@ -303,8 +325,8 @@ class StoreClient(Lifecycle):
             )
             try:
                 ends = _codes(self._call(end), len(written))
-            except StoreError:
-                ends = [Code.UNAVAILABLE] * len(written)
+            except StoreError as exc:
+                ends = [_failure_code(exc)] * len(written)
             for i, code in zip(written, ends, strict=True):
                 if code is not Code.OK:
                     codes[i] = Code.FAILED if code is Code.DISCARDED else code
@@ -320,21 +342,24 @@ class StoreClient(Lifecycle):
 
     def get(self, key: str, *, timeout: float | None = None) -> bytearray | None:
         """The value of ``key`` (read straight into the returned buffer), or None when it is
-        not stored or cannot be read in time."""
+        not stored, cannot be read in time, or ``key`` is invalid."""
+        if not check_key(key):
+            return None
+        (key,) = b.plain_keys([key])
         start = self._clock()
         deadline = start + (self.config.io_timeout if timeout is None else timeout)
         reply = self._lookup([key], deadline)
-        if reply is None or reply.results[0].code is not Code.OK:
+        if isinstance(reply, Code) or reply.results[0].code is not Code.OK:
             return None
-        buffer = bytearray(reply.results[0].size)
-        region = self.engine.register(buffer)
-        try:
-            result = self._read([key], [region], [0], [len(buffer)], reply, start, deadline)
-        finally:
-            self.engine.unregister(region)
-        if result.codes[0] is not Code.OK:
-            return None
-        return buffer
+        found = reply
+        buffer = bytearray(found.results[0].size)
+
+        def read_into(region: MemoryRegion) -> BatchResult:
+            ranges = b.Ranges([region], [0], [len(buffer)])
+            return self._read([key], ranges, found, start, deadline)
+
+        result = self._with_region(buffer, read_into)
+        return buffer if result.codes[0] is Code.OK else None
 
     def batch_get_into(
         self,
@@ -349,91 +374,132 @@ class StoreClient(Lifecycle):
 
         Everything — the master lookup and the transfers — ends by ``timeout`` (default
         ``io_timeout``): keys not in by then are TIMEOUT and nothing more lands in their
-        buffers, so a caller can use ``result.leading()`` keys and recompute the rest.
+        buffers (UNSETTLED keys excepted, see :class:`BatchResult`), so a caller can use
+        ``result.leading()`` keys and recompute the rest. A key whose replica fails is read
+        from its next replica within the same deadline (see :meth:`_read`).
         """
-        keys = list(keys)
-        regions = self._check_ranges(keys, region, offsets, sizes)
+        keys = b.plain_keys(keys)
+        ranges = b.check_ranges(keys, region, offsets, sizes, self.engine.owns)
         start = self._clock()
         deadline = start + (self.config.io_timeout if timeout is None else timeout)
-        reply = self._lookup(keys, deadline)
-        if reply is None:
-            return _all(Code.UNAVAILABLE, len(keys))
-        return self._read(keys, regions, offsets, sizes, reply, start, deadline)
+        picked = b.valid_keys(keys)
+        if len(picked) == len(keys):
+            return self._get_valid(keys, ranges, start, deadline)
+        result = self._get_valid(b.take(keys, picked), ranges.take(picked), start, deadline)
+        return b.spread(result, picked, len(keys))
 
-    def _lookup(self, keys: list[str], deadline: float) -> m.ReplicasReply | None:
-        """Replicas of ``keys`` (with a lease), or None when the master cannot be asked."""
+    def _get_valid(
+        self, keys: list[str], ranges: b.Ranges, start: float, deadline: float
+    ) -> BatchResult:
+        if not keys:
+            return b.all_codes(Code.OK, 0)
+        reply = self._lookup(keys, deadline)
+        if isinstance(reply, Code):
+            return b.all_codes(reply, len(keys))
+        return self._read(keys, ranges, reply, start, deadline)
+
+    def _lookup(self, keys: list[str], deadline: float) -> m.ReplicasReply | Code:
+        """Replicas of ``keys`` (with a lease), or the code of every key when the master
+        cannot be asked or refuses."""
         try:
             reply = self._call(m.GetReplicas(keys, self._host_id), deadline=deadline)
-        except StoreError:
-            return None
+        except StoreError as exc:
+            return _failure_code(exc)
         if not isinstance(reply, m.ReplicasReply) or len(reply.results) != len(keys):
-            return None
+            return Code.INTERNAL
         return reply
 
     def _read(
         self,
         keys: list[str],
-        regions: list[MemoryRegion],
-        offsets: Sequence[int],
-        sizes: Sequence[int],
+        ranges: b.Ranges,
         reply: m.ReplicasReply,
         start: float,
         deadline: float,
     ) -> BatchResult:
-        """Move the replicas of ``reply`` into ``regions``; the lease started at ``start``."""
-        lease_end = start + reply.lease_ms / 1000
-        codes = [r.code for r in reply.results]
-        found = [r.size for r in reply.results]
-        requests: list[TransferRequest] = []
-        owners: list[int] = []
-        for i, replicas in enumerate(reply.results):
-            if replicas.code is not Code.OK:
-                continue
-            if replicas.size > sizes[i]:
+        """Move the replicas of ``reply`` into ``ranges``; the lease started at ``start``.
+
+        Round r reads replica r of every key still to read, as one batch per number of
+        replicas left: a key with k replicas left gets 1/k of the time left, so a replica
+        that hangs (a stopped server) leaves time for the next. Keys whose read failed or
+        timed out (settled: their buffer is free again) go to the next round while they have
+        replicas and the deadline has not passed.
+        """
+        results = reply.results
+        codes = [r.code for r in results]
+        for i, replicas in enumerate(results):
+            if replicas.code is Code.OK and replicas.size > ranges.sizes[i]:
                 codes[i] = Code.TOO_SMALL
-                continue
-            loc = replicas.locations[0]
-            requests.append(
+        attempted = [i for i, code in enumerate(codes) if code is Code.OK]
+        todo, replica, unsettled = attempted, 0, []
+        while todo:
+            outcome, late = self._transfer(
+                TransferOp.READ, self._read_round(todo, replica, ranges, reply, deadline), len(keys)
+            )
+            unsettled += late
+            for i in todo:
+                codes[i] = outcome[i]
+            replica += 1
+            retry = [i for i in todo if codes[i] in _RETRY and replica < len(results[i].locations)]
+            todo = retry if self._clock() < deadline else []
+        self._judge([codes[i] for i in attempted])
+        if self._clock() > start + reply.lease_ms / 1000:  # the bytes may have been reused
+            codes = [Code.STALE if code is Code.OK else code for code in codes]
+        self._negative.add([keys[i] for i in attempted if codes[i] is not Code.OK], self._clock())
+        read = [r.size if code is Code.OK else 0 for r, code in zip(results, codes, strict=True)]
+        return BatchResult(tuple(codes), tuple(read), tuple(unsettled))
+
+    def _read_round(
+        self,
+        todo: list[int],
+        replica: int,
+        ranges: b.Ranges,
+        reply: m.ReplicasReply,
+        deadline: float,
+    ) -> list[_Batch]:
+        """The batches of one round of :meth:`_read`."""
+        now = self._clock()
+        by_left: dict[int, _Batch] = {}
+        for i in todo:
+            replicas = reply.results[i]
+            left = len(replicas.locations) - replica
+            batch = by_left.get(left)
+            if batch is None:
+                batch = by_left[left] = _Batch([], [], now + (deadline - now) / left)
+            loc = replicas.locations[replica]
+            batch.requests.append(
                 TransferRequest(
-                    regions[i], offsets[i], loc.segment, loc.region, loc.offset, replicas.size
+                    ranges.regions[i],
+                    ranges.offsets[i],
+                    loc.segment,
+                    loc.region,
+                    loc.offset,
+                    replicas.size,
                 )
             )
-            owners.append(i)
-        outcome, batch = self._transfer(TransferOp.READ, requests, owners, len(keys), deadline)
-        stale = self._clock() > lease_end
-        for i in set(owners):
-            codes[i] = Code.STALE if stale and outcome[i] is Code.OK else outcome[i]
-        bad = [keys[i] for i in set(owners) if codes[i] is not Code.OK]
-        self._negative.add(bad, self._clock())
-        read = [found[i] if codes[i] is Code.OK else 0 for i in range(len(keys))]
-        return BatchResult(tuple(codes), tuple(read), batch)
+            batch.owners.append(i)
+        return list(by_left.values())
 
     # ------------------------------------------------------------------------------ helpers
 
-    def _check_ranges(
-        self,
-        keys: list[str],
-        region: Regions,
-        offsets: Sequence[int],
-        sizes: Sequence[int],
-    ) -> list[MemoryRegion]:
-        """Refuse a batch that cannot work before asking the master for anything; returns
-        each key's region."""
-        _same_length(keys, offsets=offsets, sizes=sizes)
-        regions = [region] * len(keys) if isinstance(region, MemoryRegion) else list(region)
-        if len(regions) != len(keys):
-            raise InvalidRequest(f"{len(regions)} regions for {len(keys)} keys")
-        for one in set(regions):
-            if not self.engine.owns(one):
-                raise InvalidRequest(f"region {one.id} is not registered with this client's engine")
-        for one, offset, size in zip(regions, offsets, sizes, strict=True):
-            if offset < 0 or size < 0 or offset + size > one.length:
-                raise InvalidRequest(
-                    f"range [{offset}, {offset + size}) is outside the {one.length}-byte region"
-                )
-        return regions
+    def _with_region(
+        self, buffer: bytes | bytearray | memoryview, use: Callable[[MemoryRegion], BatchResult]
+    ) -> BatchResult:
+        """Run ``use`` on ``buffer`` registered for the call; the registration (which keeps
+        ``buffer`` alive) ends once no transfer touches it, which for an UNSETTLED key is
+        later, on a transport thread."""
+        region = self.engine.register(buffer)
+        try:
+            result = use(region)
+        except BaseException:
+            self.engine.unregister(region)
+            raise
+        result.on_settled(functools.partial(self.engine.unregister, region))
+        return result
 
     def _call(self, request: m.Request, *, deadline: float | None = None) -> m.Reply:
+        """One RPC to the master. Raises MasterUnavailable, CircuitOpen, or a StoreError
+        carrying the code the master refused the request with."""
         now = self._clock()
         if not self._breaker.allow(now):
             raise CircuitOpen("the store failed repeatedly; failing fast during the cool-down")
@@ -452,39 +518,67 @@ class StoreClient(Lifecycle):
                 self._breaker.failure(self._clock())
                 raise MasterUnavailable(f"no master leads: {reply.message}")
             self._breaker.success()  # the master is up; it refused this request
-            raise StoreError(
-                f"master refused {type(request).__name__}: {reply.code.name}: {reply.message}"
-            )
+            raise _Refused(request, reply)
         self._breaker.success()
         return reply
 
     def _transfer(
-        self,
-        op: TransferOp,
-        requests: list[TransferRequest],
-        owners: list[int],
-        count: int,
-        deadline: float,
-    ) -> tuple[list[Code], TransferBatch | None]:
-        """Run the batch; per key: OK if all its requests completed, else TIMEOUT, FAILED or
-        UNSETTLED (a transport still holds its memory: then the batch is returned too)."""
+        self, op: TransferOp, batches: list[_Batch], count: int
+    ) -> tuple[list[Code], list[TransferBatch]]:
+        """Run the batches (all submitted before any is waited for); per key of ``count``:
+        OK if all its requests completed, else TIMEOUT, FAILED or UNSETTLED (a transport still
+        holds its memory: the batches holding such keys are returned too)."""
         outcome = [Code.OK] * count
-        if not requests:
-            return outcome, None
-        remaining = max(0.0, deadline - self._clock())
-        try:
-            batch = self.engine.submit(op, requests, timeout=remaining)
-        except KVConnectError:
-            for i in owners:
-                outcome[i] = Code.FAILED
-            return outcome, None
-        statuses = batch.wait()
-        for i, status in zip(owners, statuses, strict=True):
-            outcome[i] = _worst(outcome[i], _STATUS_CODE[status])
-        if all(s is not TransferStatus.COMPLETED for s in statuses):
-            self._breaker.failure(self._clock())  # the store's data path is failing
-        unsettled = TransferStatus.PENDING in statuses
-        return outcome, batch if unsettled else None
+        running: list[tuple[list[int], TransferBatch]] = []
+        for batch in batches:
+            if not batch.requests:
+                continue
+            remaining = max(0.0, batch.deadline - self._clock())
+            try:
+                running.append(
+                    (batch.owners, self.engine.submit(op, batch.requests, timeout=remaining))
+                )
+            except KVConnectError:
+                for i in batch.owners:
+                    outcome[i] = Code.FAILED
+        unsettled = []
+        for owners, handle in running:
+            statuses = handle.wait()
+            for i, status in zip(owners, statuses, strict=True):
+                outcome[i] = _worst(outcome[i], _STATUS_CODE[status])
+            if TransferStatus.PENDING in statuses:
+                unsettled.append(handle)
+        return outcome, unsettled
+
+    def _judge(self, codes: list[Code]) -> None:
+        """The data path failed if no key of a call got through (its master call succeeded,
+        so this is what the breaker must learn)."""
+        if codes and Code.OK not in codes:
+            self._breaker.failure(self._clock())
+
+
+def _writes(
+    reply: m.PutStartReply, ranges: b.Ranges, part: b.Part | None, deadline: float
+) -> _Batch:
+    """The writes of the placed keys: each to every replica."""
+    writes = _Batch([], [], deadline)
+    for i, placement in enumerate(reply.results):
+        if placement.code is not Code.OK:
+            continue
+        within = part.object_offsets[i] if part else 0
+        for loc in placement.locations:
+            writes.requests.append(
+                TransferRequest(
+                    ranges.regions[i],
+                    ranges.offsets[i],
+                    loc.segment,
+                    loc.region,
+                    loc.offset + within,
+                    ranges.sizes[i],
+                )
+            )
+            writes.owners.append(i)
+    return writes
 
 
 # What a request's status means for its key, and which outcome wins when a key has several
@@ -503,17 +597,12 @@ def _worst(first: Code, second: Code) -> Code:
     return first if _SEVERITY[first] >= _SEVERITY[second] else second
 
 
+def _failure_code(exc: StoreError) -> Code:
+    """Every key's code when a call to the master failed as a whole."""
+    return exc.code if isinstance(exc, _Refused) else Code.UNAVAILABLE
+
+
 def _codes(reply: m.Reply, count: int) -> list[Code]:
     if not isinstance(reply, m.CodesReply) or len(reply.codes) != count:
         return [Code.INTERNAL] * count
     return list(reply.codes)
-
-
-def _all(code: Code, count: int) -> BatchResult:
-    return BatchResult((code,) * count, (0,) * count)
-
-
-def _same_length(keys: Sequence[str], **others: Sequence[int]) -> None:
-    for name, values in others.items():
-        if len(values) != len(keys):
-            raise InvalidRequest(f"{name} has {len(values)} entries for {len(keys)} keys")

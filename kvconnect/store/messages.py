@@ -273,6 +273,12 @@ class Head(msgspec.Struct, array_like=True):
     request_id: int
 
 
-def check_key(key: str) -> bool:
-    """Keys are non-empty and at most MAX_KEY_BYTES of UTF-8."""
-    return len(key) > 0 and len(key.encode()) <= MAX_KEY_BYTES
+def check_key(key: object) -> bool:
+    """Keys are non-empty strings of at most MAX_KEY_BYTES bytes of UTF-8, without NUL (C
+    consumers of keys end them there). A string with a lone surrogate cannot be encoded."""
+    if not isinstance(key, str) or not key or "\0" in key:
+        return False
+    try:
+        return len(key.encode()) <= MAX_KEY_BYTES
+    except UnicodeEncodeError:
+        return False

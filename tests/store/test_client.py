@@ -1,0 +1,345 @@
+"""The store client's contract against a real master and store servers: bad keys and oversized
+batches get per-key codes, invalid arguments raise, reads fall back to a live replica, and
+memory a transport thread still holds is never handed back."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvconnect.config import StoreClientConfig, TransferConfig
+from kvconnect.errors import InvalidRequest, StoreError
+from kvconnect.store import messages as m
+from kvconnect.store.client import StoreClient
+from kvconnect.store.messages import Code
+from kvconnect.store.resilience import BreakerState
+from kvconnect.testing.cluster import Cluster, Process
+from kvconnect.testing.peer import pattern
+from kvconnect.transfer.copying import Copier
+from kvconnect.transfer.memory import MemoryRegion
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.integration
+KiB, MiB = 1 << 10, 1 << 20
+FAST_SERVER = ["--store-heartbeat-interval", "0.3"]
+
+# Keys no store can hold: a lone surrogate (cannot be encoded), empty, too long (in bytes),
+# NUL, not a string at all.
+BAD_KEYS: list[Any] = ["\ud800", "", "é" * 600, "x" * 1025, "a\0b", 17, None, b"bytes"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster(servers=1, server_size=32 * MiB, server_args=FAST_SERVER) as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster: Cluster) -> Iterator[StoreClient]:
+    with StoreClient(StoreClientConfig(master=cluster.master_endpoint)) as c:
+        yield c
+
+
+def _filled(client: StoreClient, seed: int, size: int) -> MemoryRegion:
+    return client.register(pattern(seed, size).copy())
+
+
+# ------------------------------------------------------------------------------ A3: bad keys
+
+
+def test_bad_keys_are_invalid_per_key_and_the_rest_of_the_batch_goes_through(
+    client: StoreClient,
+) -> None:
+    good = ["good-a", "good-b", "ключ-✓", np.str_("numpy-str")]
+    keys = [good[0], *BAD_KEYS[:4], good[1], *BAD_KEYS[4:], good[2], good[3]]
+    count = len(keys)
+    source = _filled(client, 1, count * KiB)
+    offsets = [n * KiB for n in range(count)]
+    put = client.batch_put_from(keys, source, offsets, [KiB] * count)
+    expected = tuple(Code.OK if key in good else Code.INVALID for key in keys)
+    assert put.codes == expected
+    assert put.sizes == tuple(KiB if key in good else 0 for key in keys)
+
+    target = client.register(np.zeros(count * KiB, dtype=np.uint8))
+    got = client.batch_get_into(keys, target, offsets, [KiB] * count)
+    assert got.codes == expected
+    assert got.sizes == put.sizes
+    for n, key in enumerate(keys):
+        chunk = target.view[n * KiB : (n + 1) * KiB]
+        want = source.view[n * KiB : (n + 1) * KiB] if key in good else bytes(KiB)
+        assert bytes(chunk) == bytes(want), key
+
+    assert client.batch_exists(keys) == [key in good for key in keys]
+    parts = client.batch_put_part_from(
+        ["part-ok", "\udfff", ""],
+        source,
+        [0, 0, 0],
+        [KiB] * 3,
+        part=0,
+        parts=1,
+        object_sizes=[KiB] * 3,
+        object_offsets=[0] * 3,
+    )
+    assert parts.codes == (Code.OK, Code.INVALID, Code.INVALID)
+    assert client.get("part-ok") == bytes(source.view[:KiB])
+    assert client.batch_remove(BAD_KEYS) == [Code.INVALID] * len(BAD_KEYS)
+    assert client.breaker.state is BreakerState.CLOSED
+    assert client.stats().pending == 0
+
+
+def test_single_key_calls_answer_bad_keys_like_the_batches(client: StoreClient) -> None:
+    for key in BAD_KEYS:
+        assert client.put(key, b"value") is Code.INVALID
+        assert client.get(key) is None
+        assert client.exists(key) is False
+        assert client.remove(key) is Code.INVALID
+    assert client.put("fine", b"value") is Code.OK
+    assert client.get("fine") == b"value"
+
+
+# ----------------------------------------------------------------- A4: what the master refuses
+
+
+def test_a_batch_the_master_refuses_reports_the_masters_code(client: StoreClient) -> None:
+    count = m.MAX_BATCH + 1
+    keys = [f"big-{n}" for n in range(count)]
+    buffer = _filled(client, 2, 64)
+    put = client.batch_put_from(keys, buffer, [0] * count, [8] * count)
+    assert set(put.codes) == {Code.INVALID}
+    assert set(put.sizes) == {0}
+    got = client.batch_get_into(keys, buffer, [0] * count, [8] * count)
+    assert set(got.codes) == {Code.INVALID}
+    assert client.batch_remove(keys) == [Code.INVALID] * count
+    with pytest.raises(StoreError, match="INVALID"):
+        client.batch_exists(keys)
+    assert client.breaker.state is BreakerState.CLOSED, "a refusal is no sign of an outage"
+    assert client.batch_exists(keys[:3]) == [False] * 3
+    assert client.stats().pending == 0
+    # The limit itself is served.
+    fits = keys[: m.MAX_BATCH]
+    assert set(client.batch_put_from(fits, buffer, [0] * len(fits), [8] * len(fits)).codes) == {
+        Code.OK
+    }
+    assert client.batch_remove(fits) == [Code.OK] * len(fits)
+
+
+# ----------------------------------------------------------------------- C12: the contract
+
+
+def test_invalid_arguments_raise_and_bad_data_is_a_per_key_code(client: StoreClient) -> None:
+    buffer = _filled(client, 3, 4 * KiB)
+    with pytest.raises(InvalidRequest, match="sizes"):
+        client.batch_put_from(["a", "b"], buffer, [0, KiB], [KiB])
+    with pytest.raises(InvalidRequest, match="outside"):
+        client.batch_get_into(["a"], buffer, [3 * KiB], [2 * KiB])
+    with pytest.raises(InvalidRequest, match="integer"):
+        client.batch_put_from(["a"], buffer, [0.5], [KiB])  # type: ignore[list-item]
+    with pytest.raises(InvalidRequest, match="part"):
+        client.batch_put_part_from(
+            ["a"], buffer, [0], [KiB], part=2, parts=2, object_sizes=[2 * KiB], object_offsets=[0]
+        )
+    with pytest.raises(InvalidRequest, match="regions"):
+        client.batch_put_from(["a", "b"], [buffer], [0, 0], [1, 1])
+    assert client.stats().pending == 0, "nothing reached the master"
+
+    # Bad data per key: a zero size (a put of an empty value too), a key already stored. Sizes
+    # are the bytes the call moved: 0 for every key that was not stored or read by it.
+    assert client.put("empty", b"") is Code.INVALID
+    first = client.batch_put_from(["kept"], buffer, [0], [KiB])
+    assert (first.codes, first.sizes) == ((Code.OK,), (KiB,))
+    again = client.batch_put_from(["kept", "zero", "new"], buffer, [0, 0, KiB], [KiB, 0, KiB])
+    assert again.codes == (Code.EXISTS, Code.INVALID, Code.OK)
+    assert again.sizes == (0, 0, KiB)
+    assert again.ok() == [True, False, True]
+    # Integer-like values are integers (numpy arrays of offsets and sizes).
+    target = client.register(np.zeros(4 * KiB, dtype=np.uint8))
+    read = client.batch_get_into(
+        ["kept", "new", "absent"], target, np.array([0, KiB, 2 * KiB]), np.full(3, KiB)
+    )
+    assert read.codes == (Code.OK, Code.OK, Code.NOT_FOUND)
+    assert read.sizes == (KiB, KiB, 0)
+    assert bytes(target.view[: 2 * KiB]) == bytes(buffer.view[: 2 * KiB])
+
+
+def test_a_put_that_gets_no_space_reports_size_zero(cluster: Cluster) -> None:
+    config = StoreClientConfig(master=cluster.master_endpoint)
+    with StoreClient(config) as client:
+        big = client.register(np.zeros(64 * MiB, dtype=np.uint8))
+        result = client.batch_put_from(["huge"], big, [0], [64 * MiB])
+        assert (result.codes, result.sizes) == ((Code.NO_SPACE,), (0,))
+
+
+# ------------------------------------------------------------ C11: falling back to a replica
+
+
+def _primary(client: StoreClient, key: str) -> str:
+    reply = client._call(m.GetReplicas([key], client.engine.segment.host_id))
+    assert isinstance(reply, m.ReplicasReply)
+    assert len(reply.results[0].locations) == 2
+    return reply.results[0].locations[0].segment
+
+
+@pytest.mark.parametrize(
+    ("transport", "fault"),
+    [("tcp", signal.SIGKILL), ("tcp", signal.SIGSTOP), ("auto", signal.SIGKILL)],
+    ids=["tcp-killed", "tcp-stopped", "shm-killed"],
+)
+def test_a_read_falls_back_to_the_live_replica(transport: str, fault: signal.Signals) -> None:
+    with Cluster(servers=2, server_size=32 * MiB, server_args=FAST_SERVER) as cluster:
+        config = StoreClientConfig(master=cluster.master_endpoint, replicas=2)
+        over = TransferConfig(transport=transport)  # type: ignore[arg-type]
+        with StoreClient(config, over) as writer, StoreClient(config, over) as reader:
+            keys = [f"rep-{n}" for n in range(8)]
+            source = _filled(writer, 4, 8 * 256 * KiB)
+            offsets = [n * 256 * KiB for n in range(8)]
+            assert writer.batch_put_from(keys, source, offsets, [256 * KiB] * 8).ok() == [True] * 8
+            primary = _primary(reader, keys[0])
+            assert all(_primary(reader, key) == primary for key in keys)
+            victim = next(s for s in cluster.servers if primary in s.banner)
+            _fault(victim, fault)
+            # The master still lists the victim (its heartbeat has not expired).
+            assert all(s.backlog >= 0 for s in cluster.stats().segments)
+            assert len(cluster.stats().segments) == 2
+
+            target = reader.register(np.zeros(source.length, dtype=np.uint8))
+            result = reader.batch_get_into(keys, target, offsets, [256 * KiB] * 8, timeout=4.0)
+            assert result.codes == (Code.OK,) * 8
+            assert result.sizes == (256 * KiB,) * 8
+            assert target.view == source.view
+            assert reader.get(keys[3], timeout=4.0) == bytes(source.view[offsets[3] : offsets[4]])
+            assert reader.batch_exists(keys) == [True] * 8, "no key was negatively cached"
+
+
+def _fault(victim: Process, fault: signal.Signals) -> None:
+    if fault is signal.SIGKILL:
+        victim.kill()
+    else:
+        victim.signal(fault)
+
+
+# ---------------------------------------------------------- C9: memory still held by a transfer
+
+
+class _HeldCopies:
+    """Makes the local/shared-memory copy path block until released: a transport thread that
+    holds its memory past the deadline and the settle grace."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        original: Callable[..., None] = Copier.copy
+
+        def copy(copier: Copier, *args: Any, **kwargs: Any) -> None:
+            self.entered.set()
+            self.release.wait()
+            original(copier, *args, **kwargs)
+
+        monkeypatch.setattr(Copier, "copy", copy)
+
+
+@contextlib.contextmanager
+def _holding_copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[_HeldCopies]:
+    """Inside a client's ``with``: its close must not wait for a copy a failed test left held."""
+    copies = _HeldCopies(monkeypatch)
+    try:
+        yield copies
+    finally:
+        copies.release.set()
+
+
+class _Registrations:
+    """Records what the client's engine registers and unregisters."""
+
+    def __init__(self, client: StoreClient, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.registered: list[MemoryRegion] = []
+        self.unregistered: list[MemoryRegion] = []
+        engine = client.engine
+        register, unregister = engine.register, engine.unregister
+
+        def track_register(buffer: object, **kwargs: Any) -> MemoryRegion:
+            region = register(buffer, **kwargs)
+            self.registered.append(region)
+            return region
+
+        def track_unregister(region: MemoryRegion) -> None:
+            unregister(region)
+            self.unregistered.append(region)
+
+        monkeypatch.setattr(engine, "register", track_register)
+        monkeypatch.setattr(engine, "unregister", track_unregister)
+
+
+@pytest.fixture
+def held_cluster() -> Iterator[Cluster]:
+    # A put_timeout past the settle grace: the master must not give the put up on its own
+    # before the client has answered.
+    master = ["--master-put-timeout", "8"]
+    with Cluster(servers=1, server_size=16 * MiB, master_args=master) as c:
+        yield c
+
+
+def test_an_unsettled_read_is_reported_and_its_callback_waits_for_the_transport(
+    held_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with StoreClient(StoreClientConfig(master=held_cluster.master_endpoint)) as client:
+        value = pattern(5, 64 * KiB).tobytes()
+        assert client.put("held", value) is Code.OK
+        target = client.register(np.zeros(64 * KiB, dtype=np.uint8))
+        with _holding_copies(monkeypatch) as copies:
+            result = client.batch_get_into(["held"], target, [0], [64 * KiB], timeout=0.2)
+            assert copies.entered.is_set()
+            assert (result.codes, result.sizes) == ((Code.UNSETTLED,), (0,))
+            settled = threading.Event()
+            result.on_settled(settled.set)
+            assert not settled.is_set()
+            # A failed read: the key is reported absent for a while; the store is still up.
+            assert client.batch_exists(["held"]) == [False]
+            assert client.breaker.state is BreakerState.CLOSED
+            copies.release.set()
+            wait_for(settled.is_set, "on_settled did not run once the transport let go")
+        assert client.get("held") == value
+
+
+def test_an_unsettled_get_keeps_its_buffer_registered_until_the_transport_lets_go(
+    held_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with StoreClient(StoreClientConfig(master=held_cluster.master_endpoint)) as client:
+        assert client.put("held-get", pattern(7, 64 * KiB).tobytes()) is Code.OK
+        tracked = _Registrations(client, monkeypatch)
+        with _holding_copies(monkeypatch) as copies:
+            assert client.get("held-get", timeout=0.2) is None
+            assert copies.entered.is_set()
+            assert len(tracked.registered) == 1
+            assert tracked.unregistered == [], "get() unregistered memory a transport writes"
+            assert client.engine.owns(tracked.registered[0])
+            copies.release.set()
+            wait_for(lambda: tracked.unregistered == tracked.registered, "get() leaked its region")
+
+
+def test_an_unsettled_put_is_neither_ended_nor_revoked(
+    held_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with StoreClient(StoreClientConfig(master=held_cluster.master_endpoint)) as client:
+        tracked = _Registrations(client, monkeypatch)
+        value = pattern(6, 64 * KiB).tobytes()
+        with _holding_copies(monkeypatch) as copies:
+            assert client.put("late", value, timeout=0.2) is Code.UNSETTLED
+            assert copies.entered.is_set()
+            stats = client.stats()
+            assert stats.pending == 1, "the put was ended or revoked while its write may land"
+            assert stats.keys == 0
+            assert client.engine.owns(tracked.registered[0])
+            assert tracked.unregistered == []
+            copies.release.set()
+            wait_for(lambda: tracked.unregistered == tracked.registered, "put() leaked its region")
+        # The master gives the put up at its put_timeout and quarantines the space.
+        wait_for(lambda: client.stats().pending == 0, "the pending put never expired", 20)
+        assert client.exists("late") is False
+        assert client.put("late", value) is Code.OK
+        assert client.get("late") == value
