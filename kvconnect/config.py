@@ -239,7 +239,7 @@ class MasterConfig(_Section):
     """Eviction frees this fraction of capacity each time it starts."""
     eviction_step: int = 32
     """Objects evicted per step between requests (bounds the latency eviction adds)."""
-    max_message_bytes: int = 64 * MiB
+    max_message_bytes: int = 128 * MiB
     """Largest request the master accepts; a peer sending more is disconnected."""
     token: str | None = field(default=None, repr=False)
     """Cluster token every RPC must be authenticated with (CURVE keys derived from it)."""
