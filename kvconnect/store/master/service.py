@@ -243,7 +243,14 @@ class _StateCollector(Collector):
             "kvconnect_master_evicted_bytes", "Bytes evicted", value=stats.evicted_bytes
         )
         used = GaugeMetricFamily(
-            "kvconnect_segment_used_bytes", "Allocated bytes per segment", labels=["segment"]
+            "kvconnect_segment_used_bytes",
+            "Bytes of stored objects and pending puts per segment",
+            labels=["segment"],
+        )
+        in_transit = GaugeMetricFamily(
+            "kvconnect_segment_in_transit_bytes",
+            "Released bytes per segment not allocatable yet (acknowledgement, lease, quarantine)",
+            labels=["segment"],
         )
         capacity = GaugeMetricFamily(
             "kvconnect_segment_capacity_bytes", "Capacity per segment", labels=["segment"]
@@ -255,8 +262,10 @@ class _StateCollector(Collector):
         )
         for segment in stats.segments:
             used.add_metric([segment.name], segment.used)
+            in_transit.add_metric([segment.name], segment.in_transit)
             capacity.add_metric([segment.name], segment.capacity)
             backlog.add_metric([segment.name], segment.backlog)
         yield used
+        yield in_transit
         yield capacity
         yield backlog
