@@ -131,6 +131,18 @@ def _reaches(client: StoreClient) -> bool:
     return True
 
 
+def _backlog(url: str) -> int:
+    """Journal changes the leader's store servers have not acknowledged (-1: no answer)."""
+    rpc = RpcClient(url, 1.0)
+    try:
+        reply = rpc.call(m.Stats())
+    except StoreError:
+        return -1
+    finally:
+        rpc.close()
+    return sum(s.backlog for s in reply.segments) if isinstance(reply, m.StatsReply) else -1
+
+
 def _leader(url: str) -> str | None:
     etcd = Etcd(url)
     try:
@@ -147,10 +159,18 @@ def test_sigkill_of_the_leader_fails_over_within_three_seconds(etcd: EtcdServer)
     try:
         with _Workload(etcd.url) as work:
             wait_for(lambda: len(work.ok) > 5, "the workload never succeeded", 15)
-            # Pages stored by now reach their store server's journal long before the kill
-            # (heartbeats every 0.3 s): the new leader must index every one of them.
-            durable = [n for _when, n in work.stored]
-            time.sleep(2.0)
+            # Pages stored before a moment the leader's journal was fully acknowledged are
+            # known to their store server: the new leader must index every one of them.
+            durable: list[int] = []
+
+            def synced() -> bool:
+                stored = [n for _when, n in work.stored]
+                if _backlog(etcd.url) != 0:
+                    return False
+                durable[:] = stored
+                return True
+
+            wait_for(synced, "the store servers never caught up with the journal", 15)
             leader = _leader(etcd.url)
             victim = next(m for m in masters if leader is not None and leader in m.args)
             victim.kill()
@@ -183,7 +203,9 @@ def test_etcd_restart_during_the_workload_hangs_nothing(etcd: EtcdServer) -> Non
         with _Workload(etcd.url) as work:
             wait_for(lambda: len(work.ok) > 5, "the workload never succeeded", 15)
             etcd.kill()
-            time.sleep(1.0)
+            killed = time.monotonic()
+            # the outage is felt: the leader cannot renew its lease and stops serving
+            wait_for(lambda: any(t > killed for t in work.failed), "nothing failed", 15)
             etcd.start()
             restarted = time.monotonic()
             wait_for(lambda: bool(work.ok) and work.ok[-1] > restarted, "no recovery", 20)
