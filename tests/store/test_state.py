@@ -318,6 +318,16 @@ def _check_books(state: MasterState, now: float) -> None:
             assert end <= start, f"overlapping objects on segment {segment}"
         allocator = state.segments.all[segment].allocator
         assert allocator.used >= sum(e - s for s, e in spans)
+    # usage is exactly the objects' space (rounded); the rest of what is reserved is in transit
+    for seg in state.segments.live():
+        lengths = [
+            state.segments.length(objects.size[slot])
+            for slot in objects.slots.values()
+            for index, _offset in objects.replicas(slot)
+            if index == seg.index
+        ]
+        assert seg.used == sum(lengths), f"segment {seg.spec.name} miscounts its usage"
+        assert 0 <= seg.in_transit <= seg.allocator.used
 
 
 def test_a_batch_is_placed_contiguously_and_duplicate_keys_wait() -> None:
