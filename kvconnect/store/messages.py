@@ -108,9 +108,10 @@ class SegmentStats(msgspec.Struct, frozen=True):
     host_id: str
     server: str
     capacity: int
-    used: int
+    used: int  # bytes of stored objects and pending puts
     objects: int
     backlog: int = 0  # journal changes its server has not acknowledged
+    in_transit: int = 0  # bytes released but not allocatable yet (acknowledgement, lease)
 
 
 # ---------------------------------------------------------------------------------- requests

@@ -113,6 +113,10 @@ class OffsetAllocator:
         """Number of live allocations."""
         return self._allocations
 
+    def length(self, size: int) -> int:
+        """Bytes an allocation of ``size`` reserves (``size`` rounded up to the alignment)."""
+        return -(-size // self._alignment) * self._alignment
+
     def largest_free(self) -> int:
         """Size of the largest free block (0 when full); O(1) amortized."""
         if not self._bitmap:

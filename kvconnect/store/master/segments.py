@@ -17,11 +17,17 @@ released there, in order, until the server acknowledges them (heartbeats). The s
 always knows which objects it holds, and reports them to a new master (failover, restart).
 Released space becomes allocatable only once acknowledged: were it reused earlier, a server
 that missed the release would report the old object over the new object's bytes.
+
+Released space on its way back — awaiting that acknowledgement, the end of a read lease (a
+forced removal) or the put quarantine (a discarded put) — is *in transit*: still reserved in
+the allocator, but counted apart from the space objects use (:attr:`Segment.used`), because it
+returns by itself and nothing should be evicted for it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import itertools
 import random
 from collections import deque
@@ -51,8 +57,9 @@ class Segment:
     journal: deque[Change] = field(default_factory=deque)  # not yet acknowledged by the server
     journal_base: int = 0  # sequence number of journal[0]
     journal_sent: int = 0  # changes before this one were sent to the server
-    releasing: deque[tuple[int, int, int]] = field(default_factory=deque)  # (seq, offset, size)
-    releasing_bytes: int = 0
+    # journaled releases not acknowledged yet: (seq, offset, size, not reusable before)
+    releasing: deque[tuple[int, int, int, float]] = field(default_factory=deque)
+    in_transit: int = 0  # bytes released but not allocatable yet (see the module docstring)
     _ranks: dict[str, int] = field(default_factory=dict)
 
     def rank(self, writer: str) -> int:
@@ -67,40 +74,51 @@ class Segment:
 
     @property
     def used(self) -> int:
-        """Bytes in use, not counting released space waiting for the server's acknowledgement
-        (eviction must not evict more because of it)."""
-        return self.allocator.used - self.releasing_bytes
+        """Bytes of stored objects and pending puts; space in transit is not counted."""
+        return self.allocator.used - self.in_transit
 
     def commit(self, key: str, offset: int, size: int) -> None:
         """Journal an object completed here."""
         self.journal.append(Change(key, offset, size))
 
-    def journal_release(self, offset: int, size: int) -> None:
-        """Journal a committed object's release; its space is freed once acknowledged."""
-        self.releasing.append((self.journal_base + len(self.journal), offset, size))
-        self.releasing_bytes += size
+    def journal_release(self, offset: int, size: int, until: float) -> None:
+        """Journal a committed object's release now — its server forgets the object at the
+        next heartbeat, so no later master indexes it again — and keep its space in transit
+        until the server acknowledges the release and ``until`` (a read lease) has passed."""
+        self.releasing.append((self.journal_base + len(self.journal), offset, size, until))
+        self.hold(size)
         self.journal.append(Change("", offset, size))
+
+    def hold(self, size: int) -> None:
+        """Count released space of ``size`` bytes as in transit (until :meth:`reuse`)."""
+        self.in_transit += self.allocator.length(size)
+
+    def reuse(self, offset: int, size: int) -> None:
+        """Space in transit at ``offset`` becomes allocatable."""
+        self.in_transit -= self.allocator.length(size)
+        self.allocator.free(offset, size)
 
     def forget(self, offset: int) -> None:
         """Journal that the server should drop what it holds at ``offset`` (a reported object
         the master could not adopt); no space changes hands."""
         self.journal.append(Change("", offset, 0))
 
-    def acknowledge(self, applied: int) -> Changes:
-        """The server applied the journal up to sequence ``applied``: drop that part, free the
-        space whose release it knows; returns the changes it still lacks (a bounded batch)."""
+    def acknowledge(self, applied: int) -> tuple[Changes, list[tuple[float, int, int]]]:
+        """The server applied the journal up to sequence ``applied``: drop that part. Returns
+        the changes it still lacks (a bounded batch) and the releases it now knows, as
+        (not reusable before, offset, size); the caller makes that space reusable."""
         # Never past what was sent: a confused server must not make us drop unseen changes.
         count = max(min(applied, self.journal_sent) - self.journal_base, 0)
         for _ in range(count):
             self.journal.popleft()
         self.journal_base += count
+        known = []
         while self.releasing and self.releasing[0][0] < self.journal_base:
-            _seq, offset, size = self.releasing.popleft()
-            self.releasing_bytes -= size
-            self.allocator.free(offset, size)
+            _seq, offset, size, until = self.releasing.popleft()
+            known.append((until, offset, size))
         pending = list(itertools.islice(self.journal, _CHANGES_PER_REPLY))
         self.journal_sent = max(self.journal_sent, self.journal_base + len(pending))
-        return Changes(self.mount_id, self.journal_base, pending)
+        return Changes(self.mount_id, self.journal_base, pending), known
 
 
 class SegmentTable:
@@ -115,6 +133,8 @@ class SegmentTable:
         self.by_name: dict[str, Segment] = {}
         self.by_mount: dict[str, Segment] = {}
         self._rng = random.Random(seed)
+        # space in transit waiting for a time: (reusable at, segment index, offset, size)
+        self._waiting: list[tuple[float, int, int, int]] = []
 
     def mount(self, server: str, mount_id: str, spec: SegmentSpec, recovering: bool) -> Segment:
         """Add a live segment (the caller retired any previous mount of the same name).
@@ -142,6 +162,10 @@ class SegmentTable:
             del self.by_name[segment.spec.name]
         self.by_mount.pop(segment.mount_id, None)
 
+    def length(self, size: int) -> int:
+        """Bytes an object of ``size`` takes in a segment (rounded up to the alignment)."""
+        return -(-size // self.alignment) * self.alignment
+
     def live(self) -> list[Segment]:
         """Mounted segments, by index."""
         return [s for s in self.by_name.values() if s.alive]
@@ -158,7 +182,7 @@ class SegmentTable:
             return False
         if offset > cursor:
             segment.allocator.release_span(cursor, offset)  # the gap before it was free
-        segment.recovering = offset + -(-size // self.alignment) * self.alignment
+        segment.recovering = offset + self.length(size)
         segment.objects += 1
         return True
 
@@ -219,17 +243,51 @@ class SegmentTable:
             runs.append((segment.index, offsets))
         return [[(index, offsets[n]) for index, offsets in runs] for n in range(len(sizes))]
 
-    def release(self, segment_index: int, offset: int, size: int, committed: bool) -> None:
-        """Free one replica's space: at once if the object never completed (the server never
-        heard of it), else through the journal."""
+    def release(
+        self, segment_index: int, offset: int, size: int, committed: bool, until: float = 0.0
+    ) -> None:
+        """Give one replica's space back. A committed object's release goes through the
+        journal (reusable once acknowledged and after ``until``); the space of an object that
+        never completed (its server never heard of it) is reusable after ``until``, or at once
+        for 0."""
         segment = self.all[segment_index]
         segment.objects -= 1
         if not segment.alive:
             return
         if committed:
-            segment.journal_release(offset, size)
+            segment.journal_release(offset, size, until)
+        elif until > 0:
+            segment.hold(size)
+            heapq.heappush(self._waiting, (until, segment_index, offset, size))
         else:
             segment.allocator.free(offset, size)
+
+    def acknowledge(self, segment: Segment, applied: int, now: float) -> Changes:
+        """:meth:`Segment.acknowledge`, making acknowledged space reusable (at once, or when
+        its lease ends); returns the changes the server still lacks."""
+        changes, known = segment.acknowledge(applied)
+        for until, offset, size in known:
+            if until <= now:
+                segment.reuse(offset, size)
+            else:
+                heapq.heappush(self._waiting, (until, segment.index, offset, size))
+        return changes
+
+    def reuse_due(self, now: float) -> None:
+        """Make space in transit reusable whose time has come (leases ended, quarantines)."""
+        while self._waiting and self._waiting[0][0] <= now:
+            _until, index, offset, size = heapq.heappop(self._waiting)
+            segment = self.all[index]
+            if segment.alive:
+                segment.reuse(offset, size)
+
+    def returning(self, length: int) -> bool:
+        """Whether space in transit, once back, gives some segment ``length`` free bytes."""
+        return any(
+            s.in_transit and s.allocator.free_bytes + s.in_transit >= length
+            for s in self.by_name.values()
+            if s.recovering is None
+        )
 
 
 def _free_ratio(segment: Segment) -> float:

@@ -266,7 +266,14 @@ class _StateCollector(Collector):
             value=stats.dropped,
         )
         used = GaugeMetricFamily(
-            "kvconnect_segment_used_bytes", "Allocated bytes per segment", labels=["segment"]
+            "kvconnect_segment_used_bytes",
+            "Bytes of stored objects and pending puts per segment",
+            labels=["segment"],
+        )
+        in_transit = GaugeMetricFamily(
+            "kvconnect_segment_in_transit_bytes",
+            "Released bytes per segment not allocatable yet (acknowledgement, lease, quarantine)",
+            labels=["segment"],
         )
         capacity = GaugeMetricFamily(
             "kvconnect_segment_capacity_bytes", "Capacity per segment", labels=["segment"]
@@ -278,8 +285,10 @@ class _StateCollector(Collector):
         )
         for segment in stats.segments:
             used.add_metric([segment.name], segment.used)
+            in_transit.add_metric([segment.name], segment.in_transit)
             capacity.add_metric([segment.name], segment.capacity)
             backlog.add_metric([segment.name], segment.backlog)
         yield used
+        yield in_transit
         yield capacity
         yield backlog

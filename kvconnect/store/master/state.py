@@ -7,7 +7,6 @@ does a bounded amount of background work, so no request waits long behind it.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import secrets
 from collections.abc import Sequence
@@ -45,8 +44,6 @@ class MasterState:
         self.segments = SegmentTable(config.allocation, config.alignment, seed)
         self._servers: dict[str, float] = {}
         self._next_expiry_scan = 0.0
-        # (at, segment, offset, size, committed): space reused only after ``at``
-        self._quarantine: list[tuple[float, int, int, int, bool]] = []
         self._cleanup: list[int] = []  # slots that referenced a lost segment
         self._lost: list[int] = []  # lost segment indices awaiting a cleanup scan
         self._evict_target = 0  # bytes still to evict in the current round
@@ -157,7 +154,7 @@ class MasterState:
             if segment is None or segment.server != server:
                 unknown.append(mount_id)
             else:
-                changes.append(segment.acknowledge(count))
+                changes.append(self.segments.acknowledge(segment, count, now))
         return unknown, changes
 
     def _lose(self, segment: Segment) -> None:
@@ -206,7 +203,7 @@ class MasterState:
         stored = [n for n, where in zip(fresh, placed, strict=True) if where]
         for n, where in zip(fresh, placed, strict=True):
             if not where:
-                results[n] = Placement(Code.NO_SPACE, [])
+                results[n] = Placement(self._no_room(items[n].size, replicas), [])
         where_of = [where for where in placed if where]
         slots = self.objects.add_many(
             [items[n].key for n in stored],
@@ -239,7 +236,7 @@ class MasterState:
         placed = []
         for size in sizes:  # per object: spread (random, free_ratio) or fill gaps
             order = self.segments.order(client, host_id)
-            placed.append(self._place(order, size, replicas))
+            placed.append(self.segments.place(order, size, replicas))
         return placed
 
     def _admit(self, item: PutItem, replicas: int) -> Placement | None:
@@ -262,13 +259,24 @@ class MasterState:
             return Placement(Code.OK, locations, pending.put)  # join
         return Placement(Code.BUSY, [])
 
-    def _place(self, order: list[Segment], size: int, replicas: int) -> list[tuple[int, int]]:
-        placed = self.segments.place(order, size, replicas)
-        if not placed:
-            # Evicted space returns once the store server acknowledges its release (see
-            # segments.py), so this put fails; the eviction started here serves the next ones.
-            self._evict_target = max(self._evict_target, size * replicas)
-        return placed
+    def _no_room(self, size: int, replicas: int) -> Code:
+        """The answer to a put that fits nowhere right now.
+
+        BUSY (retry) when space in transit — released, awaiting its server's acknowledgement,
+        a read lease or the put quarantine — would hold it once back: that space returns by
+        itself, so nothing is evicted for it (and an eviction round already under way is not
+        stacked with another one while its space comes back). Otherwise NO_SPACE, and a round
+        evicts room for ``replicas`` copies, which serves the next put of this size — but never
+        below the eviction target (free space too fragmented for a large object, or an object
+        larger than what eviction may free, is not worth emptying the store for).
+        """
+        length = self.segments.length(size)
+        if self.segments.returning(length):
+            return Code.BUSY
+        used, capacity = self.segments.capacity()
+        wanted = min(length * replicas, int(used - self._low_mark(capacity)))
+        self._evict_target = max(self._evict_target, wanted)
+        return Code.NO_SPACE
 
     def put_end(
         self, keys: Sequence[str], parts: Sequence[int], puts: Sequence[int], now: float
@@ -374,9 +382,10 @@ class MasterState:
                 host_id=s.spec.host_id,
                 server=s.server,
                 capacity=s.allocator.capacity,
-                used=s.allocator.used,
+                used=s.used,
                 objects=s.objects,
                 backlog=len(s.journal),
+                in_transit=s.in_transit,
             )
             for s in self.segments.live()
         ]
@@ -389,7 +398,7 @@ class MasterState:
         """One bounded step of background work: expiries, cleanup, eviction."""
         self._expire_servers(now)
         self._expire_puts(now)
-        self._release_quarantine(now)
+        self.segments.reuse_due(now)
         self._cleanup_lost()
         self._evict(now)
 
@@ -415,11 +424,6 @@ class MasterState:
         expired = [slot for slot, p in self.objects.pending.items() if p.deadline <= now]
         for slot in expired:
             self._discard(slot, now)
-
-    def _release_quarantine(self, now: float) -> None:
-        while self._quarantine and self._quarantine[0][0] <= now:
-            _at, segment, offset, size, committed = heapq.heappop(self._quarantine)
-            self.segments.release(segment, offset, size, committed)
 
     def _cleanup_lost(self) -> None:
         if self._lost and not self._cleanup:
@@ -455,18 +459,25 @@ class MasterState:
         self.objects.drop(slot)
 
     def _evict(self, now: float) -> None:
+        # ``used`` counts stored objects and pending puts, not space in transit: a round ends
+        # with the usage at its target, and the space it freed coming back starts no other.
         used, capacity = self.segments.capacity()
         if self._evict_target <= 0 and used > self.config.high_watermark * capacity:
-            low = (self.config.high_watermark - self.config.evict_fraction) * capacity
-            self._evict_target = int(used - max(low, 0))
+            self._evict_target = int(used - self._low_mark(capacity))
         if self._evict_target > 0:
-            freed = self._evict_step(now, self.config.eviction_step)
+            freed = self._evict_step(now, self.config.eviction_step, self._evict_target)
             self._evict_target = self._evict_target - freed if freed else 0
 
-    def _evict_step(self, now: float, count: int) -> int:
+    def _low_mark(self, capacity: int) -> float:
+        """The usage eviction brings the store down to, and never below."""
+        return max(self.config.high_watermark - self.config.evict_fraction, 0.0) * capacity
+
+    def _evict_step(self, now: float, count: int, target: int) -> int:
         """Evict up to ``count`` objects, oldest access first among a random sample (the
-        sampled-LRU of Redis): bounded work per step whatever the key count. Never evicts a
-        leased or pending object; soft-pinned ones only when nothing else is eligible."""
+        sampled-LRU of Redis), stopping once ``target`` bytes of capacity are freed: bounded
+        work per step whatever the key count, and a round ends within one object of its
+        target. Never evicts a leased or pending object; soft-pinned ones only when nothing
+        else is eligible. Returns the bytes of capacity freed."""
         n = len(self.objects.keys)
         if n == 0:
             return 0
@@ -475,15 +486,21 @@ class MasterState:
             eligible = sample[(c["state"][sample] == State.COMPLETE) & (c["lease"][sample] <= now)]
             unpinned = eligible[c["pin"][eligible] <= now]
             pool = unpinned if len(unpinned) else eligible
-            victims = np.unique(pool[np.argsort(c["access"][pool], kind="stable")][:count])
+            oldest_first = pool[np.argsort(c["access"][pool], kind="stable")].tolist()
             del sample, eligible, unpinned, pool
         freed = 0
-        for slot in victims.tolist():
-            freed += int(self.objects.size[slot])
+        for slot in list(dict.fromkeys(oldest_first))[:count]:  # the sample may repeat slots
+            if freed >= target:
+                break
+            freed += self._footprint(slot)
             self._free(slot, now)
             self.evictions += 1
         self.evicted_bytes += freed
         return freed
+
+    def _footprint(self, slot: int) -> int:
+        """Capacity an object takes: its size, rounded to the alignment, per live replica."""
+        return self.segments.length(self.objects.size[slot]) * len(self._live(slot))
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -511,7 +528,7 @@ class MasterState:
         release = now + self.config.quarantine
         size = self.objects.size[slot]
         for segment, offset in self.objects.replicas(slot):
-            heapq.heappush(self._quarantine, (release, segment, offset, size, False))
+            self.segments.release(segment, offset, size, committed=False, until=release)
         self.objects.drop(slot)
 
     def _free(self, slot: int, now: float) -> None:
@@ -524,8 +541,5 @@ class MasterState:
         self.bytes_stored -= size
         lease = objects.lease[slot]
         for segment, offset in objects.replicas(slot):
-            if lease > now:
-                heapq.heappush(self._quarantine, (lease, segment, offset, size, True))
-            else:
-                self.segments.release(segment, offset, size, committed=True)
+            self.segments.release(segment, offset, size, committed=True, until=lease)
         objects.drop(slot)
