@@ -90,8 +90,14 @@ def run_status(endpoint: str, timeout: float, token: str | None) -> int:
         f"{reply.bytes_stored} bytes stored, {reply.evictions} evictions; "
         f"{reply.refused} connections refused (no cluster token), {reply.dropped} messages dropped"
     )
-    print(f"{'segment':<40}{'server':<28}{'used':>14}{'capacity':>14}{'use':>7}{'objects':>10}")
+    print(
+        f"{'segment':<40}{'server':<28}{'used':>14}{'in transit':>14}{'capacity':>14}"
+        f"{'use':>7}{'objects':>10}"
+    )
     for s in reply.segments:
         share = s.used / s.capacity if s.capacity else 0.0
-        print(f"{s.name:<40}{s.server:<28}{s.used:>14}{s.capacity:>14}{share:>7.1%}{s.objects:>10}")
+        print(
+            f"{s.name:<40}{s.server:<28}{s.used:>14}{s.in_transit:>14}{s.capacity:>14}"
+            f"{share:>7.1%}{s.objects:>10}"
+        )
     return 0

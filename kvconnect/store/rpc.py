@@ -194,7 +194,9 @@ class RpcClient:
         deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
         endpoint = self._current()
         try:
-            reply = self._call_at(endpoint, request, deadline)
+            reply = self._call_at(endpoint, request, deadline, check_leader=True)
+        except _LeaderMoved:  # halfway through, etcd named a new leader: ask it instead
+            return self._call_at(self._current(), request, deadline)
         except MasterUnavailable:
             if self._etcd is None or not self._relocate(endpoint) or time.monotonic() >= deadline:
                 raise
@@ -238,7 +240,16 @@ class RpcClient:
         except MasterUnavailable:
             return False
 
-    def _call_at(self, endpoint: str, request: m.Request, deadline: float) -> m.Reply:
+    def _call_at(
+        self, endpoint: str, request: m.Request, deadline: float, *, check_leader: bool = False
+    ) -> m.Reply:
+        """One call at ``endpoint``. With ``check_leader`` (and etcd), halfway to the deadline
+        without an answer etcd is asked whether the leader moved (then ``_LeaderMoved``): a
+        dead leader costs half the budget, not all of it. The request is never sent twice to
+        one master (a late first answer would race the second)."""
+        check: float | None = None
+        if check_leader and self._etcd is not None:
+            check = time.monotonic() + (deadline - time.monotonic()) / 2
         sock = self._socket(endpoint)
         request_id = next(self._ids)
         payload = _encoder.encode(m.Envelope(m.PROTOCOL_VERSION, request_id, request))
@@ -247,6 +258,9 @@ class RpcClient:
         except zmq.Again:
             # IMMEDIATE: the socket is writable only while connected, so a dead master costs
             # the timeout here instead of a queued request that would be answered much later.
+            if check is not None and not sock.poll(_ms(check), zmq.POLLOUT):
+                self._check_leader(endpoint)
+                check = None
             if not sock.poll(_ms(deadline), zmq.POLLOUT):
                 raise MasterUnavailable(self._not_connected(endpoint)) from None
             try:
@@ -255,10 +269,14 @@ class RpcClient:
                 raise MasterUnavailable(self._not_connected(endpoint)) from exc
         while True:
             # A receive timeout instead of a poll: one call less per request on the hot path.
-            sock.setsockopt(zmq.RCVTIMEO, max(1, _ms(deadline)))
+            sock.setsockopt(zmq.RCVTIMEO, max(1, _ms(deadline if check is None else check)))
             try:
                 data = sock.recv()
             except zmq.Again:
+                if check is not None:
+                    self._check_leader(endpoint)
+                    check = None
+                    continue
                 raise MasterUnavailable(
                     f"master {endpoint} did not answer {type(request).__name__} in time"
                 ) from None
@@ -272,6 +290,18 @@ class RpcClient:
                 raise MasterUnavailable(
                     f"master {endpoint} did not answer {type(request).__name__} in time"
                 )
+
+    def _check_leader(self, endpoint: str) -> None:
+        """Raise ``_LeaderMoved`` if etcd names a leader other than ``endpoint`` (a lookup that
+        fails changes nothing: keep waiting for ``endpoint``)."""
+        assert self._etcd is not None
+        try:
+            leader = find_leader(self._etcd)
+        except CoordinationUnavailable:
+            return
+        if leader is not None and leader != endpoint:
+            self._endpoint = leader
+            raise _LeaderMoved(leader)
 
     def _not_connected(self, endpoint: str) -> str:
         if self._keys is None:
@@ -299,6 +329,10 @@ class RpcClient:
         self._local.socket = sock
         self._local.endpoint = endpoint
         return sock
+
+
+class _LeaderMoved(Exception):
+    """etcd names another leader while a call waits (internal to RpcClient.call)."""
 
 
 def find_leader(etcd: Etcd) -> str | None:
