@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -77,13 +79,51 @@ def test_the_factory_builds_it_with_the_host_pool_and_zero_copy(
     assert "file" in StorageBackendFactory._registry
 
 
+def test_sglang_own_extra_config_keys_are_left_to_sglang(cluster: Cluster, tmp_path: Path) -> None:
+    # --file-storage-path makes SGLang add file_storage_path to every backend's extra-config;
+    # the prefetch settings are SGLang's too. All reach kvconnect's parser on some path.
+    extra = {
+        "backend_name": "kvconnect",
+        "module_path": "kvconnect.sglang",
+        "class_name": "KVConnectStore",
+        "interface_v1": 1,
+        "prefetch_threshold": 64,
+        "prefetch_timeout_base": 2,
+        "master": cluster.master_endpoint,
+        "namespace": "sglang-keys",
+    }
+    args = h.server_args(
+        tmp_path / "model",
+        *("--hicache-storage-backend", "dynamic"),
+        *("--hicache-storage-backend-extra-config", json.dumps(extra)),
+        *("--file-storage-path", str(tmp_path / "files")),
+    )
+    built = h.storage_extra_config(args)
+    assert built["file_storage_path"] == str(tmp_path / "files"), "SGLang's own addition"
+    pool = h.mha_pool()
+    cc = h.controller(pool, "dynamic", {**built, "prefetch_timeout_per_ki_token": 0.5})
+    try:
+        backend = cc.storage_backend
+        assert isinstance(backend, KVConnectStore)
+        assert backend.config.namespace == "sglang-keys"
+        tokens = h.tokens_for(4, seed=13)
+        source = pool.alloc(len(tokens))
+        h.fill(pool, source, seed=13)
+        assert h.backup(cc, source, tokens) == len(tokens)
+        assert backend.batch_exists(h.page_hashes(tokens)) == 4
+    finally:
+        cc.detach_storage_backend()
+    with pytest.raises(ConfigError, match=r"file_storge_path.*prefetch_threshold"):
+        KVConnectStore(_storage(cluster, 0, False, file_storge_path="/x"))
+
+
 def test_other_sglang_versions_are_refused_with_a_way_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(importlib.metadata, "version", lambda _name: "0.6.0")
     with pytest.raises(RuntimeError, match=r"supports SGLang 0\.5\.23, found 0\.6\.0.*dynamic"):
         plugin.register()
 
 
-def _storage(cluster: Cluster, rank: int, mla: bool) -> HiCacheStorageConfig:
+def _storage(cluster: Cluster, rank: int, mla: bool, **extra: Any) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=rank,
         tp_size=2,
@@ -95,7 +135,7 @@ def _storage(cluster: Cluster, rank: int, mla: bool) -> HiCacheStorageConfig:
         enable_storage_metrics=False,
         is_page_first_layout=True,
         model_name="ranks/model",
-        extra_config={"master": cluster.master_endpoint, "namespace": f"ranks-{mla}"},
+        extra_config={"master": cluster.master_endpoint, "namespace": f"ranks-{mla}", **extra},
     )
 
 
