@@ -320,8 +320,9 @@ class HiCacheConfig(_Section):
     negative_ttl: float = 10.0
     """Seconds a page whose read failed is reported absent (no repeated timeouts on it)."""
     local_store_size: int = 0
-    """Bytes of memory this process adds to the store as an embedded store server (0: none;
-    engines then hold no store memory)."""
+    """Bytes of memory this host's SGLang engine adds to the store, shared evenly by its
+    ranks on the host (each runs an embedded store server with its share); 0: none, engines
+    then hold no store memory."""
 
     def __post_init__(self) -> None:
         _check_positive(self, "read_timeout", "write_timeout", "rpc_timeout")

@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
+from sglang.srt.runtime_context import get_parallel
 
 from kvconnect.config import HiCacheConfig, StoreClientConfig, StoreServerConfig, TransferConfig
 from kvconnect.errors import ConfigError, StoreError
@@ -314,10 +315,12 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         return self._keys
 
     def _start_local_store(self) -> StoreServer | None:
+        """This rank's share of the host's ``local_store_size`` as an embedded store server."""
         if not self.config.local_store_size:
             return None
+        share = self.config.local_store_size // _ranks_on_host()
         server = StoreServer(
-            StoreServerConfig(master=self.config.master, size=self.config.local_store_size),
+            StoreServerConfig(master=self.config.master, size=share),
             TransferConfig(listen_host=self.config.listen_host),
         )
         server.start()
@@ -376,6 +379,21 @@ class _PoolMemory:
             if pointer < self._start or pointer + size > self._end:
                 raise ConfigError(f"page memory at {pointer:#x} is outside the registered pool")
         return self.region, offsets, list(sizes)
+
+
+def _ranks_on_host() -> int:
+    """SGLang's scheduler processes of this engine on this host: its tp * pp * dp ranks spread
+    evenly over its nodes (with DP attention the DP ranks are inside TP and dp_size is 1).
+    Raises ConfigError outside an SGLang scheduler (no parallel configuration published)."""
+    try:
+        parallel = get_parallel()
+        ranks = parallel.tp_size * parallel.pp_size * parallel.dp_size
+        return max(ranks // parallel.nnodes, 1)
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(
+            "local_store_size is shared by the SGLang ranks of this host; SGLang has not "
+            f"published its parallel configuration in this process ({exc})"
+        ) from exc
 
 
 def _page_format(storage: HiCacheStorageConfig, pool: Any, config: HiCacheConfig) -> PageFormat:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -256,6 +257,12 @@ def server_args(model_dir: Path, *flags: str) -> ServerArgs:
     return prepare_server_args([*base, *flags])
 
 
+def scheduler_context(args: ServerArgs) -> AbstractContextManager[Any]:
+    """Code inside runs as in one of SGLang's scheduler processes for ``args`` (its parallel
+    configuration published), without changing this process's own context."""
+    return use_context(create_context(args, role="scheduler"))
+
+
 class _Captured(Exception):
     """Stops SGLang's cache set-up once it has built the storage extra-config."""
 
@@ -272,7 +279,7 @@ def storage_extra_config(args: ServerArgs) -> dict[str, Any]:
 
     cache = UnifiedRadixCache.__new__(UnifiedRadixCache)  # only init_hicache's own state
     cache.sidecar_pool_specs = []
-    with pytest.MonkeyPatch.context() as patch, use_context(create_context(args, role="scheduler")):
+    with pytest.MonkeyPatch.context() as patch, scheduler_context(args):
         patch.setattr(hybrid_pool_assembler, "attach_hybrid_pool_to_unified_cache", capture)
         with pytest.raises(_Captured):
             cache.init_hicache(args, None)

@@ -187,19 +187,39 @@ def test_unsupported_pools_are_refused_at_attach_with_the_fix(cluster: Cluster) 
         backend.close()
 
 
-def test_an_engine_can_lend_its_own_memory_to_the_store() -> None:
+@pytest.mark.parametrize(
+    ("nodes", "per_rank"), [(1, 4 << 20), (2, 8 << 20)], ids=["one-host", "two-hosts"]
+)
+def test_an_engine_lends_local_store_size_per_host(
+    tmp_path: Path, nodes: int, per_rank: int
+) -> None:
+    # A TP-2 engine lends 8 MiB per host: its two ranks share it on one host; spread over two
+    # hosts, each host's one rank lends all of it.
+    flags = ["--tp-size", "2", "--nnodes", str(nodes)]
+    if nodes > 1:
+        flags += ["--dist-init-addr", "127.0.0.1:5000"]
+    args = h.server_args(tmp_path / "model", *flags)
     with Cluster(servers=0) as bare:  # a master and no store server
-        storage = _storage(bare, 0, False)
-        storage.extra_config["local_store_size"] = 8 << 20
-        pool = h.mha_pool()
-        backend = KVConnectStore(storage, pool)
+        pools = [h.mha_pool(), h.mha_pool()]
+        backends: list[KVConnectStore] = []
         try:
+            with h.scheduler_context(args):
+                for rank, pool in enumerate(pools):
+                    storage = _storage(bare, rank, False, local_store_size=8 << 20)
+                    backends.append(KVConnectStore(storage, pool))
+            assert [s.capacity for s in bare.stats().segments] == [per_rank, per_rank]
             hashes = h.page_hashes(h.tokens_for(16, seed=11))
-            source = pool.alloc(16 * h.PAGE)
-            h.fill(pool, source, seed=11)
-            assert backend.batch_set_v1(hashes, source) == [True] * 16
-            target = pool.alloc(16 * h.PAGE)
-            assert backend.batch_get_v1(hashes, target) == [True] * 16
-            assert h.pages_of(pool, target) == h.pages_of(pool, source)
+            source = pools[0].alloc(16 * h.PAGE)
+            h.fill(pools[0], source, seed=11)
+            assert backends[0].batch_set_v1(hashes, source) == [True] * 16
+            target = pools[0].alloc(16 * h.PAGE)
+            assert backends[0].batch_get_v1(hashes, target) == [True] * 16
+            assert h.pages_of(pools[0], target) == h.pages_of(pools[0], source)
         finally:
-            backend.close()
+            for backend in backends:
+                backend.close()
+
+
+def test_local_store_size_needs_sglang_parallel_configuration(cluster: Cluster) -> None:
+    with pytest.raises(ConfigError, match="local_store_size is shared by the SGLang ranks"):
+        KVConnectStore(_storage(cluster, 0, False, local_store_size=8 << 20), h.mha_pool())
