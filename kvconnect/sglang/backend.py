@@ -387,8 +387,8 @@ def _ranks_on_host() -> int:
     Raises ConfigError outside an SGLang scheduler (no parallel configuration published)."""
     try:
         parallel = get_parallel()
-        ranks = parallel.tp_size * parallel.pp_size * parallel.dp_size
-        return max(ranks // parallel.nnodes, 1)
+        ranks = int(parallel.tp_size * parallel.pp_size * parallel.dp_size)
+        return max(ranks // int(parallel.nnodes), 1)
     except (ValueError, RuntimeError) as exc:
         raise ConfigError(
             "local_store_size is shared by the SGLang ranks of this host; SGLang has not "
