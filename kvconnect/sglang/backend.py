@@ -11,8 +11,11 @@ Contract with SGLang, and why:
 * Nothing raises into SGLang's threads (an exception ends its prefetch or backup thread):
   store trouble is logged, counted and returned as a miss or a failed write.
 * ``batch_get_v1`` ends by ``read_timeout``; SGLang uses the leading pages that arrived and
-  recomputes the rest, and nothing lands in the pool after the call returns (the transfer
-  engine settles every request before it reports it).
+  recomputes the rest, and frees the host slots of the others. A page whose transfer could not
+  be stopped (``Code.UNSETTLED``: a transport may still write it) is withheld: SGLang's free of
+  its slots is deferred until the transfer settles (kvconnect/sglang/withheld.py), so a late
+  write never lands in another request's KV. The same holds for the source pages of a write
+  that a transport may still read.
 * While the store fails, the client's circuit breaker makes every call fail fast: lookups
   report 0 pages, writes are skipped — SGLang runs on its local tiers alone — and one probe
   per ``breaker_cooldown`` finds the store again.
@@ -40,7 +43,8 @@ from kvconnect.config import HiCacheConfig, StoreClientConfig, StoreServerConfig
 from kvconnect.errors import ConfigError, StoreError
 from kvconnect.sglang.config import parse_config
 from kvconnect.sglang.keys import PageFormat, PageKeys, page_keys
-from kvconnect.store.client import StoreClient
+from kvconnect.sglang.withheld import WithheldSlots
+from kvconnect.store.client import BatchResult, StoreClient
 from kvconnect.store.messages import Code
 from kvconnect.store.server import StoreServer
 from kvconnect.transfer.memory import MemoryRegion
@@ -65,6 +69,7 @@ class BackendStats:
     read_seconds: float = 0.0
     write_seconds: float = 0.0
     errors: int = 0  # unexpected exceptions turned into misses
+    pages_withheld: int = 0  # pages kept from SGLang until their unsettled transfer let go
 
 
 class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
@@ -87,6 +92,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         self._healthy = True
         self._keys: PageKeys | None = None
         self._memory: _PoolMemory | None = None
+        self._withheld: WithheldSlots | None = None
         self._server = self._start_local_store()
         self._client = StoreClient(
             StoreClientConfig(
@@ -122,6 +128,9 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
             )
         self._keys = page_keys(_page_format(self.storage_config, mem_pool_host, self.config))
         self._memory = _PoolMemory(self._client, mem_pool_host)
+        if self._withheld is not None:
+            self._withheld.uninstall()
+        self._withheld = WithheldSlots(mem_pool_host)
         log.info(
             "kvconnect HiCache backend: %s, keys %s*, store %s",
             type(mem_pool_host).__name__,
@@ -145,8 +154,12 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         log.info("kvconnect HiCache backend: clear() leaves the shared store untouched")
 
     def close(self) -> None:
-        """Close the store client (and the embedded store server). Idempotent."""
+        """Close the store client (and the embedded store server), give the host pool its
+        own ``free`` back (slots still withheld stay out of it). Idempotent."""
         self._client.close()
+        if self._withheld is not None:
+            self._withheld.uninstall()
+            self._withheld = None
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -276,8 +289,38 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
                 for code, got, size in zip(result.codes, result.sizes, sizes, strict=True)
             ]
         pages = [all(done[i : i + naming.objects]) for i in range(0, len(done), naming.objects)]
+        self._withhold_unsettled(host_indices, result, naming.objects)
         self._account(write, pages, sizes, time.monotonic() - start, result.codes)
         return pages
+
+    def _withhold_unsettled(
+        self, host_indices: torch.Tensor, result: BatchResult, objects: int
+    ) -> None:
+        """Keep the host slots of pages with an UNSETTLED object from reuse until their
+        transfer settles (before returning to SGLang, which may free them at once)."""
+        codes = result.codes
+        pages = len(codes) // objects
+        unsettled = [
+            page
+            for page in range(pages)
+            if Code.UNSETTLED in codes[page * objects : (page + 1) * objects]
+        ]
+        if not unsettled:
+            return
+        withheld = self._withheld
+        assert withheld is not None  # installed with the pool, before any transfer
+        page_size = len(host_indices) // pages
+        slots = torch.cat([host_indices[p * page_size : (p + 1) * page_size] for p in unsettled])
+        withheld.hold(slots)
+        result.on_settled(lambda: withheld.release(slots))
+        with self._lock:
+            self.stats.pages_withheld += len(unsettled)
+        self._warn(
+            "unsettled",
+            "kvconnect: %d page(s) still in transfer past the deadline; their host slots are "
+            "withheld from SGLang until the transfer lets go",
+            len(unsettled),
+        )
 
     def _account(
         self,

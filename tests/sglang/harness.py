@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,11 +216,17 @@ class Prefetch:
 
 
 def prefetch(
-    cc: HybridCacheController, rid: str, tokens: list[int], *, stop_after: float | None = None
+    cc: HybridCacheController,
+    rid: str,
+    tokens: list[int],
+    *,
+    stop_after: float | None = None,
+    before_read: Callable[[torch.Tensor], None] | None = None,
 ) -> Prefetch:
     """Run a prefetch as SGLang's scheduler does: hit query, host slots for the hit, acks.
     ``stop_after``: terminate it that many seconds after the first progress ack, as the
-    ``timeout`` policy would (the IO thread finishes its batch and stops)."""
+    ``timeout`` policy would (the IO thread finishes its batch and stops). ``before_read``:
+    called with the host slots given to the prefetch, before its IO starts."""
     operation = cc.prefetch(CacheRequestHandle(rid=rid, attempt_id=0), tokens)
     assert cc.prefetch_hit_queue.get(timeout=ACK_TIMEOUT) is operation
     hit = int(operation.storage_hit_count)
@@ -228,6 +235,8 @@ def prefetch(
     host_indices = cc.alloc_prefetch_host_buffers(operation, hit)
     operation.host_indices = host_indices
     operation.hash_value = operation.hash_value[: len(host_indices) // PAGE]
+    if before_read is not None:
+        before_read(host_indices)
     start = time.monotonic()
     cc.prefetch_buffer.put(operation)
     completed = 0
