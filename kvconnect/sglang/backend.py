@@ -37,7 +37,6 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
-from sglang.srt.runtime_context import get_parallel
 
 from kvconnect.config import HiCacheConfig, StoreClientConfig, StoreServerConfig, TransferConfig
 from kvconnect.errors import ConfigError, StoreError
@@ -429,10 +428,14 @@ def _ranks_on_host() -> int:
     evenly over its nodes (with DP attention the DP ranks are inside TP and dp_size is 1).
     Raises ConfigError outside an SGLang scheduler (no parallel configuration published)."""
     try:
+        # Lazy: SGLang's runtime context is an internal of recent releases (the dynamic route
+        # also serves others), needed only with local_store_size.
+        from sglang.srt.runtime_context import get_parallel
+
         parallel = get_parallel()
         ranks = int(parallel.tp_size * parallel.pp_size * parallel.dp_size)
         return max(ranks // int(parallel.nnodes), 1)
-    except (ValueError, RuntimeError) as exc:
+    except (ImportError, ValueError, RuntimeError) as exc:
         raise ConfigError(
             "local_store_size is shared by the SGLang ranks of this host; SGLang has not "
             f"published its parallel configuration in this process ({exc})"

@@ -240,49 +240,63 @@ class _HeldCopies:
 
 
 def test_a_read_that_cannot_be_stopped_keeps_its_host_pages_from_reuse(
-    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    pool = h.mha_pool(pages=40)
-    cc = h.controller(pool, "dynamic", _dynamic(cluster, read_timeout=1.0))
-    backend = cc.storage_backend
-    held = _HeldCopies(monkeypatch)
-    try:
-        tokens = h.tokens_for(8, seed=21)
-        source = pool.alloc(len(tokens))
-        h.fill(pool, source, seed=21)
-        stored = h.pages_of(pool, source)
-        assert h.backup(cc, source, tokens) == len(tokens)
-        pool.free(source)
-        pool.kv_buffer.zero_()
-        late: list[torch.Tensor] = []
+    # Server A holds exactly pages 0-4 (full, never evicting), server B pages 5-7; the copies
+    # from B are held past the deadline and the settle grace, those from A are not.
+    with Cluster(servers=0, master_args=["--master-high-watermark", "1.0"]) as cluster:
+        cluster.add_server("--store-size", str(5 * h.PAGE_BYTES))
+        pool = h.mha_pool(pages=40)
+        cc = h.controller(pool, "dynamic", _dynamic(cluster, read_timeout=1.0))
+        held = _HeldCopies(monkeypatch)
+        try:
+            _late_read_lands_only_in_withheld_pages(cluster, cc, pool, held)
+        finally:
+            held.let_go.set()
+            cc.detach_storage_backend()
 
-        def hold(slots: torch.Tensor) -> None:
-            late.append(slots)
-            held.hold_pages(pool, slots)
 
-        result = h.prefetch(cc, "req-late", tokens, before_read=hold)
-        assert held.blocked.is_set()
-        assert result.completed_tokens == 0, "nothing settled: SGLang recomputes"
-        assert backend.stats.pages_withheld == 8
-        h.release(cc, result)  # SGLang frees the prefetch's slots
-        # another request takes every free slot: none of the stuck pages' slots is among them,
-        # and no other slot is withheld
-        other = pool.alloc(pool.available_size())
-        assert len(other) == (40 - 8) * h.PAGE
-        assert not set(other.tolist()) & set(late[0].tolist())
-        h.fill(pool, other, seed=22)
-        other_bytes = h.pages_of(pool, other)
-        held.let_go.set()  # the late write lands ...
-        wait_for(lambda: pool.available_size() == 8 * h.PAGE, "withheld slots never came back")
-        assert h.pages_of(pool, other) == other_bytes, "... never in another request's KV"
-        assert h.pages_of(pool, late[0]) == stored, "it did land: in the withheld pages"
-        again = pool.alloc(8 * h.PAGE)  # settled: SGLang can use them again
-        assert sorted(again.tolist()) == sorted(late[0].tolist())
-        pool.free(again)
-        pool.free(other)
-    finally:
-        held.let_go.set()
-        cc.detach_storage_backend()
+def _late_read_lands_only_in_withheld_pages(
+    cluster: Cluster, cc: Any, pool: Any, held: _HeldCopies
+) -> None:
+    tokens = h.tokens_for(8, seed=21)
+    hashes = h.page_hashes(tokens)
+    source = pool.alloc(len(tokens))
+    h.fill(pool, source, seed=21)
+    stored = h.pages_of(pool, source)
+    first = 5 * h.PAGE
+    assert h.backup(cc, source[:first], tokens[:first], hashes[:5]) == first
+    cluster.add_server("--store-size", str(32 << 20))
+    assert h.backup(cc, source[first:], tokens[first:], hashes[5:]) == len(tokens) - first
+    assert [s.objects for s in _segments(cluster)] == [10, 6], "A: pages 0-4, B: 5-7"
+    pool.free(source)
+    pool.kv_buffer.zero_()
+    late: list[torch.Tensor] = []
+
+    def hold_pages_from_b(slots: torch.Tensor) -> None:
+        late.append(slots[first:])
+        held.hold_pages(pool, slots[first:])
+
+    result = h.prefetch(cc, "req-late", tokens, before_read=hold_pages_from_b)
+    assert held.blocked.is_set()
+    assert result.completed_tokens == first, "pages 0-4 arrived and are used"
+    assert h.pages_of(pool, result.host_indices)[:5] == stored[:5]
+    assert cc.storage_backend.stats.pages_withheld == 3
+    h.release(cc, result)  # the prefetch is done with its slots: all 8 are freed
+    # another request takes every free slot: it gets all but exactly the stuck pages' slots
+    other = pool.alloc(pool.available_size())
+    assert len(other) == (40 - 3) * h.PAGE
+    assert not set(other.tolist()) & set(late[0].tolist())
+    h.fill(pool, other, seed=22)
+    other_bytes = h.pages_of(pool, other)
+    held.let_go.set()  # the late write lands ...
+    wait_for(lambda: pool.available_size() == 3 * h.PAGE, "withheld slots never came back")
+    assert h.pages_of(pool, other) == other_bytes, "... never in another request's KV"
+    assert h.pages_of(pool, late[0]) == stored[5:], "it did land: in the withheld pages"
+    again = pool.alloc(3 * h.PAGE)  # settled: SGLang can use them again
+    assert sorted(again.tolist()) == sorted(late[0].tolist())
+    pool.free(again)
+    pool.free(other)
 
 
 def test_a_write_that_cannot_be_stopped_keeps_its_source_pages_from_reuse(
