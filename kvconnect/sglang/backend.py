@@ -102,7 +102,9 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
                 breaker_cooldown=self.config.breaker_cooldown,
                 negative_ttl=self.config.negative_ttl,
             ),
-            TransferConfig(transport=self.config.transport, listen_host=self.config.listen_host),
+            TransferConfig.from_env(
+                transport=self.config.transport, listen_host=self.config.listen_host
+            ),
         )
         try:
             self._client.start()
@@ -363,7 +365,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         share = self.config.local_store_size // _ranks_on_host()
         server = StoreServer(
             StoreServerConfig(master=self.config.master, size=share),
-            TransferConfig(listen_host=self.config.listen_host),
+            TransferConfig.from_env(listen_host=self.config.listen_host),
         )
         server.start()
         return server

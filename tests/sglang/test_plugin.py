@@ -223,3 +223,22 @@ def test_an_engine_lends_local_store_size_per_host(
 def test_local_store_size_needs_sglang_parallel_configuration(cluster: Cluster) -> None:
     with pytest.raises(ConfigError, match="local_store_size is shared by the SGLang ranks"):
         KVConnectStore(_storage(cluster, 0, False, local_store_size=8 << 20), h.mha_pool())
+
+
+def test_the_backend_takes_the_cluster_token_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVCONNECT_TOKEN", "sglang-test-token")  # store servers inherit it
+    with Cluster(servers=1, server_size=8 << 20) as secured:
+        pool = h.mha_pool()
+        backend = KVConnectStore(_storage(secured, 0, False), pool)
+        try:
+            hashes = h.page_hashes(h.tokens_for(2, seed=17))
+            source = pool.alloc(2 * h.PAGE)
+            h.fill(pool, source, seed=17)
+            assert backend.batch_set_v1(hashes, source) == [True, True]
+            target = pool.alloc(2 * h.PAGE)
+            assert backend.batch_get_v1(hashes, target) == [True, True]
+            assert h.pages_of(pool, target) == h.pages_of(pool, source)
+        finally:
+            backend.close()
