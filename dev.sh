@@ -4,6 +4,11 @@
 #   ./dev.sh demo   install everything, then run the main job: an all-in-one kvconnect store
 #                   (`kvconnect serve`) with client processes sharing KV pages
 #   ./dev.sh test   install everything, then run lint, type checks and the whole test suite
+#   ./dev.sh test [pytest options] [paths]
+#                   options (-x, -k EXPR, -q, ...) reach every suite: the main one, each engine's
+#                   and the RDMA VM's; paths select the suites they name (tests/sglang/... runs
+#                   in SGLang's environment, tests/vllm/... in both vLLM ones, tests/rdma/... in
+#                   the VM) and the main suite gets them all
 #
 # Heavy installs are cached under $KVCONNECT_CACHE (default ~/.cache/kvconnect) so reruns are
 # fast; every step checks and repairs what it needs, so a fresh machine works the same.
@@ -24,6 +29,15 @@ PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+# pip's "Location ... is ignored" notes are noise from the machine's package mirror config.
+# pip's exit status is kept: a failed install stops dev.sh (a broken environment would
+# otherwise only show as skipped tests).
+quiet_pip() {
+    local status=0
+    "$@" 2>&1 | { grep -v -e "WARNING: Location" -e "is ignored" || true; } || status=$?
+    [ "$status" -eq 0 ] || { log "pip failed (exit $status): $*"; exit "$status"; }
+}
 
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
@@ -46,11 +60,10 @@ setup_venv() {
         log "creating $VENV"
         mkdir -p "$CACHE"
         "$PYTHON" -m venv "$VENV"
-        "$VENV/bin/pip" install -q --upgrade pip
+        quiet_pip "$VENV/bin/pip" install -q --upgrade pip
     fi
     log "installing kvconnect (editable, native extension required) with test and bench extras"
-    KVCONNECT_REQUIRE_NATIVE=1 "$VENV/bin/pip" install -q -e ".[test,bench]" 2>&1 \
-        | grep -v -e "WARNING: Location" -e "is ignored" || true
+    KVCONNECT_REQUIRE_NATIVE=1 quiet_pip "$VENV/bin/pip" install -q -e ".[test,bench]"
     "$VENV/bin/python" -c "import kvconnect._native" \
         || { log "the native extension did not build"; exit 1; }
 }
@@ -62,15 +75,12 @@ setup_sglang() {
         log "installing SGLang $SGLANG_VERSION into $SGLANG_VENV (a few minutes the first time)"
         rm -rf "$SGLANG_VENV"
         "$PYTHON" -m venv "$SGLANG_VENV"
-        "$SGLANG_VENV/bin/pip" install -q --upgrade pip
+        quiet_pip "$SGLANG_VENV/bin/pip" install -q --upgrade pip
     fi
     log "installing kvconnect into SGLang's environment"
-    KVCONNECT_REQUIRE_NATIVE=1 "$SGLANG_VENV/bin/pip" install -q -e ".[sglang]" \
-        "pytest>=8" "pytest-timeout>=2.3" 2>&1 | grep -v -e "WARNING: Location" -e "is ignored" || true
+    KVCONNECT_REQUIRE_NATIVE=1 quiet_pip "$SGLANG_VENV/bin/pip" install -q -e ".[sglang]" \
+        "pytest>=8" "pytest-timeout>=2.3"
 }
-
-# pip's "Location ... is ignored" notes are noise from the machine's package mirror config.
-quiet_pip() { "$@" 2>&1 | grep -v -e "WARNING: Location" -e "is ignored" || true; }
 
 has_version() {  # has_version PYTHON DISTRIBUTION VERSION
     "$1" -c "import importlib.metadata as m, sys; sys.exit(m.version('$2') != '$3')" 2>/dev/null
@@ -113,8 +123,9 @@ setup_mooncake() {
         log "installing Mooncake's transfer engine for the baseline into $MOONCAKE_VENV"
         rm -rf "$MOONCAKE_VENV"
         "$PYTHON" -m venv "$MOONCAKE_VENV"
-        "$MOONCAKE_VENV/bin/pip" install -q mooncake-transfer-engine-non-cuda numpy 2>&1 \
-            | grep -v -e "WARNING: Location" -e "is ignored" || true
+        # optional: a failed install only means no baseline (the check below says so)
+        (quiet_pip "$MOONCAKE_VENV/bin/pip" install -q mooncake-transfer-engine-non-cuda numpy) \
+            || true
     fi
     "$MOONCAKE_VENV/bin/python" -c "import mooncake.engine" 2>/dev/null \
         || { log "Mooncake baseline unavailable; continuing without it"; return 1; }
@@ -131,18 +142,18 @@ setup_rxe_vm() {
         || { tail -20 "$CACHE/rxe-vm-install.log"; log "rxe-vm install failed"; exit 1; }
 }
 
-run_rdma_tests() {
+run_rdma_tests() {  # run_rdma_tests [pytest args]
     # The RDMA suite inside the VM (the host kernel has no RDMA): two engines in two processes
     # on rxe0. KVCONNECT_REQUIRE_RDMA turns "no device" into a failure instead of skips, and
     # -m rdma with nothing collected exits 5: also a failure.
     setup_rxe_vm
-    log "pytest -m rdma tests/rdma inside the Soft-RoCE VM"
+    log "pytest -m rdma $* inside the Soft-RoCE VM"
     local rc=0
     RXEVM_HOME="$RXEVM_HOME" "$SHARED/rxe-vm/run.sh" -d "$PWD" -t 900 \
         -e PYTHONPATH="$RXEVM_HOME/pyverbs-path" -e PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 \
         -e KVCONNECT_REQUIRE_RDMA=1 \
         -- "$VENV/bin/python" -m pytest -q -p no:cacheprovider -p pytest_timeout -m rdma \
-        tests/rdma || rc=$?
+        "$@" || rc=$?
     [ "$rc" -eq 0 ] || { log "RDMA tests in the VM failed (exit $rc)"; exit "$rc"; }
 }
 
@@ -169,18 +180,21 @@ run_tests() {
     "$VENV/bin/ruff" format --check .
     log "mypy --strict kvconnect/"
     "$VENV/bin/mypy"
+    split_args "$@"
     log "pytest (all tests; gpu/rdma tests skip without the hardware)"
     local main=0
     "$VENV/bin/python" -m pytest "$@" || main=$?
     [ "$main" -eq 0 ] || [ "$main" -eq 5 ] || exit "$main"
     # Engine tests run in the engines' own environments: all of them, or the selected ones.
-    engine_suite sglang setup_sglang "$SGLANG_VENV" KVCONNECT_REQUIRE_SGLANG tests/sglang "$@"
-    engine_suite vllm setup_vllm "$VLLM_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm "$@"
-    engine_suite vllm setup_vllm_cpu "$VLLM_CPU_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm "$@"
+    engine_suite sglang setup_sglang "$SGLANG_VENV" KVCONNECT_REQUIRE_SGLANG tests/sglang
+    engine_suite vllm setup_vllm "$VLLM_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm
+    engine_suite vllm setup_vllm_cpu "$VLLM_CPU_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm
     # The RDMA suite runs in its VM: with the whole suite, or when RDMA tests are selected.
-    local rdma_selected=0
-    for arg in "$@"; do case "$arg" in *rdma*) rdma_selected=1 ;; esac; done
-    if [ $# -eq 0 ] || [ "$rdma_selected" -eq 1 ]; then run_rdma_tests; RAN=$((RAN + 1)); fi
+    selected_paths rdma tests/rdma
+    if [ ${#SELECTED[@]} -gt 0 ]; then
+        run_rdma_tests ${OPTIONS[@]+"${OPTIONS[@]}"} "${SELECTED[@]}"
+        RAN=$((RAN + 1))
+    fi
     # pytest exits 5 when it ran nothing: never acceptable for the whole suite, and with a
     # selection only when no environment ran anything.
     if { [ $# -eq 0 ] && [ "$EMPTY" -gt 0 ]; } || { [ "$main" -eq 5 ] && [ "$RAN" -eq 0 ]; }; then
@@ -191,15 +205,40 @@ run_tests() {
 
 RAN=0    # engine environments whose pytest ran tests
 EMPTY=0  # engine environments whose pytest ran none
+OPTIONS=()   # pytest options of `dev.sh test`, for every suite
+PATHS=()     # test paths of `dev.sh test`; each suite runs those naming it
+SELECTED=()  # selected_paths' answer
 
-engine_suite() {  # engine_suite NAME SETUP VENV REQUIRE_VAR DEFAULT_PATH [pytest args]
+# pytest options whose value is the next argument (so that value is not taken for a path).
+VALUE_OPTIONS=" -k -m -p -c -o -W -r -n --deselect --ignore --ignore-glob --maxfail --tb
+ --durations --timeout --rootdir --basetemp --junitxml --log-level --confcutdir --cov "
+
+split_args() {  # split_args [pytest args]: fill OPTIONS and PATHS
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            -*)
+                OPTIONS+=("$1")
+                if [[ "$VALUE_OPTIONS" == *" $1 "* ]] && [ $# -gt 1 ]; then
+                    OPTIONS+=("$2"); shift
+                fi ;;
+            *) PATHS+=("$1") ;;
+        esac
+        shift
+    done
+}
+
+selected_paths() {  # selected_paths NAME DEFAULT_PATH: SELECTED = the paths a suite runs
+    local name=$1 default=$2
+    SELECTED=()
+    if [ ${#PATHS[@]} -eq 0 ]; then SELECTED=("$default"); return; fi
+    for path in "${PATHS[@]}"; do case "$path" in *"$name"*) SELECTED+=("$path") ;; esac; done
+}
+
+engine_suite() {  # engine_suite NAME SETUP VENV REQUIRE_VAR DEFAULT_PATH
     local name=$1 setup=$2 venv=$3 require=$4 default=$5
-    shift 5
-    local args=()
-    if [ $# -eq 0 ]; then args=("$default"); else
-        for arg in "$@"; do case "$arg" in *"$name"*) args+=("$arg") ;; esac; done
-    fi
-    [ ${#args[@]} -gt 0 ] || return 0
+    selected_paths "$name" "$default"
+    [ ${#SELECTED[@]} -gt 0 ] || return 0
+    local args=(${OPTIONS[@]+"${OPTIONS[@]}"} "${SELECTED[@]}")
     "$setup"
     log "pytest ${args[*]} in $(basename "$venv")"
     local code=0

@@ -356,8 +356,9 @@ class HiCacheConfig(_Section):
     negative_ttl: float = 10.0
     """Seconds a page whose read failed is reported absent (no repeated timeouts on it)."""
     local_store_size: int = 0
-    """Bytes of memory this process adds to the store as an embedded store server (0: none;
-    engines then hold no store memory)."""
+    """Bytes of memory this host's SGLang engine adds to the store, shared evenly by its
+    ranks on the host (each runs an embedded store server with its share); 0: none, engines
+    then hold no store memory."""
     token_file: str = ""
     """File holding the cluster token (else ``KVCONNECT_TOKEN``, ``KVCONNECT_TOKEN_FILE``, the
     default token file); see the configuration reference."""

@@ -11,8 +11,11 @@ Contract with SGLang, and why:
 * Nothing raises into SGLang's threads (an exception ends its prefetch or backup thread):
   store trouble is logged, counted and returned as a miss or a failed write.
 * ``batch_get_v1`` ends by ``read_timeout``; SGLang uses the leading pages that arrived and
-  recomputes the rest, and nothing lands in the pool after the call returns (the transfer
-  engine settles every request before it reports it).
+  recomputes the rest, and frees the host slots of the others. A page whose transfer could not
+  be stopped (``Code.UNSETTLED``: a transport may still write it) is withheld: SGLang's free of
+  its slots is deferred until the transfer settles (kvconnect/sglang/withheld.py), so a late
+  write never lands in another request's KV. The same holds for the source pages of a write
+  that a transport may still read.
 * While the store fails, the client's circuit breaker makes every call fail fast: lookups
   report 0 pages, writes are skipped — SGLang runs on its local tiers alone — and one probe
   per ``breaker_cooldown`` finds the store again.
@@ -39,7 +42,8 @@ from kvconnect.config import HiCacheConfig, StoreClientConfig, StoreServerConfig
 from kvconnect.errors import ConfigError, StoreError
 from kvconnect.sglang.config import parse_config
 from kvconnect.sglang.keys import PageFormat, PageKeys, page_keys
-from kvconnect.store.client import StoreClient
+from kvconnect.sglang.withheld import WithheldSlots
+from kvconnect.store.client import BatchResult, StoreClient
 from kvconnect.store.messages import Code
 from kvconnect.store.server import StoreServer
 from kvconnect.transfer.memory import MemoryRegion
@@ -64,6 +68,7 @@ class BackendStats:
     read_seconds: float = 0.0
     write_seconds: float = 0.0
     errors: int = 0  # unexpected exceptions turned into misses
+    pages_withheld: int = 0  # pages kept from SGLang until their unsettled transfer let go
 
 
 class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
@@ -86,6 +91,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         self._healthy = True
         self._keys: PageKeys | None = None
         self._memory: _PoolMemory | None = None
+        self._withheld: WithheldSlots | None = None
         self._server = self._start_local_store()
         self._client = StoreClient(
             StoreClientConfig(
@@ -121,6 +127,9 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
             )
         self._keys = page_keys(_page_format(self.storage_config, mem_pool_host, self.config))
         self._memory = _PoolMemory(self._client, mem_pool_host)
+        if self._withheld is not None:
+            self._withheld.uninstall()
+        self._withheld = WithheldSlots(mem_pool_host)
         log.info(
             "kvconnect HiCache backend: %s, keys %s*, store %s",
             type(mem_pool_host).__name__,
@@ -144,8 +153,12 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         log.info("kvconnect HiCache backend: clear() leaves the shared store untouched")
 
     def close(self) -> None:
-        """Close the store client (and the embedded store server). Idempotent."""
+        """Close the store client (and the embedded store server), give the host pool its
+        own ``free`` back (slots still withheld stay out of it). Idempotent."""
         self._client.close()
+        if self._withheld is not None:
+            self._withheld.uninstall()
+            self._withheld = None
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -275,8 +288,38 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
                 for code, got, size in zip(result.codes, result.sizes, sizes, strict=True)
             ]
         pages = [all(done[i : i + naming.objects]) for i in range(0, len(done), naming.objects)]
+        self._withhold_unsettled(host_indices, result, naming.objects)
         self._account(write, pages, sizes, time.monotonic() - start, result.codes)
         return pages
+
+    def _withhold_unsettled(
+        self, host_indices: torch.Tensor, result: BatchResult, objects: int
+    ) -> None:
+        """Keep the host slots of pages with an UNSETTLED object from reuse until their
+        transfer settles (before returning to SGLang, which may free them at once)."""
+        codes = result.codes
+        pages = len(codes) // objects
+        unsettled = [
+            page
+            for page in range(pages)
+            if Code.UNSETTLED in codes[page * objects : (page + 1) * objects]
+        ]
+        if not unsettled:
+            return
+        withheld = self._withheld
+        assert withheld is not None  # installed with the pool, before any transfer
+        page_size = len(host_indices) // pages
+        slots = torch.cat([host_indices[p * page_size : (p + 1) * page_size] for p in unsettled])
+        withheld.hold(slots)
+        result.on_settled(lambda: withheld.release(slots))
+        with self._lock:
+            self.stats.pages_withheld += len(unsettled)
+        self._warn(
+            "unsettled",
+            "kvconnect: %d page(s) still in transfer past the deadline; their host slots are "
+            "withheld from SGLang until the transfer lets go",
+            len(unsettled),
+        )
 
     def _account(
         self,
@@ -314,17 +357,20 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         return self._keys
 
     def _transfer_config(self, **settings: Any) -> TransferConfig:
-        """This backend's transfer-engine settings, with its cluster token."""
+        """This backend's transfer-engine settings: ``KVCONNECT_TRANSFER_*``, then its own
+        (interface, cluster token, ``settings``)."""
         token = self.config.cluster_token()
-        return TransferConfig(
+        return TransferConfig.from_env(
             listen_host=self.config.listen_host, token=token, insecure=token is None, **settings
         )
 
     def _start_local_store(self) -> StoreServer | None:
+        """This rank's share of the host's ``local_store_size`` as an embedded store server."""
         if not self.config.local_store_size:
             return None
+        share = self.config.local_store_size // _ranks_on_host()
         server = StoreServer(
-            StoreServerConfig(master=self.config.master, size=self.config.local_store_size),
+            StoreServerConfig(master=self.config.master, size=share),
             self._transfer_config(),
         )
         server.start()
@@ -383,6 +429,25 @@ class _PoolMemory:
             if pointer < self._start or pointer + size > self._end:
                 raise ConfigError(f"page memory at {pointer:#x} is outside the registered pool")
         return self.region, offsets, list(sizes)
+
+
+def _ranks_on_host() -> int:
+    """SGLang's scheduler processes of this engine on this host: its tp * pp * dp ranks spread
+    evenly over its nodes (with DP attention the DP ranks are inside TP and dp_size is 1).
+    Raises ConfigError outside an SGLang scheduler (no parallel configuration published)."""
+    try:
+        # Lazy: SGLang's runtime context is an internal of recent releases (the dynamic route
+        # also serves others), needed only with local_store_size.
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        ranks = int(parallel.tp_size * parallel.pp_size * parallel.dp_size)
+        return max(ranks // int(parallel.nnodes), 1)
+    except (ImportError, ValueError, RuntimeError) as exc:
+        raise ConfigError(
+            "local_store_size is shared by the SGLang ranks of this host; SGLang has not "
+            f"published its parallel configuration in this process ({exc})"
+        ) from exc
 
 
 def _page_format(storage: HiCacheStorageConfig, pool: Any, config: HiCacheConfig) -> PageFormat:

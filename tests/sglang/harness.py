@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 from sglang.srt.mem_cache.device_pool_info import (
@@ -23,11 +27,17 @@ from sglang.srt.mem_cache.device_pool_info import (
     MLABufferInfo,
 )
 from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.mem_cache.utils import get_storage_hash_str
+from sglang.srt.runtime_context import create_context, use_context
+from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+from kvconnect.testing.tiny_llama import write_tiny_llama
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 4, 2, 8, 16
 MLA_WIDTH = 24  # kv_lora_rank 16 + rope 8
@@ -206,11 +216,17 @@ class Prefetch:
 
 
 def prefetch(
-    cc: HybridCacheController, rid: str, tokens: list[int], *, stop_after: float | None = None
+    cc: HybridCacheController,
+    rid: str,
+    tokens: list[int],
+    *,
+    stop_after: float | None = None,
+    before_read: Callable[[torch.Tensor], None] | None = None,
 ) -> Prefetch:
     """Run a prefetch as SGLang's scheduler does: hit query, host slots for the hit, acks.
     ``stop_after``: terminate it that many seconds after the first progress ack, as the
-    ``timeout`` policy would (the IO thread finishes its batch and stops)."""
+    ``timeout`` policy would (the IO thread finishes its batch and stops). ``before_read``:
+    called with the host slots given to the prefetch, before its IO starts."""
     operation = cc.prefetch(CacheRequestHandle(rid=rid, attempt_id=0), tokens)
     assert cc.prefetch_hit_queue.get(timeout=ACK_TIMEOUT) is operation
     hit = int(operation.storage_hit_count)
@@ -219,6 +235,8 @@ def prefetch(
     host_indices = cc.alloc_prefetch_host_buffers(operation, hit)
     operation.host_indices = host_indices
     operation.hash_value = operation.hash_value[: len(host_indices) // PAGE]
+    if before_read is not None:
+        before_read(host_indices)
     start = time.monotonic()
     cc.prefetch_buffer.put(operation)
     completed = 0
@@ -239,3 +257,39 @@ def release(cc: HybridCacheController, result: Prefetch) -> None:
     """Give a prefetch's host slots back (after its final ack, as the scheduler does)."""
     if result.host_indices is not None:
         cc.mem_pool_host.free(result.host_indices)
+
+
+def server_args(model_dir: Path, *flags: str) -> ServerArgs:
+    """SGLang's own parsing of a launch command line (a tiny local model: no download)."""
+    model = write_tiny_llama(model_dir, weights=False)
+    base = ("--model-path", str(model), "--device", "cpu", "--enable-hierarchical-cache")
+    return prepare_server_args([*base, *flags])
+
+
+def scheduler_context(args: ServerArgs) -> AbstractContextManager[Any]:
+    """Code inside runs as in one of SGLang's scheduler processes for ``args`` (its parallel
+    configuration published), without changing this process's own context."""
+    return use_context(create_context(args, role="scheduler"))
+
+
+class _Captured(Exception):
+    """Stops SGLang's cache set-up once it has built the storage extra-config."""
+
+
+def storage_extra_config(args: ServerArgs) -> dict[str, Any]:
+    """The extra-config SGLang's radix cache hands to the storage backend for ``args``:
+    ``UnifiedRadixCache.init_hicache`` runs for real, in a runtime context published from
+    ``args``, up to the call that builds the host pools and the controller."""
+    captured: dict[str, Any] = {}
+
+    def capture(*args: Any, storage_extra_config: dict[str, Any], **kwargs: Any) -> None:
+        captured.update(storage_extra_config or {})
+        raise _Captured
+
+    cache = UnifiedRadixCache.__new__(UnifiedRadixCache)  # only init_hicache's own state
+    cache.sidecar_pool_specs = []
+    with pytest.MonkeyPatch.context() as patch, scheduler_context(args):
+        patch.setattr(hybrid_pool_assembler, "attach_hybrid_pool_to_unified_cache", capture)
+        with pytest.raises(_Captured):
+            cache.init_hicache(args, None)
+    return captured

@@ -7,14 +7,19 @@ prefetch and ack threads in this process over real host KV pools.
 from __future__ import annotations
 
 import signal
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
+import torch
 
 from kvconnect.store import messages as m
 from kvconnect.testing.cluster import Cluster
+from kvconnect.transfer.batch import Slice
+from kvconnect.transfer.copying import Copier
+from kvconnect.transfer.transport import TransferOp
 from tests.conftest import wait_for
 from tests.sglang import harness as h
 
@@ -197,4 +202,126 @@ def test_an_unexpected_error_is_a_miss_and_sglang_threads_live_on(cluster: Clust
         assert h.pages_of(pool, result.host_indices) == expected
         h.release(cc, result)
     finally:
+        cc.detach_storage_backend()
+
+
+class _HeldCopies:
+    """Holds the transport threads' copies that touch chosen host memory until ``let_go``
+    (past the deadline and the settle grace: the request stays unsettled), then performs them
+    — the late write (read) or read (write) SGLang must be protected from. Same-host store
+    servers: the backend moves pages with shared-memory copies."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        self.blocked = threading.Event()
+        self.let_go = threading.Event()
+        original = Copier.copy
+
+        def copy(copier: Copier, op: TransferOp, work: Sequence[Any]) -> None:
+            held = [item for item in work if self._touches(item[0])]
+            rest = [item for item in work if not self._touches(item[0])]
+            if rest:
+                original(copier, op, rest)
+            if held:
+                self.blocked.set()
+                self.let_go.wait()
+                original(copier, op, held)
+
+        monkeypatch.setattr(Copier, "copy", copy)
+
+    def hold_pages(self, pool: Any, slots: torch.Tensor) -> None:
+        """Hold every copy into or out of the pages at ``slots``."""
+        pointers, sizes = pool.get_page_buffer_meta(slots)
+        self.ranges = [(p, p + n) for p, n in zip(pointers, sizes, strict=True)]
+
+    def _touches(self, piece: Slice) -> bool:
+        start = piece.local.address + piece.local_offset
+        return any(low <= start < high for low, high in self.ranges)
+
+
+def test_a_read_that_cannot_be_stopped_keeps_its_host_pages_from_reuse(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Server A holds exactly pages 0-4 (full, never evicting), server B pages 5-7; the copies
+    # from B are held past the deadline and the settle grace, those from A are not.
+    with Cluster(servers=0, master_args=["--master-high-watermark", "1.0"]) as cluster:
+        cluster.add_server("--store-size", str(5 * h.PAGE_BYTES))
+        pool = h.mha_pool(pages=40)
+        cc = h.controller(pool, "dynamic", _dynamic(cluster, read_timeout=1.0))
+        held = _HeldCopies(monkeypatch)
+        try:
+            _late_read_lands_only_in_withheld_pages(cluster, cc, pool, held)
+        finally:
+            held.let_go.set()
+            cc.detach_storage_backend()
+
+
+def _late_read_lands_only_in_withheld_pages(
+    cluster: Cluster, cc: Any, pool: Any, held: _HeldCopies
+) -> None:
+    tokens = h.tokens_for(8, seed=21)
+    hashes = h.page_hashes(tokens)
+    source = pool.alloc(len(tokens))
+    h.fill(pool, source, seed=21)
+    stored = h.pages_of(pool, source)
+    first = 5 * h.PAGE
+    assert h.backup(cc, source[:first], tokens[:first], hashes[:5]) == first
+    cluster.add_server("--store-size", str(32 << 20))
+    assert h.backup(cc, source[first:], tokens[first:], hashes[5:]) == len(tokens) - first
+    assert [s.objects for s in _segments(cluster)] == [10, 6], "A: pages 0-4, B: 5-7"
+    pool.free(source)
+    pool.kv_buffer.zero_()
+    late: list[torch.Tensor] = []
+
+    def hold_pages_from_b(slots: torch.Tensor) -> None:
+        late.append(slots[first:])
+        held.hold_pages(pool, slots[first:])
+
+    result = h.prefetch(cc, "req-late", tokens, before_read=hold_pages_from_b)
+    assert held.blocked.is_set()
+    assert result.completed_tokens == first, "pages 0-4 arrived and are used"
+    assert h.pages_of(pool, result.host_indices)[:5] == stored[:5]
+    assert cc.storage_backend.stats.pages_withheld == 3
+    h.release(cc, result)  # the prefetch is done with its slots: all 8 are freed
+    # another request takes every free slot: it gets all but exactly the stuck pages' slots
+    other = pool.alloc(pool.available_size())
+    assert len(other) == (40 - 3) * h.PAGE
+    assert not set(other.tolist()) & set(late[0].tolist())
+    h.fill(pool, other, seed=22)
+    other_bytes = h.pages_of(pool, other)
+    held.let_go.set()  # the late write lands ...
+    wait_for(lambda: pool.available_size() == 3 * h.PAGE, "withheld slots never came back")
+    assert h.pages_of(pool, other) == other_bytes, "... never in another request's KV"
+    assert h.pages_of(pool, late[0]) == stored[5:], "it did land: in the withheld pages"
+    again = pool.alloc(3 * h.PAGE)  # settled: SGLang can use them again
+    assert sorted(again.tolist()) == sorted(late[0].tolist())
+    pool.free(again)
+    pool.free(other)
+
+
+def test_a_write_that_cannot_be_stopped_keeps_its_source_pages_from_reuse(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = h.mha_pool(pages=40)
+    cc = h.controller(pool, "dynamic", _dynamic(cluster, write_timeout=1.0))
+    backend = cc.storage_backend
+    held = _HeldCopies(monkeypatch)
+    try:
+        tokens = h.tokens_for(4, seed=23)
+        source = pool.alloc(len(tokens))
+        h.fill(pool, source, seed=23)
+        held.hold_pages(pool, source)
+        assert h.backup(cc, source, tokens) == 0, "the batch did not complete"
+        assert backend.stats.pages_withheld == 4
+        pool.free(source)  # SGLang evicts the pages from host memory ...
+        pool.clear()  # ... or flushes the whole host cache
+        other = pool.alloc(pool.available_size())
+        assert len(other) == (40 - 4) * h.PAGE
+        assert not set(other.tolist()) & set(source.tolist()), "a transport still reads them"
+        held.let_go.set()
+        wait_for(lambda: pool.available_size() == 4 * h.PAGE, "withheld slots never came back")
+        again = pool.alloc(4 * h.PAGE)
+        assert sorted(again.tolist()) == sorted(source.tolist())
+    finally:
+        held.let_go.set()
         cc.detach_storage_backend()

@@ -95,3 +95,30 @@ def test_bad_settings_are_refused_clearly(tmp_path: Path) -> None:
     (tmp_path / "list.json").write_text("[1]")
     with pytest.raises(ConfigError, match="JSON object"):
         parse_config({"config_file": str(tmp_path / "list.json")}, {})
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("file_storage_path", "/var/cache/sglang"),  # from --file-storage-path
+        ("prefetch_threshold", 256),
+        ("prefetch_timeout_base", 1.0),
+        ("prefetch_timeout_per_ki_token", 0.25),
+        ("hicache_storage_pass_prefix_keys", True),
+        ("tp_lcm_size", 8),
+        ("interface_v1", 1),
+    ],
+)
+def test_sglang_own_keys_are_accepted_and_left_to_sglang(key: str, value: object) -> None:
+    config = parse_config({"master": "tcp://10.0.0.1:50051", key: value}, {})
+    assert config.master == "tcp://10.0.0.1:50051"
+    assert not hasattr(config, key)
+
+
+def test_unknown_keys_list_kvconnect_and_sglang_keys() -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse_config({"prefetch_treshold": 64}, {})
+    message = str(refused.value)
+    assert "prefetch_treshold" in message
+    assert "read_timeout" in message  # kvconnect's settings
+    assert "prefetch_threshold" in message  # and SGLang's own

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -77,13 +79,51 @@ def test_the_factory_builds_it_with_the_host_pool_and_zero_copy(
     assert "file" in StorageBackendFactory._registry
 
 
+def test_sglang_own_extra_config_keys_are_left_to_sglang(cluster: Cluster, tmp_path: Path) -> None:
+    # --file-storage-path makes SGLang add file_storage_path to every backend's extra-config;
+    # the prefetch settings are SGLang's too. All reach kvconnect's parser on some path.
+    extra = {
+        "backend_name": "kvconnect",
+        "module_path": "kvconnect.sglang",
+        "class_name": "KVConnectStore",
+        "interface_v1": 1,
+        "prefetch_threshold": 64,
+        "prefetch_timeout_base": 2,
+        "master": cluster.master_endpoint,
+        "namespace": "sglang-keys",
+    }
+    args = h.server_args(
+        tmp_path / "model",
+        *("--hicache-storage-backend", "dynamic"),
+        *("--hicache-storage-backend-extra-config", json.dumps(extra)),
+        *("--file-storage-path", str(tmp_path / "files")),
+    )
+    built = h.storage_extra_config(args)
+    assert built["file_storage_path"] == str(tmp_path / "files"), "SGLang's own addition"
+    pool = h.mha_pool()
+    cc = h.controller(pool, "dynamic", {**built, "prefetch_timeout_per_ki_token": 0.5})
+    try:
+        backend = cc.storage_backend
+        assert isinstance(backend, KVConnectStore)
+        assert backend.config.namespace == "sglang-keys"
+        tokens = h.tokens_for(4, seed=13)
+        source = pool.alloc(len(tokens))
+        h.fill(pool, source, seed=13)
+        assert h.backup(cc, source, tokens) == len(tokens)
+        assert backend.batch_exists(h.page_hashes(tokens)) == 4
+    finally:
+        cc.detach_storage_backend()
+    with pytest.raises(ConfigError, match=r"file_storge_path.*prefetch_threshold"):
+        KVConnectStore(_storage(cluster, 0, False, file_storge_path="/x"))
+
+
 def test_other_sglang_versions_are_refused_with_a_way_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(importlib.metadata, "version", lambda _name: "0.6.0")
     with pytest.raises(RuntimeError, match=r"supports SGLang 0\.5\.23, found 0\.6\.0.*dynamic"):
         plugin.register()
 
 
-def _storage(cluster: Cluster, rank: int, mla: bool) -> HiCacheStorageConfig:
+def _storage(cluster: Cluster, rank: int, mla: bool, **extra: Any) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=rank,
         tp_size=2,
@@ -95,7 +135,7 @@ def _storage(cluster: Cluster, rank: int, mla: bool) -> HiCacheStorageConfig:
         enable_storage_metrics=False,
         is_page_first_layout=True,
         model_name="ranks/model",
-        extra_config={"master": cluster.master_endpoint, "namespace": f"ranks-{mla}"},
+        extra_config={"master": cluster.master_endpoint, "namespace": f"ranks-{mla}", **extra},
     )
 
 
@@ -147,19 +187,58 @@ def test_unsupported_pools_are_refused_at_attach_with_the_fix(cluster: Cluster) 
         backend.close()
 
 
-def test_an_engine_can_lend_its_own_memory_to_the_store() -> None:
+@pytest.mark.parametrize(
+    ("nodes", "per_rank"), [(1, 4 << 20), (2, 8 << 20)], ids=["one-host", "two-hosts"]
+)
+def test_an_engine_lends_local_store_size_per_host(
+    tmp_path: Path, nodes: int, per_rank: int
+) -> None:
+    # A TP-2 engine lends 8 MiB per host: its two ranks share it on one host; spread over two
+    # hosts, each host's one rank lends all of it.
+    flags = ["--tp-size", "2", "--nnodes", str(nodes)]
+    if nodes > 1:
+        flags += ["--dist-init-addr", "127.0.0.1:5000"]
+    args = h.server_args(tmp_path / "model", *flags)
     with Cluster(servers=0) as bare:  # a master and no store server
-        storage = _storage(bare, 0, False)
-        storage.extra_config["local_store_size"] = 8 << 20
-        pool = h.mha_pool()
-        backend = KVConnectStore(storage, pool)
+        pools = [h.mha_pool(), h.mha_pool()]
+        backends: list[KVConnectStore] = []
         try:
+            with h.scheduler_context(args):
+                for rank, pool in enumerate(pools):
+                    storage = _storage(bare, rank, False, local_store_size=8 << 20)
+                    backends.append(KVConnectStore(storage, pool))
+            assert [s.capacity for s in bare.stats().segments] == [per_rank, per_rank]
             hashes = h.page_hashes(h.tokens_for(16, seed=11))
-            source = pool.alloc(16 * h.PAGE)
-            h.fill(pool, source, seed=11)
-            assert backend.batch_set_v1(hashes, source) == [True] * 16
-            target = pool.alloc(16 * h.PAGE)
-            assert backend.batch_get_v1(hashes, target) == [True] * 16
+            source = pools[0].alloc(16 * h.PAGE)
+            h.fill(pools[0], source, seed=11)
+            assert backends[0].batch_set_v1(hashes, source) == [True] * 16
+            target = pools[0].alloc(16 * h.PAGE)
+            assert backends[0].batch_get_v1(hashes, target) == [True] * 16
+            assert h.pages_of(pools[0], target) == h.pages_of(pools[0], source)
+        finally:
+            for backend in backends:
+                backend.close()
+
+
+def test_local_store_size_needs_sglang_parallel_configuration(cluster: Cluster) -> None:
+    with pytest.raises(ConfigError, match="local_store_size is shared by the SGLang ranks"):
+        KVConnectStore(_storage(cluster, 0, False, local_store_size=8 << 20), h.mha_pool())
+
+
+def test_the_backend_takes_the_cluster_token_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVCONNECT_TOKEN", "sglang-test-token")  # store servers inherit it
+    with Cluster(servers=1, server_size=8 << 20) as secured:
+        pool = h.mha_pool()
+        backend = KVConnectStore(_storage(secured, 0, False), pool)
+        try:
+            hashes = h.page_hashes(h.tokens_for(2, seed=17))
+            source = pool.alloc(2 * h.PAGE)
+            h.fill(pool, source, seed=17)
+            assert backend.batch_set_v1(hashes, source) == [True, True]
+            target = pool.alloc(2 * h.PAGE)
+            assert backend.batch_get_v1(hashes, target) == [True, True]
             assert h.pages_of(pool, target) == h.pages_of(pool, source)
         finally:
             backend.close()
