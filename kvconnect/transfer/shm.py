@@ -313,9 +313,10 @@ class _ShmPeer:
         info = self.peer.region(region_id)
         if info is None:
             raise AccessDenied(f"region {region_id}: UNKNOWN_REGION")
+        deadline = wire.deadline_after(self._config.connect_timeout)
         sock = self._sock or self._connect()
         try:
-            reply, fds = wire.control_call(sock, wire.GetRegionFd(region_id))
+            reply, fds = wire.control_call(sock, wire.GetRegionFd(region_id), deadline)
         except OSError as exc:
             sock.close()
             self._sock = None
