@@ -192,13 +192,13 @@ class ShmTransport:
                 continue
             start = piece.remote_offset
             work.append((piece, mapped.data[start : start + piece.length], 0))
-        self._copier.copy(op, work)
+        whole = self._copier.copy(op, work)
         # The owner may have unregistered a region or died during the copies: then the bytes
         # are not trustworthy (READ) or not kept (WRITE).
         state.check_alive()
         withdrawn = {region for region, mapped in maps.items() if not mapped.live(region)}
         copied = []
-        for piece, _view, _address in work:
+        for piece in whole:
             if piece.remote_region in withdrawn:
                 self._fail([piece], AccessDenied(f"region {piece.remote_region} was withdrawn"))
             else:
