@@ -299,15 +299,19 @@ class TransferEngine(Lifecycle):
         self._republish()
         return region
 
-    def allocate(self, nbytes: int, *, hugepages: bool = False) -> MemoryRegion:
+    def allocate(
+        self, nbytes: int, *, hugepages: bool = False, writable: bool = True
+    ) -> MemoryRegion:
         """Allocate and register ``nbytes`` of pre-faulted shared memory (``region.view``).
 
         Same-host peers reach such regions through shared memory (one copy, no involvement of
         this engine); regions from :meth:`register` are reached over TCP from other processes.
         ``hugepages`` backs it with 2 MiB pages (RegistrationError if none are reserved).
+        ``writable=False`` refuses remote WRITEs, and same-host peers get a read-only fd of
+        memory sealed against new writable mappings (``region.view`` stays writable here).
         """
         self._require_open()
-        region = self._registry.allocate(nbytes, hugepages=hugepages)
+        region = self._registry.allocate(nbytes, hugepages=hugepages, writable=writable)
         self._republish()
         return region
 

@@ -33,7 +33,8 @@ from kvconnect.transfer.transport import Capabilities, TransferOp
 
 _WATCH_INTERVAL = 1.0  # seconds between liveness checks of idle same-host peers
 _POPULATE_CHUNK = 256 << 20
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_MADV_POPULATE_READ = 22  # Linux >= 5.14
+_MADV_POPULATE_WRITE = 23
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -41,8 +42,9 @@ def _populate_chunk(mapped: _Mapping) -> None:
     """Fault in the page tables of the next chunk (the kernel does it; the GIL is released)."""
     length = min(_POPULATE_CHUNK, mapped.length - mapped.populated)
     start = mapped.address + mapped.populated
+    advice = _MADV_POPULATE_WRITE if mapped.writable else _MADV_POPULATE_READ
     # Failure (an old kernel, or the mapping just went away) only costs speed: give up on it.
-    if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE):
+    if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice):
         mapped.populated = mapped.length
     else:
         mapped.populated += length
@@ -329,7 +331,9 @@ class _ShmPeer:
             size = os.fstat(fds[0]).st_size  # whole pages: huge-page regions are rounded up
             if size < SHM_HEADER + reply.length:
                 raise BrokenError(f"segment {self.peer.name}: region {region_id} fd is too short")
-            mapping = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED)
+            # A read-only region comes as a read-only fd: map it so.
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if info.writable else 0)
+            mapping = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED, prot=prot)
         finally:
             for fd in fds:
                 os.close(fd)
