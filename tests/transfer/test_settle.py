@@ -85,12 +85,12 @@ def setup(request: pytest.FixtureRequest) -> Iterator[_Setup]:
     """A reader engine (Python data path, one copy thread, one stream) and a 64 MiB source
     reached over ``request.param``."""
     transport = request.param
-    config = TransferConfig(
+    config = TransferConfig.from_env(
         transport=transport, native="off", copy_threads=1, tcp_streams=1, settle_grace=2.0
     )
     with ExitStack() as stack:
         if transport == "local":
-            owner = stack.enter_context(TransferEngine(TransferConfig(native="off")))
+            owner = stack.enter_context(TransferEngine(TransferConfig.from_env(native="off")))
             source = owner.allocate(SIZE)
             source.view[:] = pattern(21, SIZE).data
             segment, region, seed = owner.name, source.id, 21
@@ -143,10 +143,12 @@ def test_memory_held_past_the_grace_is_reported_pending_and_kept(
         real(self, dsts, srcs)
 
     monkeypatch.setattr(PythonDataPath, "copy_many", held)
-    config = TransferConfig(transport=transport, native="off", copy_threads=1, settle_grace=0.2)
+    config = TransferConfig.from_env(
+        transport=transport, native="off", copy_threads=1, settle_grace=0.2
+    )
     with ExitStack() as stack:
         if transport == "local":
-            owner = stack.enter_context(TransferEngine(TransferConfig(native="off")))
+            owner = stack.enter_context(TransferEngine(TransferConfig.from_env(native="off")))
             segment, region = owner.name, owner.allocate(SIZE).id
         else:
             peer = stack.enter_context(PeerProcess(config={"transport": "shm"}, shared=SIZE))
