@@ -22,6 +22,7 @@ from kvconnect.errors import RegionBusy
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
 from kvconnect.transfer.batch import TransferBatch
+from kvconnect.transfer.copying import _COPY_CHUNK as COPY_CHUNK
 from kvconnect.transfer.iov import PythonDataPath
 from tests.conftest import wait_for
 
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.integration
 
 MiB = 1 << 20
 SIZE = 64 * MiB
-STALL_AT = 2 * MiB  # the slow data path stalls once it has moved this much
+STALL_AT = 2 * MiB  # the slow data path stalls once it has moved this much (within a chunk)
 
 
 @dataclass
@@ -170,7 +171,7 @@ def test_memory_held_past_the_grace_is_reported_pending_and_kept(
         assert batch.wait() == (TransferStatus.TIMEOUT,)
         after_settle = _digest(local.view)
         # The held chunk finished; nothing after it was copied (the request had ended).
-        assert np.all(np.frombuffer(local.view[MiB:], dtype=np.uint8) == 0xAB)
+        assert np.all(np.frombuffer(local.view[COPY_CHUNK:], dtype=np.uint8) == 0xAB)
         engine.unregister(local)
         engine.close()
         assert _digest(local.view) == after_settle
