@@ -20,6 +20,7 @@ from kvconnect.config import TransferConfig
 from kvconnect.errors import PeerUnreachable
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus, wire
+from kvconnect.transfer.metadata import P2PMetadata
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.integration
@@ -44,15 +45,22 @@ class _Drip:
     closed: threading.Event = field(default_factory=threading.Event)
 
 
+def _connect(endpoint: str) -> socket.socket:
+    """A raw connection to a listener's TCP (``host:port``) or Unix (``@name``) endpoint."""
+    if not endpoint.startswith("@"):
+        return socket.create_connection(wire.parse_tcp_endpoint(endpoint), timeout=5)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect("\0" + endpoint[1:])
+    return sock
+
+
 class _Drippers:
     """Connect ``count`` clients to ``endpoint`` and drip-feed ``message`` on each of them from
     one thread until the server closes them (or the message is out)."""
 
     def __init__(self, endpoint: str, count: int, message: bytes = HELLO) -> None:
-        address = wire.parse_tcp_endpoint(endpoint)
-        self.drips = [
-            _Drip(socket.create_connection(address, timeout=5), message) for _ in range(count)
-        ]
+        self.drips = [_Drip(_connect(endpoint), message) for _ in range(count)]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="test-drippers", daemon=True)
         self._thread.start()
@@ -127,6 +135,20 @@ def test_drip_fed_handshakes_are_cut_and_never_lock_peers_out(slow_target: PeerP
     stats = slow_target.call({"cmd": "stats"})
     assert stats["handshake_timeouts"] + stats["handshakes_dropped"] == 12, stats
     assert stats["handshakes_dropped"] >= 12 - 4, stats
+
+
+def test_drip_fed_handshakes_on_the_shared_memory_socket_are_cut() -> None:
+    """The abstract Unix socket that hands out shared-memory fds has the same handshake."""
+    with PeerProcess(config={"connect_timeout": 1.0}, shared=MiB) as target:
+        endpoint = P2PMetadata(_token()).lookup(target.name, 5).endpoints["shm"]
+        drippers = _Drippers(endpoint, 3)
+        try:
+            wait_for(drippers.all_closed, "a drip-feeder stayed connected", timeout=30)
+        finally:
+            drippers.close()
+        assert all(drip.sent < len(HELLO) and not drip.answered for drip in drippers.drips)
+        stats = target.call({"cmd": "stats"})
+        assert stats["handshake_timeouts"] == 3, stats
 
 
 def test_a_client_that_never_sends_is_closed_and_counted() -> None:
