@@ -220,15 +220,15 @@ class _Session:
         self.conn = conn
         self.config = listener._config
         self.datapath = listener._datapath
-        self.deadline = 0.0  # of the current frame's header, entries and control message
+        self.deadline = 0.0  # by which the current frame's entries or control message are in
 
     def run(self) -> None:
         header = bytearray(wire.HEADER.size)
         while True:
-            if not _recv_header(self.conn, header, self.config):
+            deadline = _recv_header(self.conn, header, self.config)
+            if deadline is None:
                 return
-            # The frame's entries or control message must follow within io_timeout in all.
-            self.deadline = wire.deadline_after(self.config.io_timeout)
+            self.deadline = deadline
             kind, _status, count, aux, frame_id = wire.HEADER.unpack(header)
             if kind in (FrameKind.READ, FrameKind.WRITE):
                 start = time.perf_counter()
@@ -240,11 +240,17 @@ class _Session:
                 raise ProtocolError(f"unknown frame kind {kind}")
             self.listener.counters.add(frames=1)
 
+    def _recv_bounded(self, size: int) -> bytes:
+        """``size`` bytes of the current frame's metadata, by its deadline; then the socket is
+        back at ``io_timeout`` (what the payload and the response get)."""
+        data = wire.recv_exact(self.conn, size, self.deadline)
+        self.conn.settimeout(self.config.io_timeout)
+        return data
+
     def _data_frame(self, kind: FrameKind, count: int, frame_id: int) -> None:
         if not 0 < count <= wire.MAX_ENTRIES:
             raise ProtocolError(f"frame with {count} entries")
-        entries = wire.recv_exact(self.conn, wire.ENTRY.size * count, self.deadline)
-        flat = wire.unpack_entries(entries, count)
+        flat = wire.unpack_entries(self._recv_bounded(wire.ENTRY.size * count), count)
         lengths = flat[2::3]
         total = sum(lengths)
         if total > self.config.max_frame_bytes:
@@ -321,7 +327,7 @@ class _Session:
     def _control(self, size: int, frame_id: int) -> None:
         if size > wire.MAX_CONTROL_BYTES:
             raise ProtocolError(f"control message of {size} bytes")
-        request = wire.decode_request(wire.recv_exact(self.conn, size, self.deadline))
+        request = wire.decode_request(self._recv_bounded(size))
         fds: list[int] = []
         held: MemoryRegion | None = None
         if isinstance(request, wire.GetSegment):
@@ -363,22 +369,23 @@ class _Session:
         return wire.RegionFdReply(region_id, region.length), region
 
 
-def _recv_header(conn: socket.socket, header: bytearray, config: TransferConfig) -> bool:
-    """Read one frame header; False on a clean close or an idle timeout between frames.
+def _recv_header(conn: socket.socket, header: bytearray, config: TransferConfig) -> float | None:
+    """Read one frame header; None on a clean close or an idle timeout between frames.
 
-    The rest of the header must follow the first byte within ``io_timeout`` in all. Leaves
-    the socket's timeout at ``io_timeout`` (the payload's stall timeout).
+    Returns the frame's deadline: its header, entries and control message must all arrive
+    within ``io_timeout`` of its first byte. Leaves the socket's timeout at ``io_timeout``
+    (the payload's stall timeout).
     """
     conn.settimeout(config.idle_timeout)
     view = memoryview(header)
     try:
         got = conn.recv_into(view)
     except TimeoutError:
-        return False
+        return None
     if got == 0:
-        return False
+        return None
+    deadline = wire.deadline_after(config.io_timeout)
     if got < len(header):
-        deadline = wire.deadline_after(config.io_timeout)
         view[got:] = wire.recv_exact(conn, len(header) - got, deadline)
     conn.settimeout(config.io_timeout)
-    return True
+    return deadline

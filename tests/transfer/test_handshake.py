@@ -56,11 +56,11 @@ def _connect(endpoint: str) -> socket.socket:
 
 
 class _Drippers:
-    """Connect ``count`` clients to ``endpoint`` and drip-feed ``message`` on each of them from
-    one thread until the server closes them (or the message is out)."""
+    """Drip-feed ``message`` on each of ``socks`` from one thread until the server closes them
+    (or the message is out)."""
 
-    def __init__(self, endpoint: str, count: int, message: bytes = HELLO) -> None:
-        self.drips = [_Drip(_connect(endpoint), message) for _ in range(count)]
+    def __init__(self, socks: list[socket.socket], message: bytes = HELLO) -> None:
+        self.drips = [_Drip(sock, message) for sock in socks]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="test-drippers", daemon=True)
         self._thread.start()
@@ -112,7 +112,7 @@ def _accepted_or_refused(peer: PeerProcess) -> int:
 def test_drip_fed_handshakes_are_cut_and_never_lock_peers_out(slow_target: PeerProcess) -> None:
     # More drip-feeders than the listener has handshake slots and connection slots together:
     # before, they held every slot past connect_timeout and a new engine's read failed.
-    drippers = _Drippers(slow_target.name, 12)
+    drippers = _Drippers([_connect(slow_target.name) for _ in range(12)])
     try:
         wait_for(
             lambda: _accepted_or_refused(slow_target) >= 12,
@@ -141,7 +141,7 @@ def test_drip_fed_handshakes_on_the_shared_memory_socket_are_cut() -> None:
     """The abstract Unix socket that hands out shared-memory fds has the same handshake."""
     with PeerProcess(config={"connect_timeout": 1.0}, shared=MiB) as target:
         endpoint = P2PMetadata(_token()).lookup(target.name, 5).endpoints["shm"]
-        drippers = _Drippers(endpoint, 3)
+        drippers = _Drippers([_connect(endpoint) for _ in range(3)])
         try:
             wait_for(drippers.all_closed, "a drip-feeder stayed connected", timeout=30)
         finally:
@@ -149,6 +149,21 @@ def test_drip_fed_handshakes_on_the_shared_memory_socket_are_cut() -> None:
         assert all(drip.sent < len(HELLO) and not drip.answered for drip in drippers.drips)
         stats = target.call({"cmd": "stats"})
         assert stats["handshake_timeouts"] == 3, stats
+
+
+def test_after_the_handshake_a_drip_fed_control_message_is_cut_at_io_timeout() -> None:
+    payload = wire.encode_control(wire.GetSegment())
+    frame = wire.HEADER.pack(wire.FrameKind.CONTROL, 0, 0, len(payload), 1) + payload
+    with PeerProcess(config={"io_timeout": 1.0}, private=MiB) as target:
+        socks = [_connect(target.name) for _ in range(2)]
+        for sock in socks:
+            wire.client_handshake(sock, _token(), wire.deadline_after(10))
+        drippers = _Drippers(socks, frame)  # 1 + 16 + payload bytes take > 3 s
+        try:
+            wait_for(drippers.all_closed, "a drip-feeder stayed connected", timeout=30)
+        finally:
+            drippers.close()
+        assert all(drip.sent < len(frame) and not drip.answered for drip in drippers.drips)
 
 
 def test_a_client_that_never_sends_is_closed_and_counted() -> None:
