@@ -135,7 +135,15 @@ class TransferConfig(_Section):
     idle_timeout: float = 600.0
     """Connections idle this long are closed (listener) or retired (initiator)."""
     max_connections: int = 1024
-    """Connections the listener serves at once; more are refused (one thread each)."""
+    """Authenticated connections the listener serves at once; more are refused (one thread
+    each)."""
+    max_handshakes: int = 32
+    """Connections the listener lets run their handshake at once, apart from
+    ``max_connections``: one more closes the one that has been in its handshake longest, so
+    clients that never finish (slowloris) can never lock authenticated peers out."""
+    settle_grace: float = 1.0
+    """Seconds ``TransferBatch.wait`` waits past the deadline for transport threads to let go
+    of a request's memory; a request still held then is returned as PENDING."""
     max_frame_bytes: int = 256 * MiB
     """Largest payload of one frame the listener accepts; larger frames close the connection."""
     max_retries: int = 2
@@ -174,6 +182,8 @@ class TransferConfig(_Section):
             "io_timeout",
             "idle_timeout",
             "max_connections",
+            "max_handshakes",
+            "settle_grace",
             "max_frame_bytes",
             "metadata_ttl",
             "rdma_qps_per_peer",

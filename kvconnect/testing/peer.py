@@ -50,12 +50,14 @@ class PeerProcess:
         config: Mapping[str, Any] | None = None,
         shared: int = 0,
         private: int = 0,
+        shared_writable: bool = True,
         seed: int | None = None,
         netns: str | None = None,
         env: Mapping[str, str] | None = None,
         timeout: float = 30.0,
     ) -> None:
-        """``shared``/``private``: bytes of shared (allocate) and private (register) memory.
+        """``shared``/``private``: bytes of shared (allocate) and private (register) memory;
+        ``shared_writable=False`` allocates the shared one read-only.
 
         ``seed`` fills both with :func:`pattern` (shared with ``seed``, private ``seed + 1``).
         ``netns`` runs the peer inside that network namespace (``ip netns exec``).
@@ -63,6 +65,8 @@ class PeerProcess:
         args = [sys.executable, "-m", "kvconnect.testing.peer"]
         args += ["--config", json.dumps(dict(config or {}))]
         args += ["--shared", str(shared), "--private", str(private)]
+        if not shared_writable:
+            args.append("--shared-readonly")
         if seed is not None:
             args += ["--seed", str(seed)]
         if netns is not None:
@@ -75,7 +79,11 @@ class PeerProcess:
             text=True,
             env={**os.environ, **(env or {})},
         )
-        hello = self._read_line()
+        try:
+            hello = self._read_line()
+        except BaseException:  # a child that failed to start must not leak its pipes
+            self.close()
+            raise
         self.name: str = hello["name"]
         self.pid: int = hello["pid"]
         self.regions: dict[str, int] = hello["regions"]
@@ -231,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--config", default="{}")
     parser.add_argument("--shared", type=int, default=0)
     parser.add_argument("--private", type=int, default=0)
+    parser.add_argument("--shared-readonly", action="store_true")
     parser.add_argument("--seed", type=int)
     args = parser.parse_args(argv)
     config = TransferConfig.from_env(**json.loads(args.config))
@@ -238,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         regions: dict[int, MemoryRegion] = {}
         names: dict[str, int] = {}
         if args.shared:
-            region = engine.allocate(args.shared)
+            region = engine.allocate(args.shared, writable=not args.shared_readonly)
             regions[region.id] = region
             names["shared"] = region.id
         if args.private:

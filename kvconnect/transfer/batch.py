@@ -24,8 +24,6 @@ from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferSt
 
 log = logging.getLogger(__name__)
 
-_SETTLE_GRACE = 5.0  # longest wait for pinned slices to let go after a deadline
-
 
 @dataclass(slots=True, eq=False)
 class Slice:
@@ -112,12 +110,16 @@ class TransferBatch:
         deadline: float,
         slice_bytes: int,
         on_settled: Callable[[], None],
+        *,
+        settle_grace: float,
     ) -> None:
-        """``on_settled`` runs once, on the thread that settles the last request."""
+        """``on_settled`` runs once, on the thread that settles the last request.
+        ``settle_grace``: how long past the deadline :meth:`wait` waits for requests to settle."""
         count = len(requests)
         self.op = op
         self.requests = tuple(requests)
         self.deadline = deadline
+        self.settle_grace = settle_grace
         self._on_settled = on_settled
         self._cond = threading.Condition()
         self._status = [TransferStatus.PENDING] * count
@@ -134,7 +136,10 @@ class TransferBatch:
     def wait(self, timeout: float | None = None) -> tuple[TransferStatus, ...]:
         """Block until every request settles or ``timeout`` passes; return the statuses.
 
-        Requests still PENDING when the batch deadline passes become TIMEOUT.
+        Requests still PENDING when the batch deadline passes become TIMEOUT. Returns at the
+        latest ``settle_grace`` after the deadline: a request a transport thread still holds
+        then is returned as PENDING (its memory must not be reused before
+        :meth:`add_settled_callback` fires).
         """
         end = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -143,11 +148,11 @@ class TransferBatch:
                 if self._unsettled == 0 or (end is not None and now >= end):
                     return self._visible_locked()
                 pending = TransferStatus.PENDING in self._status
-                if not pending and now >= self.deadline + _SETTLE_GRACE:
+                if not pending and now >= self.deadline + self.settle_grace:
                     log.warning("batch settling late: transport threads still hold its memory")
                     return self._visible_locked()
                 if not pending or now < self.deadline:
-                    wake = self.deadline if pending else self.deadline + _SETTLE_GRACE
+                    wake = self.deadline if pending else self.deadline + self.settle_grace
                     wake = max(wake, now + 0.001)
                     self._cond.wait((wake if end is None else min(wake, end)) - now)
                     continue

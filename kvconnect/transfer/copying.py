@@ -2,7 +2,9 @@
 
 Copies run on a small pool of threads so ``submit`` never blocks; each job moves a group of
 slices. Host-to-host copies go through the data path (GIL released with the native extension);
-anything touching device memory goes through the CUDA copier.
+anything touching device memory goes through the CUDA copier. Jobs copy in chunks of
+``_COPY_CHUNK`` and drop the slices of requests that ended (deadline, cancel, failure) before
+each chunk, so a copy lets go of a request's memory within one chunk of its deadline.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from kvconnect.errors import BrokenError, ClosedError, KVConnectError
-from kvconnect.transfer.batch import Slice, complete_slices
+from kvconnect.transfer.batch import Slice, complete_slices, pending_slices
 from kvconnect.transfer.cuda import DeviceCopier
 from kvconnect.transfer.iov import DataPath
 from kvconnect.transfer.memory import MemoryKind, host_address
@@ -22,6 +25,7 @@ log = logging.getLogger(__name__)
 
 
 _MIN_JOB = 1 << 20  # below this, handing work to a second thread costs more than it saves
+_COPY_CHUNK = 4 << 20  # bytes copied between two looks at the requests' state (~0.5-4 ms)
 
 
 class CopyWorkers:
@@ -79,6 +83,37 @@ def group_slices(slices: Sequence[Slice], max_bytes: int) -> Iterator[list[Slice
         yield group
 
 
+@dataclass(slots=True)
+class _Piece:
+    """Bytes [start, start + length) of one slice."""
+
+    slice: Slice
+    start: int
+    length: int
+    remote_view: memoryview | None
+    remote_address: int
+
+
+def _chunks(
+    work: Sequence[tuple[Slice, memoryview | None, int]], chunk: int
+) -> Iterator[list[_Piece]]:
+    """The work cut, in order, into lists of pieces of ``chunk`` bytes in all (the last less)."""
+    group: list[_Piece] = []
+    room = chunk
+    for piece, remote_view, remote_address in work:
+        start = 0
+        while start < piece.length:
+            length = min(room, piece.length - start)
+            group.append(_Piece(piece, start, length, remote_view, remote_address))
+            start += length
+            room -= length
+            if not room:
+                yield group
+                group, room = [], chunk
+    if group:
+        yield group
+
+
 class Copier:
     """Copies slices between their local regions and remote host views or device addresses."""
 
@@ -86,27 +121,44 @@ class Copier:
         self._datapath = datapath
         self._device = device
 
-    def copy(self, op: TransferOp, work: Sequence[tuple[Slice, memoryview | None, int]]) -> None:
-        """Move each ``(slice, remote_view, remote_address)`` (READ: remote → local).
+    def copy(
+        self, op: TransferOp, work: Sequence[tuple[Slice, memoryview | None, int]]
+    ) -> list[Slice]:
+        """Move each ``(slice, remote_view, remote_address)`` (READ: remote → local) of pinned
+        slices; returns the slices copied whole.
 
         ``remote_view`` is the remote bytes when they are host memory; otherwise it is None and
-        ``remote_address`` is a device address. Host-to-host pairs go in one data-path call.
+        ``remote_address`` is a device address. Before each chunk, slices whose request is no
+        longer pending are dropped (their bytes stop there); they are not returned.
         """
+        dropped: set[int] = set()
+        for chunk in _chunks(work, _COPY_CHUNK):
+            wanted = [p.slice for p in chunk if id(p.slice) not in dropped]
+            live = {id(s) for s in pending_slices(wanted)}
+            dropped.update(id(s) for s in wanted if id(s) not in live)
+            self._copy_chunk(op, [p for p in chunk if id(p.slice) in live])
+        return [piece for piece, _view, _address in work if id(piece) not in dropped]
+
+    def _copy_chunk(self, op: TransferOp, chunk: Sequence[_Piece]) -> None:
         local_views: list[memoryview] = []
         remote_views: list[memoryview] = []
-        for piece, remote_view, remote_address in work:
-            local = piece.local
-            start = piece.local_offset
-            if local.kind is MemoryKind.HOST and remote_view is not None:
-                local_views.append(local.view[start : start + piece.length])
-                remote_views.append(remote_view)
+        for p in chunk:
+            local = p.slice.local
+            start = p.slice.local_offset + p.start
+            if local.kind is MemoryKind.HOST and p.remote_view is not None:
+                local_views.append(local.view[start : start + p.length])
+                remote_views.append(p.remote_view[p.start : p.start + p.length])
                 continue
             local_address = local.address + start
-            remote = remote_address if remote_view is None else host_address(remote_view)
+            remote = (
+                p.remote_address if p.remote_view is None else host_address(p.remote_view)
+            ) + p.start
             if op is TransferOp.READ:
-                self._device().copy(local_address, remote, piece.length)
+                self._device().copy(local_address, remote, p.length)
             else:
-                self._device().copy(remote, local_address, piece.length)
+                self._device().copy(remote, local_address, p.length)
+        if not local_views:
+            return
         if op is TransferOp.READ:
             self._datapath.copy_many(local_views, remote_views)
         else:

@@ -11,6 +11,7 @@ thread-safe.
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import threading
 import time
@@ -67,6 +68,13 @@ _COPY_JOB_SLICES = 4  # slices per copy job: amortizes hand-off cost, keeps thre
 _ETCD_TIMEOUT = 2.0  # seconds, the longest one etcd call of the metadata backend may take
 
 
+class _State(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"
+    STARTED = "started"
+    CLOSED = "closed"
+
+
 class TransferEngine(Lifecycle):
     """Moves bytes between registered memory of this engine and peers' segments."""
 
@@ -93,7 +101,11 @@ class TransferEngine(Lifecycle):
         self._directory = SegmentDirectory(self._metadata, config.connect_timeout)
         self._device_copier = device_copier
         self._lock = threading.Lock()
-        self._state = "new"
+        self._changed = threading.Condition(self._lock)  # notified when _state changes
+        self._state = _State.NEW
+        self._start_error = ""  # why start() failed; a string: an exception would pin frames
+        self._publish_lock = threading.Lock()  # one describe-and-publish at a time, in order
+        self._published = False
         self._name = config.name or ""
         self._listener: Listener | None = None
         self._transports: dict[str, Transport] = {}
@@ -107,18 +119,31 @@ class TransferEngine(Lifecycle):
     # --------------------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        """Bind the listener, start transports and publish the segment. Idempotent."""
-        with self._lock:
-            if self._state == "started":
+        """Bind the listener, start transports and publish the segment. Idempotent.
+
+        A call while another thread starts the engine waits for that start. If starting fails
+        the engine is closed (everything started so far is released) and the error is raised;
+        later calls raise ClosedError naming it.
+        """
+        with self._changed:
+            self._changed.wait_for(lambda: self._state is not _State.STARTING)
+            if self._state is _State.STARTED:
                 return
-            if self._state == "closed":
-                raise ClosedError("engine is closed")
-            self._state = "started"
+            if self._state is _State.CLOSED:
+                raise self._closed_error()
+            self._state = _State.STARTING
         try:
             self._start()
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            with self._changed:
+                self._state, self._start_error = _State.CLOSED, f"{type(exc).__name__}: {exc}"
+                self._changed.notify_all()
+            self._stop()
+            self._registry.close()
             raise
+        with self._changed:
+            self._state = _State.STARTED
+            self._changed.notify_all()
         log.info("transfer engine %s started (%s)", self._name, ", ".join(self._transports))
 
     def _start(self) -> None:
@@ -153,7 +178,9 @@ class TransferEngine(Lifecycle):
         self._resolver = ThreadPoolExecutor(_RESOLVER_THREADS, "kvconnect-resolve")
         local_registry.publish(self._engine_id.hex(), self._registry)
         self._metadata.start(self._directory.forget)
-        self._metadata.publish(self._describe())
+        with self._publish_lock:
+            self._metadata.publish(self._describe())
+            self._published = True
 
     def _start_rdma(self) -> None:
         """The RDMA transport, when this host has RDMA (``auto``) or it is forced (``rdma``)."""
@@ -190,12 +217,19 @@ class TransferEngine(Lifecycle):
         return rdma.accept(request)
 
     def close(self) -> None:
-        """Withdraw the segment, fail queued work with ClosedError, stop threads. Idempotent."""
-        with self._lock:
-            previous, self._state = self._state, "closed"
-        if previous == "started":
+        """Withdraw the segment, fail queued work with ClosedError, stop threads. Idempotent.
+
+        Waits for a start() running in another thread to finish first. Memory that transport
+        threads still touch is not freed here: requests keep their regions (and so the buffers)
+        alive until they settle, and the batches report them PENDING until then.
+        """
+        with self._changed:
+            self._changed.wait_for(lambda: self._state is not _State.STARTING)
+            previous, self._state = self._state, _State.CLOSED
+            self._changed.notify_all()
+        if previous is _State.STARTED:
             self._stop()
-        if previous != "closed":
+        if previous is not _State.CLOSED:
             self._registry.close()  # memory registered before start() is released too
             log.info("transfer engine %s closed", self._name)
 
@@ -217,7 +251,7 @@ class TransferEngine(Lifecycle):
         self._watch.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_state", "closed") == "started":
+        if getattr(self, "_state", _State.CLOSED) is _State.STARTED:
             warnings.warn(
                 f"TransferEngine {self._name} was not closed", ResourceWarning, stacklevel=1
             )
@@ -267,15 +301,19 @@ class TransferEngine(Lifecycle):
         self._republish()
         return region
 
-    def allocate(self, nbytes: int, *, hugepages: bool = False) -> MemoryRegion:
+    def allocate(
+        self, nbytes: int, *, hugepages: bool = False, writable: bool = True
+    ) -> MemoryRegion:
         """Allocate and register ``nbytes`` of pre-faulted shared memory (``region.view``).
 
         Same-host peers reach such regions through shared memory (one copy, no involvement of
         this engine); regions from :meth:`register` are reached over TCP from other processes.
         ``hugepages`` backs it with 2 MiB pages (RegistrationError if none are reserved).
+        ``writable=False`` refuses remote WRITEs, and same-host peers get a read-only fd of
+        memory sealed against new writable mappings (``region.view`` stays writable here).
         """
         self._require_open()
-        region = self._registry.allocate(nbytes, hugepages=hugepages)
+        region = self._registry.allocate(nbytes, hugepages=hugepages, writable=writable)
         self._republish()
         return region
 
@@ -308,8 +346,11 @@ class TransferEngine(Lifecycle):
         return self._registry.users(region)
 
     def _republish(self) -> None:
-        if self._state == "started":
-            self._metadata.publish(self._describe())
+        # Serialized, so a slower publish never overwrites a newer descriptor; before start()
+        # has published the first one there is nothing to update (it will include the change).
+        with self._publish_lock:
+            if self._published and self._state is not _State.CLOSED:
+                self._metadata.publish(self._describe())
 
     # ---------------------------------------------------------------------------- transfers
 
@@ -340,6 +381,7 @@ class TransferEngine(Lifecycle):
             deadline,
             self.config.slice_bytes,
             lambda: self._registry.release_many(held),
+            settle_grace=self.config.settle_grace,
         )
         self._watch.add(batch)
         by_segment: dict[str, list[int]] = collections.defaultdict(list)
@@ -429,14 +471,14 @@ class TransferEngine(Lifecycle):
     def _resolve_later(self, segment: str, batch: TransferBatch, indices: list[int]) -> None:
         resolver = self._resolver
         try:
-            if resolver is None or self._state != "started":
+            if resolver is None or self._state is not _State.STARTED:
                 raise RuntimeError("closed")
             resolver.submit(self._resolve_and_dispatch, segment, batch, indices)
         except RuntimeError:
             _fail(batch, indices, ClosedError("engine closed"))
 
     def _resolve_and_dispatch(self, segment: str, batch: TransferBatch, indices: list[int]) -> None:
-        if self._state != "started":
+        if self._state is not _State.STARTED:
             _fail(batch, indices, ClosedError("engine closed"))
             return
         try:
@@ -507,14 +549,28 @@ class TransferEngine(Lifecycle):
             return self._staging
 
     def _require_open(self) -> None:
-        if self._state == "closed":
-            raise ClosedError("engine is closed")
+        if self._state is _State.CLOSED:
+            raise self._closed_error()
 
     def _require_started(self) -> None:
-        if self._state != "started":
-            raise ClosedError(
-                "engine is closed" if self._state == "closed" else "engine not started"
-            )
+        """Return once started; a start() in progress is waited for, up to connect_timeout
+        (every step of starting is bounded by it). Raises ClosedError otherwise."""
+        with self._changed:
+            if self._state is _State.STARTING:
+                self._changed.wait_for(
+                    lambda: self._state is not _State.STARTING, self.config.connect_timeout
+                )
+            state = self._state
+        if state is _State.STARTED:
+            return
+        if state is _State.CLOSED:
+            raise self._closed_error()
+        raise ClosedError("engine not started" if state is _State.NEW else "engine still starting")
+
+    def _closed_error(self) -> ClosedError:
+        if not self._start_error:
+            return ClosedError("engine is closed")
+        return ClosedError(f"engine is closed: start failed: {self._start_error}")
 
 
 def _metadata_backend(config: TransferConfig) -> MetadataBackend:

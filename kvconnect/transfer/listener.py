@@ -3,8 +3,13 @@
 One TCP socket (the configured interface only) and, for same-host peers, one abstract Unix socket
 (which can also hand over shared-memory fds). One thread per connection; each request frame is
 validated against the registry before a byte moves, and a malformed frame closes only its own
-connection. Every blocking call has a timeout: ``idle_timeout`` between frames, ``io_timeout``
-within one.
+connection. Every blocking call has a timeout: ``connect_timeout`` for the whole handshake,
+``idle_timeout`` between frames, ``io_timeout`` for a frame's header, entries and control
+message together, and for each stall of its payload.
+
+Connections still in their handshake are counted apart (at most ``max_handshakes``; one more
+drops the oldest of them), so unauthenticated clients can take neither the
+``max_connections`` slots of authenticated peers nor their turn to authenticate.
 """
 
 from __future__ import annotations
@@ -55,7 +60,9 @@ class Listener:
         self.latency = LatencyHistogram()
         self._lock = threading.Lock()
         self._servers: list[socket.socket] = []
-        self._connections: set[socket.socket] = set()
+        self._connections: set[socket.socket] = set()  # every open one, for close()
+        self._handshaking: dict[socket.socket, None] = {}  # oldest first
+        self._authenticated = 0
         self._threads: set[threading.Thread] = set()
         self._closed = False
         self.endpoints: dict[str, str] = {}
@@ -126,29 +133,66 @@ class Listener:
                 conn, _addr = server.accept()
             except OSError:
                 return  # closed
+            dropped = 0
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
-                full = len(self._connections) >= self._config.max_connections
+                full = self._authenticated >= self._config.max_connections
                 if not full:
                     self._connections.add(conn)
+                    self._handshaking[conn] = None
+                    dropped = self._drop_oldest_handshake_locked()
             if full:  # a flood of connections must not become a flood of threads
                 self.counters.add(refused=1)
                 log.warning("refused a connection: %d already open", self._config.max_connections)
                 conn.close()
                 continue
-            self.counters.add(connections=1)
+            self.counters.add(connections=1, handshakes_dropped=dropped)
             self._spawn(self._serve, conn, name="kvconnect-serve")
 
+    def _drop_oldest_handshake_locked(self) -> int:
+        """Over ``max_handshakes``, cut the connection longest in its handshake (a real peer's
+        takes a round trip, so the oldest is the slowest); its thread then ends and closes it.
+
+        Shut down under the lock: the thread closes the socket only after leaving
+        ``_connections`` under it, so the descriptor cannot have been reused.
+        """
+        if len(self._handshaking) <= self._config.max_handshakes:
+            return 0
+        oldest = next(iter(self._handshaking))
+        del self._handshaking[oldest]
+        wire.shutdown_quietly(oldest)
+        return 1
+
+    def _admit(self, conn: socket.socket) -> bool:
+        """``conn`` finished its handshake: take an authenticated slot, if one is free and the
+        connection was not dropped meanwhile."""
+        with self._lock:
+            if conn not in self._handshaking:
+                return False  # dropped for a newer handshake (and already shut down)
+            del self._handshaking[conn]
+            if self._authenticated >= self._config.max_connections:
+                self.counters.add(refused=1)
+                return False
+            self._authenticated += 1
+            return True
+
     def _serve(self, conn: socket.socket) -> None:
+        admitted = False
         try:
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            wire.server_handshake(
-                conn, self._config.token, self._engine_id, self._config.connect_timeout
-            )
-            _Session(self, conn).run()
+            deadline = wire.deadline_after(self._config.connect_timeout)
+            try:
+                wire.server_handshake(conn, self._config.token, self._engine_id, deadline)
+            except TimeoutError:
+                self.counters.add(handshake_timeouts=1)
+                log.debug("closed a connection that did not finish its handshake in time")
+                return
+            admitted = self._admit(conn)
+            if admitted:
+                _Session(self, conn).run()
         except AuthenticationError as exc:
             self.counters.add(auth_failures=1)
             log.warning("refused a peer connection: %s", exc)
@@ -163,6 +207,8 @@ class Listener:
         finally:
             with self._lock:
                 self._connections.discard(conn)
+                self._handshaking.pop(conn, None)
+                self._authenticated -= admitted
             conn.close()
 
 
@@ -174,12 +220,15 @@ class _Session:
         self.conn = conn
         self.config = listener._config
         self.datapath = listener._datapath
+        self.deadline = 0.0  # by which the current frame's entries or control message are in
 
     def run(self) -> None:
         header = bytearray(wire.HEADER.size)
         while True:
-            if not _recv_header(self.conn, header, self.config):
+            deadline = _recv_header(self.conn, header, self.config)
+            if deadline is None:
                 return
+            self.deadline = deadline
             kind, _status, count, aux, frame_id = wire.HEADER.unpack(header)
             if kind in (FrameKind.READ, FrameKind.WRITE):
                 start = time.perf_counter()
@@ -191,10 +240,17 @@ class _Session:
                 raise ProtocolError(f"unknown frame kind {kind}")
             self.listener.counters.add(frames=1)
 
+    def _recv_bounded(self, size: int) -> bytes:
+        """``size`` bytes of the current frame's metadata, by its deadline; then the socket is
+        back at ``io_timeout`` (what the payload and the response get)."""
+        data = wire.recv_exact(self.conn, size, self.deadline)
+        self.conn.settimeout(self.config.io_timeout)
+        return data
+
     def _data_frame(self, kind: FrameKind, count: int, frame_id: int) -> None:
         if not 0 < count <= wire.MAX_ENTRIES:
             raise ProtocolError(f"frame with {count} entries")
-        flat = wire.unpack_entries(wire.recv_exact(self.conn, wire.ENTRY.size * count), count)
+        flat = wire.unpack_entries(self._recv_bounded(wire.ENTRY.size * count), count)
         lengths = flat[2::3]
         total = sum(lengths)
         if total > self.config.max_frame_bytes:
@@ -271,7 +327,7 @@ class _Session:
     def _control(self, size: int, frame_id: int) -> None:
         if size > wire.MAX_CONTROL_BYTES:
             raise ProtocolError(f"control message of {size} bytes")
-        request = wire.decode_request(wire.recv_exact(self.conn, size))
+        request = wire.decode_request(self._recv_bounded(size))
         fds: list[int] = []
         held: MemoryRegion | None = None
         if isinstance(request, wire.GetSegment):
@@ -313,23 +369,23 @@ class _Session:
         return wire.RegionFdReply(region_id, region.length), region
 
 
-def _recv_header(conn: socket.socket, header: bytearray, config: TransferConfig) -> bool:
-    """Read one frame header; False on a clean close or an idle timeout between frames.
+def _recv_header(conn: socket.socket, header: bytearray, config: TransferConfig) -> float | None:
+    """Read one frame header; None on a clean close or an idle timeout between frames.
 
-    Leaves the socket's timeout at ``io_timeout`` for the rest of the frame.
+    Returns the frame's deadline: its header, entries and control message must all arrive
+    within ``io_timeout`` of its first byte. Leaves the socket's timeout at ``io_timeout``
+    (the payload's stall timeout).
     """
     conn.settimeout(config.idle_timeout)
     view = memoryview(header)
     try:
         got = conn.recv_into(view)
     except TimeoutError:
-        return False
+        return None
     if got == 0:
-        return False
+        return None
+    deadline = wire.deadline_after(config.io_timeout)
+    if got < len(header):
+        view[got:] = wire.recv_exact(conn, len(header) - got, deadline)
     conn.settimeout(config.io_timeout)
-    while got < len(header):
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionResetError("peer closed mid-header")
-        got += n
-    return True
+    return deadline

@@ -73,6 +73,7 @@ class LocalTransport:
             return
         pinned = pin_slices(group)
         held: list[MemoryRegion] = []
+        copied: list[Slice] = []
         try:
             work = []
             for piece in pinned:
@@ -94,11 +95,10 @@ class LocalTransport:
                     else None
                 )
                 work.append((piece, view, region.address + start))
-            self._copier.copy(op, work)
+            copied = self._copier.copy(op, work)
         finally:
             registry.release_many(held)
             unpin_slices(pinned)
-        copied = [piece for piece, _view, _address in work]
         complete_slices(copied)
         key = "bytes_read" if op is TransferOp.READ else "bytes_written"
         self._counters.add(ops=len(copied), **{key: sum(p.length for p in copied)})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import fcntl
 import math
 import mmap
 import os
@@ -46,6 +47,7 @@ SHM_HEADER: Final = mmap.PAGESIZE
 SHM_MAGIC: Final = b"KVCSHM01"
 _SHM_HEADER_FMT: Final = struct.Struct("<8sQQQ")
 _HUGE_PAGE: Final = 2 << 20  # magic, region id, length, state (1 = live)
+_F_SEAL_FUTURE_WRITE: Final = 0x0010  # Linux >= 5.1; not in the fcntl module
 
 
 def read_shm_header(buf: memoryview | mmap.mmap) -> tuple[bytes, int, int, int]:
@@ -159,19 +161,25 @@ class MemoryRegistry:
             self._users[region.id] = 0
         return region
 
-    def allocate(self, nbytes: int, *, hugepages: bool = False) -> MemoryRegion:
-        """Allocate pre-faulted shared memory (memfd) of ``nbytes`` and register it."""
+    def allocate(
+        self, nbytes: int, *, hugepages: bool = False, writable: bool = True
+    ) -> MemoryRegion:
+        """Allocate pre-faulted shared memory (memfd) of ``nbytes`` and register it.
+
+        Its fd (what peers are given) can never shrink or grow the memory; for a read-only
+        region it is a read-only fd and the memory is sealed against new writable mappings.
+        """
         if nbytes <= 0:
             raise InvalidRequest(f"allocate: nbytes must be > 0, got {nbytes}")
         region_id = self._take_id()
-        shared = _allocate_shared(region_id, nbytes, hugepages)
+        shared = _allocate_shared(region_id, nbytes, hugepages, writable)
         view = memoryview(shared.mapping)[SHM_HEADER : SHM_HEADER + nbytes]
         region = MemoryRegion(
             region_id=region_id,
             kind=MemoryKind.HOST,
             address=host_address(view),
             length=nbytes,
-            writable=True,
+            writable=writable,
             view=view,
             shared=shared,
         )
@@ -333,9 +341,9 @@ def _withdraw(region: MemoryRegion) -> None:
     shared.close_fd()
 
 
-def _allocate_shared(region_id: int, nbytes: int, hugepages: bool) -> _SharedMemory:
+def _allocate_shared(region_id: int, nbytes: int, hugepages: bool, writable: bool) -> _SharedMemory:
     size = SHM_HEADER + nbytes
-    flags = os.MFD_CLOEXEC
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
     if hugepages:
         # The header page becomes a huge page too; round up so the mapping is whole pages.
         size = -(-size // _HUGE_PAGE) * _HUGE_PAGE
@@ -356,7 +364,29 @@ def _allocate_shared(region_id: int, nbytes: int, hugepages: bool) -> _SharedMem
             f"cannot allocate {nbytes} bytes of shared memory: {exc}{hint}"
         ) from exc
     _SHM_HEADER_FMT.pack_into(mapping, 0, SHM_MAGIC, region_id, nbytes, 1)
+    try:
+        fd = _seal(fd, writable)
+    except OSError as exc:
+        mapping.close()
+        os.close(fd)
+        raise RegistrationError(f"cannot seal shared memory: {exc}") from exc
     return _SharedMemory(fd=fd, mapping=mapping)
+
+
+def _seal(fd: int, writable: bool) -> int:
+    """Seal the memfd so whoever holds an fd of it cannot resize it (a shrink would crash this
+    process on its next access) and, unless ``writable``, cannot map or write it afresh (this
+    process's mapping stays writable); return the fd to keep and hand out: read-only for a
+    read-only region, and ``fd`` itself is then closed."""
+    seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    if not writable:
+        seals |= _F_SEAL_FUTURE_WRITE
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | fcntl.F_SEAL_SEAL)
+    if writable:
+        return fd
+    readonly = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    os.close(fd)
+    return readonly
 
 
 def _describe(buffer: object, region_id: int, writable: bool | None) -> MemoryRegion:

@@ -62,9 +62,10 @@ class P2PMetadata:
         """Closing the listener withdraws the segment."""
 
     def lookup(self, name: str, timeout: float) -> SegmentDescriptor:
+        deadline = wire.deadline_after(timeout)  # bounds the connect, handshake and call
         sock, _engine_id = wire.open_connection(name, self._token, timeout)
         try:
-            reply, _fds = wire.control_call(sock, wire.GetSegment())
+            reply, _fds = wire.control_call(sock, wire.GetSegment(), deadline)
         finally:
             sock.close()
         if not isinstance(reply, wire.SegmentReply):

@@ -387,15 +387,16 @@ class RdmaTransport:
         request = wire.RdmaConnect(
             wire.RDMA_VERSION, self._engine_id, paths, list(regions), release
         )
-        timeout = min(self.config.connect_timeout, _RELEASE_TIMEOUT) if release else None
-        sock, engine_id = wire.open_connection(
-            endpoint, self.config.token, timeout or self.config.connect_timeout
-        )
+        timeout = self.config.connect_timeout
+        if release:
+            timeout = min(timeout, _RELEASE_TIMEOUT)
+        deadline = wire.deadline_after(timeout)  # one bound for connect, handshake and reply
+        sock, engine_id = wire.open_connection(endpoint, self.config.token, timeout)
         try:
             if engine_id.hex() != peer.engine_id:
                 raise PeerUnreachable(f"segment {peer.name} restarted")
             try:
-                reply, _fds = wire.control_call(sock, request)
+                reply, _fds = wire.control_call(sock, request, deadline)
             except OSError as exc:
                 raise PeerUnreachable(f"RDMA connect to {peer.name} failed: {exc}") from exc
         finally:

@@ -33,7 +33,8 @@ from kvconnect.transfer.transport import Capabilities, TransferOp
 
 _WATCH_INTERVAL = 1.0  # seconds between liveness checks of idle same-host peers
 _POPULATE_CHUNK = 256 << 20
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_MADV_POPULATE_READ = 22  # Linux >= 5.14
+_MADV_POPULATE_WRITE = 23
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -41,8 +42,9 @@ def _populate_chunk(mapped: _Mapping) -> None:
     """Fault in the page tables of the next chunk (the kernel does it; the GIL is released)."""
     length = min(_POPULATE_CHUNK, mapped.length - mapped.populated)
     start = mapped.address + mapped.populated
+    advice = _MADV_POPULATE_WRITE if mapped.writable else _MADV_POPULATE_READ
     # Failure (an old kernel, or the mapping just went away) only costs speed: give up on it.
-    if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE):
+    if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice):
         mapped.populated = mapped.length
     else:
         mapped.populated += length
@@ -192,13 +194,13 @@ class ShmTransport:
                 continue
             start = piece.remote_offset
             work.append((piece, mapped.data[start : start + piece.length], 0))
-        self._copier.copy(op, work)
+        whole = self._copier.copy(op, work)
         # The owner may have unregistered a region or died during the copies: then the bytes
         # are not trustworthy (READ) or not kept (WRITE).
         state.check_alive()
         withdrawn = {region for region, mapped in maps.items() if not mapped.live(region)}
         copied = []
-        for piece, _view, _address in work:
+        for piece in whole:
             if piece.remote_region in withdrawn:
                 self._fail([piece], AccessDenied(f"region {piece.remote_region} was withdrawn"))
             else:
@@ -313,9 +315,10 @@ class _ShmPeer:
         info = self.peer.region(region_id)
         if info is None:
             raise AccessDenied(f"region {region_id}: UNKNOWN_REGION")
+        deadline = wire.deadline_after(self._config.connect_timeout)
         sock = self._sock or self._connect()
         try:
-            reply, fds = wire.control_call(sock, wire.GetRegionFd(region_id))
+            reply, fds = wire.control_call(sock, wire.GetRegionFd(region_id), deadline)
         except OSError as exc:
             sock.close()
             self._sock = None
@@ -328,7 +331,9 @@ class _ShmPeer:
             size = os.fstat(fds[0]).st_size  # whole pages: huge-page regions are rounded up
             if size < SHM_HEADER + reply.length:
                 raise BrokenError(f"segment {self.peer.name}: region {region_id} fd is too short")
-            mapping = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED)
+            # A read-only region comes as a read-only fd: map it so.
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if info.writable else 0)
+            mapping = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED, prot=prot)
         finally:
             for fd in fds:
                 os.close(fd)

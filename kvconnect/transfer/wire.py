@@ -7,7 +7,9 @@ Every connection to a listener starts with::
     [token] client -> HMAC(token, "client" | server nonce | client nonce)
             server -> status byte (0 ok) + HMAC(token, "server" | client nonce | server nonce)
 
-so both sides prove the token without sending it. Then frames follow, each a 16-byte header
+so both sides prove the token without sending it. One deadline bounds the whole exchange on
+each side (``connect_timeout``), not each read: a peer that drips bytes cannot stretch it. Then
+frames follow, each a 16-byte header
 (kind, status, entry count, aux, frame id). READ/WRITE frames carry ``count`` entries of
 (region id, offset, length) and, for WRITE, the payload; responses come back in order, a READ
 response followed by its payload. CONTROL frames carry a msgpack message of ``aux`` bytes.
@@ -23,6 +25,7 @@ import hmac
 import os
 import socket
 import struct
+import time
 from typing import Final
 
 import msgspec
@@ -193,12 +196,32 @@ def decode_reply(data: bytes) -> ControlReply:
 # ------------------------------------------------------------------------------ byte helpers
 
 
-def recv_exact(sock: socket.socket, size: int) -> bytes:
-    """Read exactly ``size`` bytes (the socket's timeout applies per call)."""
+def deadline_after(timeout: float) -> float:
+    """The ``time.monotonic()`` instant ``timeout`` seconds from now."""
+    return time.monotonic() + timeout
+
+
+def until(sock: socket.socket, deadline: float) -> None:
+    """Let the next blocking call on ``sock`` run until ``deadline`` at most.
+
+    Raises TimeoutError once it has passed. ``sendall`` honours this as a total bound (the
+    timeout is not reset by progress); reads must call it before each ``recv``.
+    """
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("deadline passed")
+    sock.settimeout(remaining)
+
+
+def recv_exact(sock: socket.socket, size: int, deadline: float | None = None) -> bytes:
+    """Read exactly ``size`` bytes, all of them by ``deadline`` (a ``time.monotonic()``
+    instant; TimeoutError after it). Without one, the socket's timeout applies per call."""
     buf = bytearray(size)
     view = memoryview(buf)
     got = 0
     while got < size:
+        if deadline is not None:
+            until(sock, deadline)
         n = sock.recv_into(view[got:])
         if n == 0:
             raise ConnectionResetError("peer closed the connection")
@@ -213,13 +236,14 @@ def _mac(token: str, label: bytes, first: bytes, second: bytes) -> bytes:
     return hmac.new(token.encode(), label + first + second, hashlib.sha256).digest()
 
 
-def client_handshake(sock: socket.socket, token: str | None, timeout: float) -> bytes:
-    """Run the client side of the handshake; returns the server's 16-byte engine id."""
-    sock.settimeout(timeout)
+def client_handshake(sock: socket.socket, token: str | None, deadline: float) -> bytes:
+    """Run the client side of the handshake, all of it by ``deadline`` (``time.monotonic()``;
+    TimeoutError after it); returns the server's 16-byte engine id."""
     nonce = os.urandom(NONCE_LEN)
+    until(sock, deadline)
     sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, FLAG_TOKEN if token else 0, nonce))
     magic, version, flags, server_nonce, engine_id = SERVER_HELLO.unpack(
-        recv_exact(sock, SERVER_HELLO.size)
+        recv_exact(sock, SERVER_HELLO.size, deadline)
     )
     if magic != MAGIC:
         raise ProtocolError("peer is not a kvconnect listener")
@@ -231,32 +255,35 @@ def client_handshake(sock: socket.socket, token: str | None, timeout: float) -> 
     if token and not wants_token:
         raise AuthenticationError("a cluster token is configured but the peer does not use one")
     if token:
+        until(sock, deadline)
         sock.sendall(_mac(token, b"client", server_nonce, nonce))
-        reply = recv_exact(sock, 1)
+        reply = recv_exact(sock, 1, deadline)
         if reply != b"\x00":
             raise AuthenticationError("peer rejected our cluster token")
-        proof = recv_exact(sock, MAC_LEN)
+        proof = recv_exact(sock, MAC_LEN, deadline)
         if not hmac.compare_digest(proof, _mac(token, b"server", nonce, server_nonce)):
             raise AuthenticationError("peer failed to prove the cluster token")
     return bytes(engine_id)
 
 
 def server_handshake(
-    sock: socket.socket, token: str | None, engine_id: bytes, timeout: float
+    sock: socket.socket, token: str | None, engine_id: bytes, deadline: float
 ) -> None:
-    """Run the server side; raises ProtocolError/AuthenticationError (caller closes)."""
-    sock.settimeout(timeout)
-    magic, version, _flags, client_nonce = HELLO.unpack(recv_exact(sock, HELLO.size))
+    """Run the server side, all of it by ``deadline`` (``time.monotonic()``; TimeoutError
+    after it); raises ProtocolError/AuthenticationError (caller closes)."""
+    magic, version, _flags, client_nonce = HELLO.unpack(recv_exact(sock, HELLO.size, deadline))
     if magic != MAGIC:
         raise ProtocolError("not a kvconnect client")
     nonce = os.urandom(NONCE_LEN)
+    until(sock, deadline)
     sock.sendall(
         SERVER_HELLO.pack(MAGIC, PROTOCOL_VERSION, FLAG_TOKEN if token else 0, nonce, engine_id)
     )
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"client speaks protocol {version}, this engine {PROTOCOL_VERSION}")
     if token:
-        proof = recv_exact(sock, MAC_LEN)
+        proof = recv_exact(sock, MAC_LEN, deadline)
+        until(sock, deadline)
         if not hmac.compare_digest(proof, _mac(token, b"client", nonce, client_nonce)):
             sock.sendall(b"\x01")
             raise AuthenticationError("client failed to prove the cluster token")
@@ -283,11 +310,14 @@ def parse_tcp_endpoint(endpoint: str) -> tuple[str, int]:
 def open_connection(
     endpoint: str, token: str | None, timeout: float
 ) -> tuple[socket.socket, bytes]:
-    """Connect to a listener endpoint (``host:port`` or ``@abstract-unix-name``) and handshake.
+    """Connect to a listener endpoint (``host:port`` or ``@abstract-unix-name``) and handshake,
+    both within ``timeout`` seconds in all.
 
     Returns the socket (timeout set to ``timeout``) and the server's engine id. Raises
-    PeerUnreachable when nothing answers, ProtocolError/AuthenticationError on a bad handshake.
+    PeerUnreachable when nothing answers in time, ProtocolError/AuthenticationError on a bad
+    handshake.
     """
+    deadline = deadline_after(timeout)
     try:
         if endpoint.startswith("@"):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -300,9 +330,10 @@ def open_connection(
         raise PeerUnreachable(f"cannot connect to {endpoint}: {exc}") from exc
     try:
         if sock.family == socket.AF_UNIX:
-            sock.settimeout(timeout)
+            until(sock, deadline)
             sock.connect(address)
-        engine_id = client_handshake(sock, token, timeout)
+        engine_id = client_handshake(sock, token, deadline)
+        sock.settimeout(timeout)
     except OSError as exc:
         sock.close()
         raise PeerUnreachable(f"handshake with {endpoint} failed: {exc}") from exc
@@ -313,24 +344,27 @@ def open_connection(
 
 
 def control_call(
-    sock: socket.socket, request: ControlRequest, frame_id: int = 0
+    sock: socket.socket, request: ControlRequest, deadline: float, frame_id: int = 0
 ) -> tuple[ControlReply, list[int]]:
-    """Send one control request on a handshaken connection; returns the reply and passed fds."""
+    """Send one control request on a handshaken connection and read the reply, all by
+    ``deadline`` (``time.monotonic()``; TimeoutError after); returns the reply and passed fds."""
     payload = encode_control(request)
+    until(sock, deadline)
     sock.sendall(HEADER.pack(FrameKind.CONTROL, 0, 0, len(payload), frame_id) + payload)
     fds: list[int] = []
     try:
         if sock.family == socket.AF_UNIX:
+            until(sock, deadline)
             data, fds, _flags, _addr = socket.recv_fds(sock, HEADER.size, 4)
             if not data:
                 raise ConnectionResetError("peer closed the connection")
-            header = data + recv_exact(sock, HEADER.size - len(data))
+            header = data + recv_exact(sock, HEADER.size - len(data), deadline)
         else:
-            header = recv_exact(sock, HEADER.size)
+            header = recv_exact(sock, HEADER.size, deadline)
         kind, _status, _count, size, _frame = HEADER.unpack(header)
         if kind != FrameKind.RESPONSE or size > MAX_CONTROL_BYTES:
             raise ProtocolError("malformed control response")
-        return decode_reply(recv_exact(sock, size)), fds
+        return decode_reply(recv_exact(sock, size, deadline)), fds
     except BaseException:
         for fd in fds:  # received descriptors are ours to close until returned
             os.close(fd)

@@ -37,7 +37,12 @@ def _batch(
     sizes = [10 * n for n in slices] or [10] * count
     requests = [TransferRequest(REGION, 0, "peer", 1, 0, n) for n in sizes]
     batch = TransferBatch(
-        TransferOp.READ, requests, time.monotonic() + deadline, 10, lambda: settled.append(True)
+        TransferOp.READ,
+        requests,
+        time.monotonic() + deadline,
+        10,
+        lambda: settled.append(True),
+        settle_grace=1.0,
     )
     return batch, settled
 
@@ -141,7 +146,12 @@ def test_slices_cover_requests_and_frames_respect_limits(
 ) -> None:
     requests = [TransferRequest(REGION, 7, "peer", 1, 11, n) for n in lengths]
     batch = TransferBatch(
-        TransferOp.WRITE, requests, time.monotonic() + 60, slice_bytes, lambda: None
+        TransferOp.WRITE,
+        requests,
+        time.monotonic() + 60,
+        slice_bytes,
+        lambda: None,
+        settle_grace=1.0,
     )
     slices = []
     for index, request in enumerate(requests):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -29,6 +31,8 @@ from kvconnect.transfer import (
     TransferStatus,
     wire,
 )
+from kvconnect.transfer.batch import TransferBatch
+from kvconnect.transfer.memory import MemoryRegion
 from tests.conftest import kvconnect_threads, wait_no_kvconnect_threads
 
 MiB = 1 << 20
@@ -209,9 +213,9 @@ def test_listener_answers_control_calls_over_tcp_but_refuses_fds(engine: Transfe
     sock, engine_id = wire.open_connection(engine.name, None, 5)
     with sock:
         assert engine_id.hex() == engine.segment.engine_id
-        reply, fds = wire.control_call(sock, wire.GetSegment())
+        reply, fds = wire.control_call(sock, wire.GetSegment(), wire.deadline_after(5))
         assert isinstance(reply, wire.SegmentReply)
-        reply, fds = wire.control_call(sock, wire.GetRegionFd(region.id))
+        reply, fds = wire.control_call(sock, wire.GetRegionFd(region.id), wire.deadline_after(5))
         assert isinstance(reply, wire.ErrorReply)
         assert fds == []
 
@@ -275,3 +279,96 @@ def test_fence_in_process_waits_for_nothing_and_refuses_twice() -> None:
             owner.fence(region)
         reader.read(local, 0, owner.name, fresh.id, 0, MiB)
         assert local.view == pattern(6, MiB).data
+
+
+class _HeldStart:
+    """Hold every engine's start() in the middle (after the listener, before routing and
+    the resolver exist) until released; ``fail`` makes the held start raise."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: bool = False) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        original = TransferEngine._start_rdma
+
+        def held(engine: TransferEngine) -> None:
+            self.entered.set()
+            assert self.release.wait(30)
+            if fail:
+                raise OSError("the test failed this start")
+            original(engine)
+
+        monkeypatch.setattr(TransferEngine, "_start_rdma", held)
+
+
+def test_calls_racing_start_wait_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    with TransferEngine() as owner, ThreadPoolExecutor(4) as pool:
+        remote = owner.allocate(MiB)
+        remote.view[:] = pattern(3, MiB).data
+        held = _HeldStart(monkeypatch)
+        engine = TransferEngine()
+        local = engine.register(np.zeros(MiB, dtype=np.uint8))
+        request = TransferRequest(local, 0, owner.name, remote.id, 0, MiB)
+        starting = pool.submit(engine.start)
+        assert held.entered.wait(30)
+        second_start = pool.submit(engine.start)
+        submitted = pool.submit(lambda: engine.submit(TransferOp.READ, [request]))
+        registered = pool.submit(lambda: engine.register(bytearray(4096)))
+        region = registered.result(timeout=30)  # registering never needs the engine started
+        assert not submitted.done()
+        assert not second_start.done()
+        held.release.set()
+        try:
+            batch = submitted.result(timeout=30)
+            assert isinstance(batch, TransferBatch)
+            assert batch.wait() == (TransferStatus.COMPLETED,), batch.errors
+            assert local.view == remote.view
+            starting.result(timeout=30)
+            second_start.result(timeout=30)
+            assert isinstance(region, MemoryRegion)
+            assert region.id in [r.id for r in engine.segment.regions]
+        finally:
+            engine.close()
+
+
+def test_a_start_that_fails_closes_the_engine_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = set(kvconnect_threads())
+    held = _HeldStart(monkeypatch, fail=True)
+    engine = TransferEngine()
+    local = engine.register(np.zeros(16, dtype=np.uint8))
+    request = TransferRequest(local, 0, "127.0.0.1:1", 1, 0, 16)
+    with ThreadPoolExecutor(2) as pool:
+        starting = pool.submit(engine.start)
+        assert held.entered.wait(30)
+        submitted = pool.submit(lambda: engine.submit(TransferOp.READ, [request]))
+        held.release.set()
+        with pytest.raises(OSError, match="the test failed this start"):
+            starting.result(timeout=30)
+        with pytest.raises(ClosedError, match="start failed: OSError: the test failed"):
+            submitted.result(timeout=30)
+    with pytest.raises(ClosedError, match="start failed"):
+        engine.start()
+    with pytest.raises(ClosedError, match="start failed"):
+        engine.register(bytearray(16))
+    engine.close()  # idempotent after a failed start
+    assert set(wait_no_kvconnect_threads()) <= before
+    with pytest.raises(RegistrationError):
+        engine.unregister(local)  # the failed start released the memory registered before
+
+
+def test_a_submit_during_a_start_that_takes_too_long_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    held = _HeldStart(monkeypatch)
+    engine = TransferEngine(TransferConfig(connect_timeout=0.2))
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(engine.start)
+        assert held.entered.wait(30)
+        try:
+            with pytest.raises(ClosedError, match="still starting"):
+                engine.submit(TransferOp.READ, [])
+        finally:
+            held.release.set()
+            starting.result(timeout=30)
+            engine.close()

@@ -30,7 +30,7 @@ def _pair(
 
     def serve() -> None:
         try:
-            wire.server_handshake(right, server_token, ENGINE_ID, 5)
+            wire.server_handshake(right, server_token, ENGINE_ID, wire.deadline_after(5))
         except BaseException as exc:
             server_errors.append(exc)
         finally:
@@ -41,7 +41,7 @@ def _pair(
 
     def client() -> bytes:
         try:
-            return wire.client_handshake(left, client_token, 5)
+            return wire.client_handshake(left, client_token, wire.deadline_after(5))
         finally:
             left.close()
             thread.join()
@@ -89,7 +89,7 @@ def test_server_proof_is_checked_by_the_client() -> None:
     thread = threading.Thread(target=impostor)
     thread.start()
     with pytest.raises(AuthenticationError, match="failed to prove"):
-        wire.client_handshake(left, "t0ken", 5)
+        wire.client_handshake(left, "t0ken", wire.deadline_after(5))
     thread.join()
     left.close()
     right.close()
@@ -99,7 +99,7 @@ def test_version_mismatch_is_a_protocol_error() -> None:
     left, right = socket.socketpair()
     right.sendall(wire.SERVER_HELLO.pack(wire.MAGIC, 99, 0, b"n" * 16, ENGINE_ID))
     with pytest.raises(ProtocolError, match="protocol 99"):
-        wire.client_handshake(left, None, 5)
+        wire.client_handshake(left, None, wire.deadline_after(5))
     left.close()
     right.close()
 
@@ -108,7 +108,7 @@ def test_not_a_listener_is_a_protocol_error() -> None:
     left, right = socket.socketpair()
     right.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" + b"x" * 64)
     with pytest.raises(ProtocolError, match="not a kvconnect listener"):
-        wire.client_handshake(left, None, 5)
+        wire.client_handshake(left, None, wire.deadline_after(5))
     left.close()
     right.close()
 
