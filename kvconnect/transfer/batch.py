@@ -129,6 +129,9 @@ class TransferBatch:
         self._aborts: dict[int, list[Callable[[], None]]] = {}
         self._settled = [False] * count
         self._unsettled = count
+        # Settled, and the engine let go of the local regions (``on_settled`` ran): only then
+        # does the caller see the batch done, so an unregister right after never finds it busy.
+        self._released = count == 0
         self._callbacks: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------------- caller side
@@ -145,7 +148,7 @@ class TransferBatch:
         while True:
             with self._cond:
                 now = time.monotonic()
-                if self._unsettled == 0 or (end is not None and now >= end):
+                if self._released or (end is not None and now >= end):
                     return self._visible_locked()
                 pending = TransferStatus.PENDING in self._status
                 if not pending and now >= self.deadline + self.settle_grace:
@@ -159,16 +162,16 @@ class TransferBatch:
             self._expire(now)
 
     def done(self) -> bool:
-        """Whether every request has settled."""
+        """Whether every request has settled (and the batch let go of its regions)."""
         with self._cond:
-            return self._unsettled == 0
+            return self._released
 
     def add_settled_callback(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once every request has settled: at once (on this thread) if they
         have, else on the thread that settles the last one. For memory that :meth:`wait`
         returned as PENDING: the caller must not reuse it before this runs."""
         with self._cond:
-            if self._unsettled:
+            if not self._released:
                 self._callbacks.append(callback)
                 return
         callback()
@@ -310,7 +313,9 @@ class TransferBatch:
     def _run_settled(self) -> None:
         self._on_settled()
         with self._cond:
+            self._released = True
             callbacks, self._callbacks = self._callbacks, []
+            self._cond.notify_all()
         for callback in callbacks:
             try:
                 callback()

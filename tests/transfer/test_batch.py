@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -235,3 +236,31 @@ def test_a_final_but_pinned_request_is_reported_pending() -> None:
     assert batch.statuses == (TransferStatus.PENDING,)
     unpin_slices([piece])
     assert batch.wait(0) == (TransferStatus.FAILED,)
+
+
+def test_a_batch_is_done_only_once_the_engine_let_go_of_its_regions() -> None:
+    # The transport thread settles the last request, then the engine releases the regions
+    # (on_settled). A caller woken in between and unregistering at once would find them busy.
+    releasing, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def on_settled() -> None:
+        releasing.set()
+        release.wait(10)
+        order.append("released")
+
+    requests = [TransferRequest(REGION, 0, "peer", 1, 0, 10)]
+    batch = TransferBatch(
+        TransferOp.READ, requests, time.monotonic() + 60, 10, on_settled, settle_grace=1.0
+    )
+    finisher = threading.Thread(target=make_slices(batch, 0, requests[0], 10)[0].done)
+    finisher.start()
+    assert releasing.wait(10)
+    assert batch.wait(0.2) == (TransferStatus.COMPLETED,)  # final, but not released yet
+    assert not batch.done()
+    batch.add_settled_callback(lambda: order.append("callback"))
+    assert order == []
+    release.set()
+    finisher.join(10)
+    assert batch.done()
+    assert order == ["released", "callback"]
