@@ -208,18 +208,20 @@ def test_an_unexpected_error_is_a_miss_and_sglang_threads_live_on(cluster: Clust
 class _HeldCopies:
     """Holds the transport threads' copies that touch chosen host memory until ``let_go``
     (past the deadline and the settle grace: the request stays unsettled), then performs them
-    — the late write (read) or read (write) SGLang must be protected from. Same-host store
-    servers: the backend moves pages with shared-memory copies."""
+    — the late write (read) or read (write) SGLang must be protected from. The hold is inside a
+    copy chunk, after the copier checked the request was still pending: a thread stuck in its
+    memcpy, which no deadline can interrupt. Same-host store servers: the backend moves pages
+    with shared-memory copies."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.ranges: list[tuple[int, int]] = []
         self.blocked = threading.Event()
         self.let_go = threading.Event()
-        original = Copier.copy
+        original = Copier._copy_chunk
 
-        def copy(copier: Copier, op: TransferOp, work: Sequence[Any]) -> None:
-            held = [item for item in work if self._touches(item[0])]
-            rest = [item for item in work if not self._touches(item[0])]
+        def copy_chunk(copier: Copier, op: TransferOp, chunk: Sequence[Any]) -> None:
+            held = [piece for piece in chunk if self._touches(piece.slice)]
+            rest = [piece for piece in chunk if not self._touches(piece.slice)]
             if rest:
                 original(copier, op, rest)
             if held:
@@ -227,7 +229,7 @@ class _HeldCopies:
                 self.let_go.wait()
                 original(copier, op, held)
 
-        monkeypatch.setattr(Copier, "copy", copy)
+        monkeypatch.setattr(Copier, "_copy_chunk", copy_chunk)
 
     def hold_pages(self, pool: Any, slots: torch.Tensor) -> None:
         """Hold every copy into or out of the pages at ``slots``."""

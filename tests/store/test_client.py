@@ -21,6 +21,7 @@ from kvconnect.store.messages import Code
 from kvconnect.store.resilience import BreakerState
 from kvconnect.testing.cluster import Cluster, Process
 from kvconnect.testing.peer import pattern
+from kvconnect.transfer.batch import Slice
 from kvconnect.transfer.copying import Copier
 from kvconnect.transfer.memory import MemoryRegion
 from tests.conftest import wait_for
@@ -233,12 +234,12 @@ class _HeldCopies:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
-        original: Callable[..., None] = Copier.copy
+        original: Callable[..., list[Slice]] = Copier.copy
 
-        def copy(copier: Copier, *args: Any, **kwargs: Any) -> None:
+        def copy(copier: Copier, *args: Any, **kwargs: Any) -> list[Slice]:
             self.entered.set()
             self.release.wait()
-            original(copier, *args, **kwargs)
+            return original(copier, *args, **kwargs)
 
         monkeypatch.setattr(Copier, "copy", copy)
 

@@ -210,7 +210,7 @@ def test_stats_count_bytes_per_transport(engine: TransferEngine) -> None:
 
 def test_listener_answers_control_calls_over_tcp_but_refuses_fds(engine: TransferEngine) -> None:
     region = engine.allocate(4096)
-    sock, engine_id = wire.open_connection(engine.name, None, 5)
+    sock, engine_id = wire.open_connection(engine.name, engine.config.token, 5)
     with sock:
         assert engine_id.hex() == engine.segment.engine_id
         reply, fds = wire.control_call(sock, wire.GetSegment(), wire.deadline_after(5))

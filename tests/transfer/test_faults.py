@@ -185,7 +185,7 @@ def _closed_by_peer(sock: socket.socket) -> bool:
 
 def _handshaken(endpoint: str) -> socket.socket:
     sock = _raw(endpoint)
-    wire.client_handshake(sock, None, wire.deadline_after(5))
+    wire.client_handshake(sock, TransferConfig.from_env().token, wire.deadline_after(5))
     return sock
 
 

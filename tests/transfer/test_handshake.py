@@ -192,17 +192,20 @@ class _SlowServer:
         conn, _ = self.server.accept()
         with conn:
             conn.settimeout(30)
-            hello = wire.SERVER_HELLO.pack(
-                wire.MAGIC, wire.PROTOCOL_VERSION, 0, bytes(16), bytes(16)
-            )
-            wire.recv_exact(conn, wire.HELLO.size)
-            if self.stage == "control":
-                conn.sendall(hello)
+            if self.stage == "control":  # a real handshake, with the suite's token
+                wire.server_handshake(conn, _token(), bytes(16), wire.deadline_after(10))
                 header = wire.recv_exact(conn, wire.HEADER.size)
                 wire.recv_exact(conn, wire.HEADER.unpack(header)[3])
                 payload = wire.encode_control(wire.ErrorReply(wire.Status.INTERNAL, "slow"))
-                hello = wire.HEADER.pack(wire.FrameKind.RESPONSE, 0, 0, len(payload), 0) + payload
-            self._drip(conn, hello)
+                message = wire.HEADER.pack(wire.FrameKind.RESPONSE, 0, 0, len(payload), 0)
+                self._drip(conn, message + payload)
+            else:
+                wire.recv_exact(conn, wire.HELLO.size)
+                flags = wire.FLAG_TOKEN if _token() else 0
+                hello = wire.SERVER_HELLO.pack(
+                    wire.MAGIC, wire.PROTOCOL_VERSION, flags, bytes(16), bytes(16)
+                )
+                self._drip(conn, hello)
 
     def _drip(self, conn: socket.socket, message: bytes) -> None:
         for i in range(len(message)):
@@ -227,7 +230,7 @@ def test_a_drip_feeding_server_cannot_stretch_the_clients_connect_timeout(stage:
     try:
         if stage == "hello":
             with pytest.raises(PeerUnreachable):
-                wire.open_connection(slow.endpoint, None, 1.0)
+                wire.open_connection(slow.endpoint, _token(), 1.0)
         else:  # the descriptor lookup of a p2p engine: connect, handshake and the call
             config = TransferConfig(transport="tcp", connect_timeout=1.0)
             with TransferEngine(config) as engine:

@@ -426,9 +426,9 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     gate = Gate()
     original = Copier.copy
 
-    def copy(self: Copier, op: TransferOp, work: Any) -> None:
+    def copy(self: Copier, op: TransferOp, work: Any) -> Any:
         gate.pass_through()
-        original(self, op, work)
+        return original(self, op, work)
 
     monkeypatch.setattr(Copier, "copy", copy)
     try:
