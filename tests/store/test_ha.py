@@ -52,7 +52,7 @@ class _Workload:
         self.client = StoreClient(config)
         self.client.start()
         self.buffer = self.client.register(np.zeros(2 * MiB, dtype=np.uint8))
-        self.ok: list[float] = []
+        self.ok: list[float] = []  # when each successful put + read-back started
         self.failed: list[float] = []
         self.stored: list[tuple[float, int]] = []  # (when, n) of each page put and read back
         self.corrupt = 0
@@ -97,7 +97,7 @@ class _Workload:
                 self.corrupt += 1
             now = time.monotonic()
             if put is Code.OK and got is Code.OK:
-                self.ok.append(now)
+                self.ok.append(start)  # an op that began before a kill is not "resumed"
                 self.stored.append((now, n))
             else:
                 self.failed.append(now)
