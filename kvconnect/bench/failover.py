@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Measure, print, write the JSON report; exit status 1 if an object older than two
     heartbeats was lost or any came back corrupt."""
-    with EtcdServer() as etcd, _busy(args.load):
+    with EtcdServer() as etcd, busy_processes(args.load):
         ttl = ["--master-ha-ttl", str(args.ha_ttl)]
         masters = [
             Process(
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 @contextmanager
-def _busy(processes: int) -> Iterator[None]:
+def busy_processes(processes: int) -> Iterator[None]:
     """``processes`` busy loops in child processes while the block runs."""
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
     try:

@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -41,7 +41,91 @@ def pattern(seed: int, length: int) -> np.ndarray:
     return np.frombuffer(np.random.default_rng(seed).bytes(length), dtype=np.uint8)
 
 
-class PeerProcess:
+class ChildProcess:
+    """A child process driven over stdin/stdout with JSON lines: it prints one hello line,
+    then answers one command per line until stdin closes (the protocol of this module's
+    peer and of :mod:`kvconnect.testing.prefill_peer`)."""
+
+    def __init__(
+        self, args: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float
+    ) -> None:
+        """Start ``args``; :attr:`hello` is the child's first line."""
+        self._timeout = timeout
+        self.proc = subprocess.Popen(
+            list(args),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        try:
+            self.hello = self._read_line()
+        except BaseException:  # a child that failed to start must not leak its pipes
+            self.close()
+            raise
+        self.pid: int = self.hello["pid"]
+
+    def call(self, command: Mapping[str, Any]) -> dict[str, Any]:
+        """Send one command and return its reply (raises RuntimeError on an error reply)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(dict(command)) + "\n")
+        self.proc.stdin.flush()
+        reply = self._read_line()
+        if "error" in reply:
+            raise RuntimeError(f"{self._what()}: {reply['error']}")
+        return reply
+
+    def kill(self) -> None:
+        """SIGKILL the child."""
+        self.proc.kill()
+        self.proc.wait(timeout=self._timeout)
+
+    def close(self) -> None:
+        """Close stdin (the child closes what it runs and exits) and reap it; kills it if it
+        does not exit in time (e.g. still stopped)."""
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        with contextlib.suppress(OSError):  # a killed child leaves nothing to flush
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=self._timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=self._timeout)
+        self.proc.stdout.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _what(self) -> str:
+        return "peer"
+
+    def _read_line(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        end = time.monotonic() + self._timeout
+        while True:
+            remaining = end - time.monotonic()
+            ready = remaining > 0 and select.select([self.proc.stdout], [], [], remaining)[0]
+            if not ready:
+                self.proc.kill()
+                raise RuntimeError(f"{self._what()} did not answer within {self._timeout}s")
+            line = self.proc.stdout.readline()
+            if line:
+                reply: dict[str, Any] = json.loads(line)
+                return reply
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self._what()} exited with status {self.proc.returncode}")
+
+
+class PeerProcess(ChildProcess):
     """Start ``python -m kvconnect.testing.peer`` and talk to it."""
 
     def __init__(
@@ -71,32 +155,9 @@ class PeerProcess:
             args += ["--seed", str(seed)]
         if netns is not None:
             args = ["ip", "netns", "exec", netns, *args]
-        self._timeout = timeout
-        self.proc = subprocess.Popen(
-            args,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
-        try:
-            hello = self._read_line()
-        except BaseException:  # a child that failed to start must not leak its pipes
-            self.close()
-            raise
-        self.name: str = hello["name"]
-        self.pid: int = hello["pid"]
-        self.regions: dict[str, int] = hello["regions"]
-
-    def call(self, command: Mapping[str, Any]) -> dict[str, Any]:
-        """Send one command and return its reply (raises RuntimeError on an error reply)."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(dict(command)) + "\n")
-        self.proc.stdin.flush()
-        reply = self._read_line()
-        if "error" in reply:
-            raise RuntimeError(f"peer: {reply['error']}")
-        return reply
+        super().__init__(args, env=env, timeout=timeout)
+        self.name: str = self.hello["name"]
+        self.regions: dict[str, int] = self.hello["regions"]
 
     def sha256(self, region: str | int, offset: int, length: int) -> str:
         """Hex SHA-256 of a range of one of the peer's regions."""
@@ -139,53 +200,8 @@ class PeerProcess:
         )
         return list(reply["statuses"])
 
-    def kill(self) -> None:
-        """SIGKILL the peer."""
-        self.proc.kill()
-        self.proc.wait(timeout=self._timeout)
-
-    def close(self) -> None:
-        """Close stdin (the peer closes its engine and exits) and reap it."""
-        assert self.proc.stdin is not None
-        assert self.proc.stdout is not None
-        with contextlib.suppress(OSError):  # a killed peer leaves nothing to flush
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=self._timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=self._timeout)
-        self.proc.stdout.close()
-
-    def __enter__(self) -> PeerProcess:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def _region(self, region: str | int) -> int:
         return self.regions[region] if isinstance(region, str) else region
-
-    def _read_line(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        end = time.monotonic() + self._timeout
-        while True:
-            remaining = end - time.monotonic()
-            ready = remaining > 0 and select.select([self.proc.stdout], [], [], remaining)[0]
-            if not ready:
-                self.proc.kill()
-                raise RuntimeError(f"peer did not answer within {self._timeout}s")
-            line = self.proc.stdout.readline()
-            if line:
-                reply: dict[str, Any] = json.loads(line)
-                return reply
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"peer exited with status {self.proc.returncode}")
 
 
 # ------------------------------------------------------------------------------ child side

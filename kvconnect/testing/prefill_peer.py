@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import hashlib
 import json
 import os
-import select
-import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 from kvconnect.config import VllmConnectorConfig, cluster_token
+from kvconnect.testing.peer import ChildProcess
 from kvconnect.vllm import messages as msg
 from kvconnect.vllm.params import RemotePrefill
 from kvconnect.vllm.pd import PrefillService
@@ -63,19 +59,16 @@ def block_digest(caches: Mapping[str, Any], blocks: Sequence[int]) -> str:
     return digest.hexdigest()
 
 
-class PrefillPeer:
+class PrefillPeer(ChildProcess):
     """Start ``python -m kvconnect.testing.prefill_peer`` and talk to it."""
 
     def __init__(self, *, seed: int, lease: float = 30.0, timeout: float = 60.0) -> None:
         """``seed``: the KV cache's contents (:func:`kv_caches`); ``lease``: prefill's lease."""
         args = [sys.executable, "-m", "kvconnect.testing.prefill_peer"]
         args += ["--seed", str(seed), "--lease", str(lease)]
-        self._timeout = timeout
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        hello = self._read_line()
-        self.port: int = hello["port"]
-        self.pid: int = hello["pid"]
-        self.engine_id: str = hello["engine_id"]
+        super().__init__(args, timeout=timeout)
+        self.port: int = self.hello["port"]
+        self.engine_id: str = self.hello["engine_id"]
 
     def remote(self, request_id: str, blocks: Sequence[int]) -> RemotePrefill:
         """What decode learns from ``kv_transfer_params`` about held request ``request_id``."""
@@ -85,62 +78,18 @@ class PrefillPeer:
 
     def hold(self, request_id: str) -> None:
         """Keep ``request_id``'s blocks for one decode reader (as ``request_finished``)."""
-        self._call({"cmd": "hold", "request_id": request_id})
+        self.call({"cmd": "hold", "request_id": request_id})
 
     def renewals(self) -> dict[str, int]:
         """How many Renew calls named each request so far."""
-        return dict(self._call({"cmd": "renewals"})["renewals"])
+        return dict(self.call({"cmd": "renewals"})["renewals"])
 
     def digest(self, blocks: Sequence[int]) -> str:
         """:func:`block_digest` of the peer's KV cache."""
-        return str(self._call({"cmd": "digest", "blocks": list(blocks)})["digest"])
+        return str(self.call({"cmd": "digest", "blocks": list(blocks)})["digest"])
 
-    def close(self) -> None:
-        """Close stdin (the peer closes its worker and exits) and reap it; kills it if it does
-        not exit (e.g. still stopped)."""
-        assert self.proc.stdin is not None
-        assert self.proc.stdout is not None
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=self._timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=self._timeout)
-        self.proc.stdout.close()
-
-    def __enter__(self) -> PrefillPeer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def _call(self, command: Mapping[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(dict(command)) + "\n")
-        self.proc.stdin.flush()
-        return self._read_line()
-
-    def _read_line(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        end = time.monotonic() + self._timeout
-        while True:
-            remaining = end - time.monotonic()
-            ready = remaining > 0 and select.select([self.proc.stdout], [], [], remaining)[0]
-            if not ready:
-                self.proc.kill()
-                raise RuntimeError(f"prefill peer did not answer within {self._timeout}s")
-            line = self.proc.stdout.readline()
-            if line:
-                reply: dict[str, Any] = json.loads(line)
-                return reply
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prefill peer exited with status {self.proc.returncode}")
+    def _what(self) -> str:
+        return "prefill peer"
 
 
 # ------------------------------------------------------------------------------ child side

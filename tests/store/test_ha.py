@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from datetime import datetime
 import numpy as np
 import pytest
 
+from kvconnect.bench.failover import busy_processes
 from kvconnect.config import StoreClientConfig, cluster_token
 from kvconnect.errors import StoreError
 from kvconnect.etcd import Etcd
@@ -274,18 +274,6 @@ def _ip(command: str) -> None:
     subprocess.run(["ip", *command.split()], check=True, capture_output=True)
 
 
-@contextlib.contextmanager
-def _cpu_load(processes: int = 2) -> Iterator[None]:
-    """Busy child processes competing for every core (the machine is 'loaded')."""
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
-    try:
-        yield
-    finally:
-        for proc in busy:
-            proc.kill()
-            proc.wait()
-
-
 HEARTBEAT = 0.2  # the store server's heartbeat interval in the next test
 
 
@@ -299,7 +287,7 @@ def test_objects_older_than_two_heartbeats_survive_a_failover_under_load(etcd: E
     try:
         wait_for(lambda: _mounted(etcd.url) == 1, "the store server did not mount", 15)
         values = {f"durable-{n}": pattern(n, 4096).tobytes() for n in range(300)}
-        with _cpu_load():
+        with busy_processes(2):  # every core of the machine is busy
             for key, value in values.items():
                 assert client.put(key, value) is Code.OK, key
             time.sleep(2.5 * HEARTBEAT)  # the scenario: every put ended > 2 heartbeats ago
