@@ -9,6 +9,8 @@
 #
 # Every host names the etcd cluster; nothing else is configured by address: engines and store
 # servers find the leading master in etcd and follow it across failovers (docs/store.md).
+# Every kvconnect process authenticates with one cluster token: give each host the same token
+# file (KVCONNECT_TOKEN_FILE, or ~/.config/kvconnect/token, which the first master generates).
 set -euo pipefail
 ETCD="${ETCD:-etcd://e1:2379,e2:2379,e3:2379}"
 HOST_IP="${HOST_IP:-$(hostname -I | awk '{print $1}')}"
