@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils import z85
 
+from kvconnect._throttle import Throttle
+
 log = logging.getLogger(__name__)
 
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
@@ -70,13 +72,14 @@ def secure_client(sock: zmq.Socket[bytes], keys: CurveKeys | None) -> None:
 class ServerAuth:
     """The server side of one context: its ZAP handler and a monitor of refused handshakes.
 
-    Single-threaded: the owner polls :attr:`sockets` with its own and calls :meth:`handle` on
-    the ones that are ready. Create it before the server socket binds, on the same context.
+    Single-threaded: the owner polls with :meth:`poller` and passes each poll's result to
+    :meth:`handle_ready`. Create it before the server socket binds, on the same context.
     """
 
     def __init__(self, context: zmq.Context[zmq.Socket[bytes]], keys: CurveKeys | None) -> None:
         self._keys = keys
         self.refused = 0
+        self._throttle = Throttle()
         self.sockets: list[zmq.Socket[bytes]] = []
         self._zap: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
@@ -96,8 +99,20 @@ class ServerAuth:
         self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILURES)
         self.sockets.append(self._monitor)
 
-    def handle(self, ready: zmq.Socket[bytes]) -> None:
-        """Answer what is queued on ``ready`` (one of :attr:`sockets`) without blocking."""
+    def poller(self, server: zmq.Socket[bytes]) -> zmq.Poller:
+        """A poller of ``server`` and this handler's sockets (for POLLIN)."""
+        poller = zmq.Poller()
+        for sock in (server, *self.sockets):
+            poller.register(sock, zmq.POLLIN)
+        return poller
+
+    def handle_ready(self, ready: dict[zmq.Socket[bytes], int]) -> None:
+        """Answer what is queued on this handler's sockets among ``ready`` (a poll's result)."""
+        for sock in self.sockets:
+            if sock in ready:
+                self._handle(sock)
+
+    def _handle(self, ready: zmq.Socket[bytes]) -> None:
         while True:
             try:
                 frames = ready.recv_multipart(zmq.NOBLOCK)
@@ -122,7 +137,7 @@ class ServerAuth:
 
     def _refuse(self, why: str) -> None:
         self.refused += 1
-        if self.refused in (1, 10, 100, 1000) or self.refused % 10_000 == 0:
+        if self._throttle.ready():
             log.warning("refused %d unauthenticated connection(s) (last: %s)", self.refused, why)
 
     def close(self) -> None:

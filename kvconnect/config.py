@@ -544,7 +544,7 @@ def read_token_file(path: Path) -> str:
         mode = path.stat().st_mode
     except OSError as exc:
         raise ConfigError(f"cannot read the cluster token file {path}: {exc}") from exc
-    token = text.strip().splitlines()[0].strip() if text.strip() else ""
+    token = text.strip().partition("\n")[0].strip()
     if not token:
         raise ConfigError(f"the cluster token file {path} is empty")
     if mode & (stat.S_IRWXG | stat.S_IRWXO) and path not in _WARNED:

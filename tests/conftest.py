@@ -9,7 +9,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+import zmq
 
+from kvconnect.auth import curve_keys, secure_client
 from kvconnect.config import TransferConfig
 from kvconnect.testing.conformance import TARGET_BYTES
 from kvconnect.testing.etcd import etcd_available
@@ -141,3 +143,30 @@ def big_peer() -> Iterator[PeerProcess]:
 def seeded(seed: int, size: int) -> np.ndarray:
     """A fresh writable copy of pattern(seed, size)."""
     return pattern(seed, size).copy()
+
+
+RawDealer = Callable[[str, "str | None", str], "zmq.Socket[bytes]"]
+
+
+@pytest.fixture
+def raw_dealer() -> Iterator[RawDealer]:
+    """Opens DEALER sockets that speak to a kvconnect zmq server by hand:
+    ``raw_dealer(endpoint, token, purpose)`` is CURVE with the keys of ``token`` for
+    ``purpose`` (``"master"``, ``"vllm side channel"``), plain when ``token`` is None. All of
+    them are closed after the test."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sockets: list[zmq.Socket[bytes]] = []
+
+    def open_dealer(endpoint: str, token: str | None, purpose: str) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if token is not None:
+            secure_client(sock, curve_keys(token, purpose))
+        sock.connect(endpoint)
+        sockets.append(sock)
+        return sock
+
+    yield open_dealer
+    for sock in sockets:
+        sock.close(0)
+    context.term()

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from kvconnect._throttle import Throttle
 from kvconnect.auth import ServerAuth, curve_keys, secure_client
 from kvconnect.errors import ClosedError, CoordinationUnavailable, MasterUnavailable
 from kvconnect.etcd import Etcd
@@ -35,7 +36,6 @@ _reply_decoder = msgspec.msgpack.Decoder(m.ReplyEnvelope)
 Handler = Callable[[m.Request], m.Reply]
 LEADER_KEY = "/kvconnect/master/leader"  # value: the HA leader's endpoint (see master/ha.py)
 _PURPOSE = "master"  # CURVE key derivation label (kvconnect.auth)
-_LOG_EVERY = 10.0  # seconds between two log lines about dropped messages
 
 
 class RpcServer:
@@ -62,13 +62,11 @@ class RpcServer:
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._auth.secure(self._socket)
-        self._poller = zmq.Poller()
-        for sock in (self._socket, *self._auth.sockets):
-            self._poller.register(sock, zmq.POLLIN)
+        self._poller = self._auth.poller(self._socket)
         self._stop = threading.Event()
         self.endpoint = ""
         self.malformed = 0
-        self._logged_at = -_LOG_EVERY
+        self._throttle = Throttle()
         self.crashed: BaseException | None = None
 
     @property
@@ -89,9 +87,7 @@ class RpcServer:
             while not self._stop.is_set():
                 wait = self._tick()
                 ready = dict(self._poller.poll(int(max(0.0, min(wait, 0.05)) * 1000)))
-                for sock in self._auth.sockets:
-                    if sock in ready:
-                        self._auth.handle(sock)
+                self._auth.handle_ready(ready)
                 if self._socket in ready:
                     self._drain()
         except BaseException as exc:
@@ -131,9 +127,7 @@ class RpcServer:
 
     def _dropped(self, what: str, *args: object) -> None:
         self.malformed += 1
-        now = time.monotonic()
-        if now - self._logged_at >= _LOG_EVERY:
-            self._logged_at = now
+        if self._throttle.ready():
             log.warning("dropped %s (%d dropped so far)", what % args, self.malformed)
 
     def _answer(self, payload: bytes) -> bytes | None:

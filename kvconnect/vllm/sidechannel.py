@@ -18,6 +18,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from kvconnect._throttle import Throttle
 from kvconnect.auth import ServerAuth, curve_keys, secure_client
 from kvconnect.errors import ClosedError, PeerUnreachable, ProtocolError
 from kvconnect.vllm import messages as msg
@@ -47,9 +48,8 @@ class SideChannelServer:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
         self._auth.secure(self._socket)
-        self._poller = zmq.Poller()
-        for sock in (self._socket, *self._auth.sockets):
-            self._poller.register(sock, zmq.POLLIN)
+        self._poller = self._auth.poller(self._socket)
+        self._throttle = Throttle()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.port = 0
@@ -87,9 +87,7 @@ class SideChannelServer:
         try:
             while not self._stop.is_set():
                 ready = dict(self._poller.poll(_POLL_MS))
-                for sock in self._auth.sockets:
-                    if sock in ready:
-                        self._auth.handle(sock)
+                self._auth.handle_ready(ready)
                 if self._socket in ready:
                     self._answer(self._socket.recv_multipart())
         finally:
@@ -104,7 +102,7 @@ class SideChannelServer:
             envelope = _requests.decode(payload)
         except Exception as exc:  # DecodeError, or RecursionError on hostile nesting
             self.malformed += 1
-            if self.malformed in (1, 10, 100, 1000) or self.malformed % 10_000 == 0:
+            if self._throttle.ready():
                 log.warning("dropped %d malformed side-channel request(s): %r", self.malformed, exc)
             return
         if envelope.version != msg.PROTOCOL_VERSION:

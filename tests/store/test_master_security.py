@@ -14,7 +14,6 @@ import msgspec
 import pytest
 import zmq
 
-from kvconnect.auth import curve_keys, secure_client
 from kvconnect.config import MiB, StoreClientConfig, TransferConfig, cluster_token
 from kvconnect.errors import MasterUnavailable
 from kvconnect.store import messages as m
@@ -23,7 +22,7 @@ from kvconnect.store.commands import EXIT_CRASHED
 from kvconnect.store.rpc import RpcClient
 from kvconnect.testing.cluster import Cluster, Process, free_port
 from kvconnect.testing.peer import pattern
-from tests.conftest import wait_for
+from tests.conftest import RawDealer, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -34,25 +33,6 @@ def cluster() -> Iterator[Cluster]:
         servers=1, server_size=16 * MiB, master_args=["--master-max-message-bytes", "1M"]
     ) as c:
         yield c
-
-
-@pytest.fixture
-def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield ctx
-    ctx.term()
-
-
-def _raw(
-    context: zmq.Context[zmq.Socket[bytes]], endpoint: str, token: str | None
-) -> zmq.Socket[bytes]:
-    """A DEALER socket speaking to the master by hand (CURVE with ``token``, else plain)."""
-    sock: zmq.Socket[bytes] = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if token is not None:
-        secure_client(sock, curve_keys(token, "master"))
-    sock.connect(endpoint)
-    return sock
 
 
 def _client(endpoint: str) -> StoreClient:
@@ -66,11 +46,9 @@ def _nested(depth: int) -> bytes:
     return b"\x91" * depth + b"\xc0"
 
 
-def test_hostile_messages_cost_only_themselves(
-    cluster: Cluster, context: zmq.Context[zmq.Socket[bytes]]
-) -> None:
+def test_hostile_messages_cost_only_themselves(cluster: Cluster, raw_dealer: RawDealer) -> None:
     token = cluster_token(None, "", False)
-    raw = _raw(context, cluster.master_endpoint, token)
+    raw = raw_dealer(cluster.master_endpoint, token, "master")
     client = _client(cluster.master_endpoint)
     try:
         assert client.batch_put_from(
@@ -91,12 +69,11 @@ def test_hostile_messages_cost_only_themselves(
         assert client.batch_exists(["kept", "absent"]) == [True, False]
         assert client.stats().dropped >= dropped + 3
     finally:
-        raw.close(0)
         client.close()
 
 
 def test_the_master_refuses_every_rpc_without_the_token(
-    cluster: Cluster, context: zmq.Context[zmq.Socket[bytes]]
+    cluster: Cluster, raw_dealer: RawDealer
 ) -> None:
     refused = cluster.stats().refused
     client = _client(cluster.master_endpoint)
@@ -115,7 +92,7 @@ def test_the_master_refuses_every_rpc_without_the_token(
             m.Stats(),
         ]
         for token in (None, "not-the-cluster-token"):
-            sock = _raw(context, cluster.master_endpoint, token)
+            sock = raw_dealer(cluster.master_endpoint, token, "master")
             attackers.append(sock)
             for request in hostile:
                 sock.send(msgspec.msgpack.encode(m.Envelope(m.PROTOCOL_VERSION, 1, request)))
@@ -136,8 +113,6 @@ def test_the_master_refuses_every_rpc_without_the_token(
             wrong.call(m.Stats())
         wrong.close()
     finally:
-        for sock in attackers:
-            sock.close(0)
         client.close()
 
 
