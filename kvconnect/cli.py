@@ -193,7 +193,7 @@ def _status(args: argparse.Namespace) -> int:
 def _topology(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvconnect.transfer import topology
+    from kvconnect.transfer.transports.rdma import topology
 
     root = Path(args.sysfs)
     print(topology.matrix(topology.discover_nics(root), topology.discover_gpus(root)))

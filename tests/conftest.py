@@ -17,8 +17,8 @@ from kvconnect.testing.conformance import TARGET_BYTES
 from kvconnect.testing.etcd import etcd_available
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import TransferEngine
-from kvconnect.transfer.cuda import cuda_device_count
-from kvconnect.transfer.iov import native_available
+from kvconnect.transfer.datapath.cuda import cuda_device_count
+from kvconnect.transfer.datapath.iov import native_available
 
 DATAPATHS = ["native", "python"]
 

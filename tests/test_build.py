@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHECK = """
 import numpy as np
 from kvconnect import TransferConfig, TransferEngine
-from kvconnect.transfer.iov import native_available
+from kvconnect.transfer.datapath.iov import native_available
 assert not native_available(), "the extension should not exist in this install"
 with TransferEngine(TransferConfig(native="auto")) as a, TransferEngine() as b:
     remote = b.allocate(1 << 20)

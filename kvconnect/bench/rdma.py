@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from kvconnect.transfer import rdma_verbs
 from kvconnect.transfer.memory import MemoryRegistry
+from kvconnect.transfer.transports.rdma import verbs as rdma_verbs
 
 _PERFTEST_MB = 1 << 20  # perftest's "MB" in its MB/sec columns
 _START_TIMEOUT = 60.0

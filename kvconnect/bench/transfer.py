@@ -31,7 +31,7 @@ from kvconnect.bench.baselines import (
 from kvconnect.config import TransferConfig
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import MemoryRegion, TransferEngine, TransferOp, TransferRequest
-from kvconnect.transfer.iov import native_available
+from kvconnect.transfer.datapath.iov import native_available
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_CASES = "64K:128,1M:64,16M:8"

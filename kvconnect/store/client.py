@@ -48,10 +48,10 @@ from kvconnect.store.batching import BatchResult, Regions
 from kvconnect.store.messages import Code, check_key
 from kvconnect.store.resilience import CircuitBreaker, NegativeCache
 from kvconnect.store.rpc import RpcClient
+from kvconnect.transfer import TransferOp, TransferRequest, TransferStatus
 from kvconnect.transfer.batch import TransferBatch
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
-from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
 
 __all__ = ["BatchResult", "Regions", "StoreClient"]
 

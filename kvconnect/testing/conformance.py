@@ -16,9 +16,9 @@ import numpy as np
 
 from kvconnect.errors import AccessDenied
 from kvconnect.testing.peer import pattern
+from kvconnect.transfer import TransferOp, TransferRequest, TransferStatus
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
-from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
 
 MiB = 1 << 20
 SIZES = (1, 7, 4096, 65537, MiB + 3, 16 * MiB, 64 * MiB)

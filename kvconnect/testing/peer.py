@@ -31,9 +31,9 @@ import numpy as np
 
 from kvconnect.config import TransferConfig
 from kvconnect.errors import KVConnectError
+from kvconnect.transfer import TransferOp, TransferRequest
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
-from kvconnect.transfer.transport import TransferOp, TransferRequest
 
 
 def pattern(seed: int, length: int) -> np.ndarray:

@@ -19,13 +19,8 @@ from kvconnect.transfer.metadata import (
 )
 from kvconnect.transfer.segment import RegionInfo, SegmentDescriptor
 from kvconnect.transfer.stats import EngineStats, ListenerStats, TransportStats
-from kvconnect.transfer.transport import (
-    Capabilities,
-    TransferOp,
-    TransferRequest,
-    TransferStatus,
-    Transport,
-)
+from kvconnect.transfer.transports.base import Transport
+from kvconnect.transfer.types import Capabilities, TransferOp, TransferRequest, TransferStatus
 
 __all__ = [
     "Capabilities",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kvconnect.errors import KVConnectError, TransferError, TransferTimeout
 from kvconnect.transfer.memory import MemoryRegion
-from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
+from kvconnect.transfer.types import TransferOp, TransferRequest, TransferStatus
 
 log = logging.getLogger(__name__)
 

@@ -31,22 +31,16 @@ from kvconnect.errors import (
     PeerUnreachable,
 )
 from kvconnect.lifecycle import Lifecycle
-from kvconnect.transfer import local as local_registry
 from kvconnect.transfer.batch import DeadlineWatch, Slice, TransferBatch, make_slices
-from kvconnect.transfer.copying import Copier, CopyWorkers
-from kvconnect.transfer.cuda import DeviceCopier, default_copier
-from kvconnect.transfer.iov import select_datapath
-from kvconnect.transfer.listener import Listener
-from kvconnect.transfer.local import LocalTransport
+from kvconnect.transfer.datapath.copying import Copier, CopyWorkers
+from kvconnect.transfer.datapath.cuda import DeviceCopier, default_copier
+from kvconnect.transfer.datapath.iov import select_datapath
+from kvconnect.transfer.datapath.staging import StagingPool
 from kvconnect.transfer.memory import MemoryRegion, MemoryRegistry
-from kvconnect.transfer.metadata import (
-    EmbeddedMetadata,
-    MetadataBackend,
-    P2PMetadata,
-    SegmentDirectory,
-)
-from kvconnect.transfer.rdma import RdmaTransport
-from kvconnect.transfer.rdma import available as rdma_available
+from kvconnect.transfer.metadata import EmbeddedMetadata, MetadataBackend, P2PMetadata
+from kvconnect.transfer.metadata.directory import SegmentDirectory
+from kvconnect.transfer.protocol.listener import Listener
+from kvconnect.transfer.protocol.wire import ControlReply, ErrorReply, RdmaConnect, Status
 from kvconnect.transfer.routing import choose_transport
 from kvconnect.transfer.segment import (
     RegionInfo,
@@ -54,12 +48,15 @@ from kvconnect.transfer.segment import (
     host_identity,
     process_identity,
 )
-from kvconnect.transfer.shm import ShmTransport
-from kvconnect.transfer.staging import StagingPool
 from kvconnect.transfer.stats import EngineStats, ListenerStats
-from kvconnect.transfer.tcp import TcpTransport
-from kvconnect.transfer.transport import TransferOp, TransferRequest, Transport
-from kvconnect.transfer.wire import ControlReply, ErrorReply, RdmaConnect, Status
+from kvconnect.transfer.transports import local as local_registry
+from kvconnect.transfer.transports.base import Transport
+from kvconnect.transfer.transports.local import LocalTransport
+from kvconnect.transfer.transports.rdma.transport import RdmaTransport
+from kvconnect.transfer.transports.rdma.transport import available as rdma_available
+from kvconnect.transfer.transports.shm import ShmTransport
+from kvconnect.transfer.transports.tcp import TcpTransport
+from kvconnect.transfer.types import TransferOp, TransferRequest
 
 log = logging.getLogger(__name__)
 
@@ -580,7 +577,7 @@ def _metadata_backend(config: TransferConfig) -> MetadataBackend:
     if config.metadata == "embedded":
         return EmbeddedMetadata()
     # Imported here: the etcd client (grpc) loads only for engines that use etcd.
-    from kvconnect.transfer.etcd_metadata import EtcdMetadata
+    from kvconnect.transfer.metadata.etcd import EtcdMetadata
 
     # etcd answers in milliseconds; a short call timeout keeps lease refreshes (every ttl/3)
     # from stalling, and it stays within connect_timeout, which bounds descriptor lookups.

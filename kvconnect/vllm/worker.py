@@ -27,9 +27,9 @@ from kvconnect.config import StoreClientConfig, TransferConfig, VllmConnectorCon
 from kvconnect.errors import ConfigError, KVConnectError
 from kvconnect.store.client import StoreClient
 from kvconnect.store.messages import Code
+from kvconnect.transfer import TransferOp, TransferRequest, TransferStatus
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
-from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
 from kvconnect.vllm import messages as msg
 from kvconnect.vllm.affinity import threads_on
 from kvconnect.vllm.kvcache import register_kv_caches

@@ -16,8 +16,7 @@ import pytest
 from kvconnect.config import TransferConfig
 from kvconnect.errors import AccessDenied, ConfigError, KVConnectError
 from kvconnect.testing.peer import PeerProcess, pattern
-from kvconnect.transfer import TransferEngine
-from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
+from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
 
 pytestmark = [pytest.mark.rdma, pytest.mark.integration]
 

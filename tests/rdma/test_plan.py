@@ -7,7 +7,10 @@ import pytest
 
 from kvconnect.config import TransferConfig
 from kvconnect.errors import BrokenError, ConfigError, InvalidRequest
-from kvconnect.transfer.rdma_plan import (
+from kvconnect.transfer.protocol.wire import RdmaPath
+from kvconnect.transfer.routing import choose_transport
+from kvconnect.transfer.segment import RegionInfo, SegmentDescriptor
+from kvconnect.transfer.transports.rdma.plan import (
     MAX_RETRY_CNT,
     AddressVector,
     QpDriver,
@@ -17,9 +20,6 @@ from kvconnect.transfer.rdma_plan import (
     chunks,
     connect_steps,
 )
-from kvconnect.transfer.routing import choose_transport
-from kvconnect.transfer.segment import RegionInfo, SegmentDescriptor
-from kvconnect.transfer.wire import RdmaPath
 
 LOCAL = RdmaPath(0, "rxe0", "rxe1", b"\x01" * 16, 17, 1000, 5)  # MTU enum 5 = 4096
 REMOTE = RdmaPath(0, "rxe1", "rxe0", b"\x02" * 16, 42, 2000, 3)  # 3 = 1024

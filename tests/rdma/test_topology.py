@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvconnect.cli import main
-from kvconnect.transfer import topology
-from kvconnect.transfer.topology import Device, Distance
+from kvconnect.transfer.transports.rdma import topology
+from kvconnect.transfer.transports.rdma.topology import Device, Distance
 
 # Two sockets: NUMA 0 has a PCIe switch below root port 00:01.0 with GPU 0 and mlx5_0; NUMA 1
 # has GPU 1 (root port 80:01.0) and mlx5_1 under another root port (80:03.0); rxe0 is virtual.

@@ -17,9 +17,9 @@ import torch
 
 from kvconnect.store import messages as m
 from kvconnect.testing.cluster import Cluster
+from kvconnect.transfer import TransferOp
 from kvconnect.transfer.batch import Slice
-from kvconnect.transfer.copying import Copier
-from kvconnect.transfer.transport import TransferOp
+from kvconnect.transfer.datapath.copying import Copier
 from tests.conftest import wait_for
 from tests.sglang import harness as h
 

@@ -22,7 +22,7 @@ from kvconnect.store.resilience import BreakerState
 from kvconnect.testing.cluster import Cluster, Process
 from kvconnect.testing.peer import pattern
 from kvconnect.transfer.batch import Slice
-from kvconnect.transfer.copying import Copier
+from kvconnect.transfer.datapath.copying import Copier
 from kvconnect.transfer.memory import MemoryRegion
 from tests.conftest import wait_for
 

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvconnect.errors import AccessDenied, InvalidRequest, TransferError, TransferTimeout
+from kvconnect.transfer import TransferOp, TransferRequest, TransferStatus
 from kvconnect.transfer.batch import (
     DeadlineWatch,
     Slice,
@@ -19,12 +20,11 @@ from kvconnect.transfer.batch import (
     pin_slices,
     unpin_slices,
 )
-from kvconnect.transfer.copying import group_slices
+from kvconnect.transfer.datapath.copying import group_slices
 from kvconnect.transfer.memory import MemoryRegistry
 from kvconnect.transfer.routing import choose_transport
 from kvconnect.transfer.segment import RegionInfo, SegmentDescriptor
-from kvconnect.transfer.tcp import plan_frames
-from kvconnect.transfer.transport import TransferOp, TransferRequest, TransferStatus
+from kvconnect.transfer.transports.tcp import plan_frames
 
 REGISTRY = MemoryRegistry()
 REGION = REGISTRY.register(bytearray(1 << 20))

@@ -11,7 +11,12 @@ import pytest
 
 from kvconnect.config import NativeMode
 from kvconnect.errors import ConfigError
-from kvconnect.transfer.iov import DataPath, NativeDataPath, PythonDataPath, select_datapath
+from kvconnect.transfer.datapath.iov import (
+    DataPath,
+    NativeDataPath,
+    PythonDataPath,
+    select_datapath,
+)
 from tests.conftest import DATAPATHS, native_mode
 
 
@@ -100,7 +105,7 @@ def test_native_io_releases_the_gil() -> None:
 
 
 def test_native_on_without_extension_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvconnect.transfer.iov.native_available", lambda: False)
+    monkeypatch.setattr("kvconnect.transfer.datapath.iov.native_available", lambda: False)
     with pytest.raises(ConfigError, match="not built"):
         select_datapath("on")
     assert isinstance(select_datapath("auto"), PythonDataPath)

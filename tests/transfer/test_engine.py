@@ -29,10 +29,10 @@ from kvconnect.transfer import (
     TransferOp,
     TransferRequest,
     TransferStatus,
-    wire,
 )
 from kvconnect.transfer.batch import TransferBatch
 from kvconnect.transfer.memory import MemoryRegion
+from kvconnect.transfer.protocol import wire
 from tests.conftest import kvconnect_threads, wait_no_kvconnect_threads
 
 MiB = 1 << 20

@@ -31,7 +31,7 @@ from kvconnect.transfer import (
     TransferRequest,
     TransferStatus,
 )
-from kvconnect.transfer.etcd_metadata import PREFIX, EtcdMetadata
+from kvconnect.transfer.metadata.etcd import PREFIX, EtcdMetadata
 from kvconnect.transfer.segment import decode_descriptor
 from tests.conftest import wait_for
 

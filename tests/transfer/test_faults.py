@@ -21,7 +21,8 @@ from kvconnect.errors import (
     RegionBusy,
 )
 from kvconnect.testing.peer import PeerProcess, pattern
-from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus, wire
+from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
+from kvconnect.transfer.protocol import wire
 from tests.conftest import kvconnect_threads, wait_for
 
 pytestmark = pytest.mark.integration

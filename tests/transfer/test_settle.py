@@ -22,8 +22,8 @@ from kvconnect.errors import RegionBusy
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
 from kvconnect.transfer.batch import TransferBatch
-from kvconnect.transfer.copying import _COPY_CHUNK as COPY_CHUNK
-from kvconnect.transfer.iov import PythonDataPath
+from kvconnect.transfer.datapath.copying import _COPY_CHUNK as COPY_CHUNK
+from kvconnect.transfer.datapath.iov import PythonDataPath
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.integration

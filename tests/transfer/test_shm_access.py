@@ -15,9 +15,10 @@ import pytest
 from kvconnect.config import TransferConfig
 from kvconnect.errors import AccessDenied, AuthenticationError
 from kvconnect.testing.peer import PeerProcess, pattern
-from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus, wire
+from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
 from kvconnect.transfer.memory import SHM_HEADER
 from kvconnect.transfer.metadata import P2PMetadata
+from kvconnect.transfer.protocol import wire
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.integration

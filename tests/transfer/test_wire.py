@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from kvconnect.errors import AuthenticationError, ProtocolError
-from kvconnect.transfer import wire
+from kvconnect.transfer.protocol import wire
 from kvconnect.transfer.segment import (
     DESCRIPTOR_VERSION,
     RegionInfo,

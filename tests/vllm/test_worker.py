@@ -20,8 +20,8 @@ from kvconnect.config import StoreClientConfig, TransferConfig, VllmConnectorCon
 from kvconnect.store.client import StoreClient
 from kvconnect.testing.cluster import Cluster
 from kvconnect.testing.prefill_peer import BLOCKS, FORMAT, PrefillPeer, block_digest, kv_caches
-from kvconnect.transfer.copying import Copier
-from kvconnect.transfer.transport import TransferOp
+from kvconnect.transfer import TransferOp
+from kvconnect.transfer.datapath.copying import Copier
 from kvconnect.vllm.params import RemotePrefill
 from kvconnect.vllm.pd import LeaseKeeper, PrefillService
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan

@@ -32,7 +32,6 @@ from kvconnect.errors import (
     ProtocolError,
     TransferError,
 )
-from kvconnect.transfer import wire
 from kvconnect.transfer.batch import (
     Slice,
     complete_slices,
@@ -40,12 +39,13 @@ from kvconnect.transfer.batch import (
     pin_slices,
     unpin_slices,
 )
-from kvconnect.transfer.iov import DataPath
+from kvconnect.transfer.datapath.iov import DataPath
+from kvconnect.transfer.datapath.staging import StagedWindow, StagingPool, close_all, host_views
+from kvconnect.transfer.protocol import wire
+from kvconnect.transfer.protocol.wire import FrameKind, Status
 from kvconnect.transfer.segment import SegmentDescriptor
-from kvconnect.transfer.staging import StagedWindow, StagingPool, close_all, host_views
 from kvconnect.transfer.stats import Counters, TransportStats
-from kvconnect.transfer.transport import Capabilities, TransferOp
-from kvconnect.transfer.wire import FrameKind, Status
+from kvconnect.transfer.types import Capabilities, TransferOp
 
 log = logging.getLogger(__name__)
 

@@ -42,15 +42,16 @@ from kvconnect.errors import (
     ProtocolError,
     RegistrationError,
 )
-from kvconnect.transfer import rdma_verbs as verbs
-from kvconnect.transfer import topology, wire
 from kvconnect.transfer.batch import Slice, complete_slices, pin_slices, unpin_slices
 from kvconnect.transfer.memory import MemoryKind, MemoryRegion, MemoryRegistry
-from kvconnect.transfer.rdma_plan import chunks, connect_steps
-from kvconnect.transfer.rdma_state import Link, Path, Registrations, Work
+from kvconnect.transfer.protocol import wire
 from kvconnect.transfer.segment import SegmentDescriptor
 from kvconnect.transfer.stats import Counters, TransportStats
-from kvconnect.transfer.transport import Capabilities, TransferOp, Transport
+from kvconnect.transfer.transports.base import Transport
+from kvconnect.transfer.transports.rdma import topology, verbs
+from kvconnect.transfer.transports.rdma.plan import chunks, connect_steps
+from kvconnect.transfer.transports.rdma.state import Link, Path, Registrations, Work
+from kvconnect.transfer.types import Capabilities, TransferOp
 
 log = logging.getLogger(__name__)
 

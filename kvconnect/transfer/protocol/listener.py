@@ -22,13 +22,13 @@ from collections.abc import Callable
 
 from kvconnect.config import TransferConfig
 from kvconnect.errors import AuthenticationError, KVConnectError, ProtocolError
-from kvconnect.transfer import wire
-from kvconnect.transfer.iov import DataPath
+from kvconnect.transfer.datapath.iov import DataPath
+from kvconnect.transfer.datapath.staging import StagedWindow, StagingPool, close_all, host_views
 from kvconnect.transfer.memory import MemoryRegion, MemoryRegistry
+from kvconnect.transfer.protocol import wire
+from kvconnect.transfer.protocol.wire import FrameKind, Status
 from kvconnect.transfer.segment import SegmentDescriptor, encode_descriptor
-from kvconnect.transfer.staging import StagedWindow, StagingPool, close_all, host_views
 from kvconnect.transfer.stats import Counters, LatencyHistogram, ListenerStats
-from kvconnect.transfer.wire import FrameKind, Status
 
 log = logging.getLogger(__name__)
 

@@ -1,23 +1,11 @@
-"""Transfer vocabulary and the one Protocol every transport implements.
-
-A transport receives *slices* (pieces of requests, at most ``slice_bytes`` each) for one peer and
-completes each through its batch (``Slice.done``). It never blocks the submitting thread: work
-runs on the transport's own threads. Transports never import each other.
-"""
+"""The transfer vocabulary: operations, statuses, requests and transport capabilities."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 from kvconnect.transfer.memory import MemoryRegion
-
-if TYPE_CHECKING:
-    from kvconnect.transfer.batch import Slice
-    from kvconnect.transfer.segment import SegmentDescriptor
-    from kvconnect.transfer.stats import TransportStats
 
 
 class TransferOp(enum.Enum):
@@ -62,22 +50,3 @@ class Capabilities:
     """Only reaches engines on this host."""
     same_process_only: bool
     """Only reaches engines in this process."""
-
-
-class Transport(Protocol):
-    """One way of moving bytes to a peer."""
-
-    name: str
-    capabilities: Capabilities
-
-    def submit(self, peer: SegmentDescriptor, op: TransferOp, slices: Sequence[Slice]) -> None:
-        """Start moving ``slices`` to/from ``peer``; returns at once. Each slice completes once."""
-
-    def forget(self, engine_id: str) -> None:
-        """Drop connections and mappings of a peer engine (it restarted or was withdrawn)."""
-
-    def stats(self) -> TransportStats:
-        """Counters since start."""
-
-    def close(self) -> None:
-        """Fail queued work with ClosedError, stop threads, release resources. Idempotent."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from kvconnect.errors import BrokenError
-from kvconnect.transfer.wire import RdmaPath
+from kvconnect.transfer.protocol.wire import RdmaPath
 
 MAX_RETRY_CNT: Final = 6  # 7 means "retry forever" (rxe honours that): a dead peer would hang
 ACK_TIMEOUT: Final = 14  # 4.096 µs * 2^14 ≈ 67 ms per try: a dead peer is noticed in < 1 s

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 from kvconnect.errors import BrokenError, ClosedError, KVConnectError
 from kvconnect.transfer.batch import Slice, complete_slices, pending_slices
-from kvconnect.transfer.cuda import DeviceCopier
-from kvconnect.transfer.iov import DataPath
+from kvconnect.transfer.datapath.cuda import DeviceCopier
+from kvconnect.transfer.datapath.iov import DataPath
 from kvconnect.transfer.memory import MemoryKind, host_address
-from kvconnect.transfer.transport import TransferOp
+from kvconnect.transfer.types import TransferOp
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 
 from kvconnect.errors import AccessDenied, PeerUnreachable
 from kvconnect.transfer.batch import Slice, complete_slices, pin_slices, unpin_slices
-from kvconnect.transfer.copying import Copier, CopyWorkers
+from kvconnect.transfer.datapath.copying import Copier, CopyWorkers
 from kvconnect.transfer.memory import MemoryKind, MemoryRegion, MemoryRegistry
 from kvconnect.transfer.segment import SegmentDescriptor
 from kvconnect.transfer.stats import Counters, TransportStats
-from kvconnect.transfer.transport import Capabilities, TransferOp
+from kvconnect.transfer.types import Capabilities, TransferOp
 
 _engines: weakref.WeakValueDictionary[str, MemoryRegistry] = weakref.WeakValueDictionary()
 _engines_lock = threading.Lock()

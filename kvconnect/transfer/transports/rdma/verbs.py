@@ -21,8 +21,8 @@ from typing import Any, Final
 
 from kvconnect.errors import BrokenError, ConfigError, RegistrationError
 from kvconnect.transfer.memory import MemoryKind, MemoryRegion
-from kvconnect.transfer.rdma_plan import RD_ATOMIC, QpState, QpStep
-from kvconnect.transfer.wire import RdmaPath
+from kvconnect.transfer.protocol.wire import RdmaPath
+from kvconnect.transfer.transports.rdma.plan import RD_ATOMIC, QpState, QpStep
 
 log = logging.getLogger(__name__)
 

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvconnect.errors import RegistrationError
-from kvconnect.transfer import rdma_verbs as verbs
-from kvconnect.transfer import wire
 from kvconnect.transfer.batch import Slice
 from kvconnect.transfer.memory import MemoryRegion
-from kvconnect.transfer.rdma_plan import QpDriver, Spreader
+from kvconnect.transfer.protocol import wire
 from kvconnect.transfer.segment import SegmentDescriptor
-from kvconnect.transfer.transport import TransferOp
+from kvconnect.transfer.transports.rdma import verbs
+from kvconnect.transfer.transports.rdma.plan import QpDriver, Spreader
+from kvconnect.transfer.types import TransferOp
 
 
 @dataclass(slots=True, eq=False)

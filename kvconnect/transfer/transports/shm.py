@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 from kvconnect.config import TransferConfig
 from kvconnect.errors import AccessDenied, BrokenError, KVConnectError, PeerUnreachable
-from kvconnect.transfer import wire
 from kvconnect.transfer.batch import Slice, complete_slices, pin_slices, unpin_slices
-from kvconnect.transfer.copying import Copier, CopyWorkers
+from kvconnect.transfer.datapath.copying import Copier, CopyWorkers
 from kvconnect.transfer.memory import SHM_HEADER, SHM_MAGIC, host_address, read_shm_header
+from kvconnect.transfer.protocol import wire
 from kvconnect.transfer.segment import SegmentDescriptor
 from kvconnect.transfer.stats import Counters, TransportStats
-from kvconnect.transfer.transport import Capabilities, TransferOp
+from kvconnect.transfer.types import Capabilities, TransferOp
 
 _WATCH_INTERVAL = 1.0  # seconds between liveness checks of idle same-host peers
 _POPULATE_CHUNK = 256 << 20

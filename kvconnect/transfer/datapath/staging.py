@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 
-from kvconnect.transfer.cuda import DeviceCopier
+from kvconnect.transfer.datapath.cuda import DeviceCopier
 from kvconnect.transfer.memory import MemoryKind, MemoryRegion, host_address
 
 
