@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvconnect.testing import tiny_llama
-from kvconnect.testing.cluster import free_port
-from kvconnect.testing.vllm_servers import Server, complete, cpu_groups, first_token_seconds
+from kvconnect.bench import tiny_llama
+from kvconnect.bench.vllm_servers import Server, complete, cpu_groups, first_token_seconds
+from kvconnect.store.launch import free_port
 
 _SHAPE = tiny_llama.Shape(layers=8, hidden=512, heads=8, kv_heads=8, intermediate=1024)
 _STARTUP = 900.0
@@ -91,7 +91,7 @@ def _write_model(python: str, path: Path) -> Path:
     """The tiny Llama, written by vLLM's interpreter (it has torch, safetensors, tokenizers)."""
     shape = dataclasses.asdict(_SHAPE)
     code = (
-        "import sys; from pathlib import Path; from kvconnect.testing import tiny_llama as t; "
+        "import sys; from pathlib import Path; from kvconnect.bench import tiny_llama as t; "
         f"t.write_tiny_llama(Path(sys.argv[1]), shape=t.Shape(**{shape!r}))"
     )
     subprocess.run([python, "-c", code, str(path)], check=True, timeout=300)
