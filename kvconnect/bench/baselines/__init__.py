@@ -8,10 +8,9 @@
 - :mod:`.mooncake_store`: Mooncake Store through ``mooncake_store_runner.py`` (its own master and
   store server), for ``kvconnect bench store``.
 - :mod:`.perftest`: perftest (``ib_write_bw``/``ib_read_bw``), the baseline of the rdma transport.
+- :mod:`.nixl`: vLLM's NixlConnector, the baseline of ``kvconnect bench vllm``.
 
-The runners are scripts for Mooncake's own interpreter: they import no kvconnect. The NIXL
-baseline of ``kvconnect bench vllm`` is vLLM's own NixlConnector, configured in
-:mod:`kvconnect.bench.vllm_pd`.
+The runners are scripts for Mooncake's own interpreter: they import no kvconnect.
 
 Each transfer baseline's ``run(op, block, count, batches)`` returns per-batch seconds.
 """
