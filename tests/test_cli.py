@@ -23,7 +23,8 @@ def _kvconnect(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-# What a server command may not load: benchmarks, test helpers, engines, torch.
+# What a server command (or the demo, a shipped job) may not load: benchmarks, test helpers,
+# engines, torch.
 _HEAVY = ("kvconnect.bench", "kvconnect.testing", "torch", "sglang", "vllm")
 _MODULES_AFTER = """
 import contextlib, io, sys
@@ -34,7 +35,7 @@ print("\\n".join(sorted(sys.modules)))
 """
 
 
-@pytest.mark.parametrize("command", ["master", "store"])
+@pytest.mark.parametrize("command", ["master", "store", "demo"])
 def test_server_commands_load_no_benchmarks_test_helpers_or_torch(
     command: str, tmp_path: Path
 ) -> None:
