@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import logging
 import sys
@@ -36,17 +37,47 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+class _LazyParser(argparse.ArgumentParser):
+    """A subcommand's parser whose options and handler come from the module ``declare`` names
+    (its ``add_arguments(parser)`` and ``run(args) -> int``), imported only when that subcommand
+    is parsed: ``kvconnect master`` never imports the demo or the benchmarks."""
+
+    def __init__(self, *args: Any, declare: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._declare = declare
+
+    def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:
+        """Declare the module's options first (once), then parse as argparse does."""
+        if self._declare is not None:
+            module = importlib.import_module(self._declare)
+            self._declare = None
+            module.add_arguments(self)
+            self.set_defaults(handler=module.run)
+        return super().parse_known_args(*args, **kwargs)
+
+
+# Benchmarks: name, help, module (``kvconnect bench NAME`` runs the module's ``run``).
+_BENCHES = (
+    ("transfer", "transfer engine throughput between two processes", "kvconnect.bench.transfer"),
+    ("failover", "master failover time with etcd HA", "kvconnect.bench.failover"),
+    ("store", "store data path, lookups and master scale", "kvconnect.bench.store"),
+    ("vllm", "vLLM prefill/decode: kvconnect vs NIXL", "kvconnect.bench.vllm_pd"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (subcommands register their own options)."""
+    """The argument parser. Building it imports no command's module: the demo's and each
+    benchmark's options are declared when that command is parsed (:class:`_LazyParser`)."""
     from kvconnect import __version__
-    from kvconnect.bench import transfer as bench_transfer
 
     parser = argparse.ArgumentParser(
         prog="kvconnect", description="Move and share LLM KV cache across processes and machines."
     )
     parser.add_argument("--version", action="version", version=f"kvconnect {__version__}")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_LazyParser
+    )
 
     master = commands.add_parser("master", help="run a store master (metadata only)")
     master.add_argument(
@@ -63,13 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flags(serve, "master", "store", "transfer")
     serve.set_defaults(handler=_serve)
 
-    demo = commands.add_parser(
-        "demo", help="an all-in-one store with client processes sharing KV pages"
+    commands.add_parser(
+        "demo",
+        help="an all-in-one store with client processes sharing KV pages",
+        declare="kvconnect.store.demo",
     )
-    from kvconnect.store import demo as store_demo
-
-    store_demo.add_arguments(demo)
-    demo.set_defaults(handler=store_demo.run)
 
     status = commands.add_parser("status", help="print the store cluster: segments, usage, keys")
     status.add_argument("--master", default=StoreClientConfig().master, help="master endpoint")
@@ -85,25 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks with same-run baselines")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    transfer = benches.add_parser(
-        "transfer", help="transfer engine throughput between two processes"
-    )
-    bench_transfer.add_arguments(transfer)
-    transfer.set_defaults(handler=bench_transfer.run)
-    from kvconnect.bench import failover as bench_failover
-    from kvconnect.bench import store as bench_store
-
-    failover = benches.add_parser("failover", help="master failover time with etcd HA")
-    bench_failover.add_arguments(failover)
-    failover.set_defaults(handler=bench_failover.run)
-    store_bench = benches.add_parser("store", help="store data path, lookups and master scale")
-    bench_store.add_arguments(store_bench)
-    store_bench.set_defaults(handler=bench_store.run)
-    from kvconnect.bench import vllm_pd as bench_vllm
-
-    vllm_bench = benches.add_parser("vllm", help="vLLM prefill/decode: kvconnect vs NIXL")
-    bench_vllm.add_arguments(vllm_bench)
-    vllm_bench.set_defaults(handler=bench_vllm.run)
+    for name, summary, module in _BENCHES:
+        benches.add_parser(name, help=summary, declare=module)
     return parser
 
 

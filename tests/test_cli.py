@@ -23,6 +23,36 @@ def _kvconnect(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+# What a server command (or the demo, a shipped job) may not load: benchmarks, test helpers,
+# engines, torch.
+_HEAVY = ("kvconnect.bench", "kvconnect.testing", "torch", "sglang", "vllm")
+_MODULES_AFTER = """
+import contextlib, io, sys
+from kvconnect.cli import main
+with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+    main(sys.argv[1:])
+print("\\n".join(sorted(sys.modules)))
+"""
+
+
+@pytest.mark.parametrize("command", ["master", "store", "demo"])
+def test_server_commands_load_no_benchmarks_test_helpers_or_torch(
+    command: str, tmp_path: Path
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _MODULES_AFTER, command, "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    modules = out.splitlines()
+    assert "kvconnect.cli" in modules  # the listing is of a process that ran the CLI
+    heavy = [m for m in modules for h in _HEAVY if m == h or m.startswith(f"{h}.")]
+    assert not heavy, f"kvconnect {command} --help imported {heavy}"
+
+
 def test_help_lists_subcommands(tmp_path: Path) -> None:
     out = _kvconnect("--help", cwd=tmp_path).stdout
     assert "bench" in out

@@ -135,3 +135,17 @@ def test_paths_select_the_suites_they_name(fake: Path) -> None:
     run = _dev_test(fake, "tests/rdma/test_rdma.py::test_one", "-q")
     assert run.vm_runs() == ["-q tests/rdma/test_rdma.py::test_one"]
     assert run.pytest_runs("sglang-venv") == []
+
+
+@pytest.mark.parametrize("paths", [("tests",), ("tests/transfer", "tests/store")])
+def test_the_fast_loop_builds_and_runs_only_the_main_suite(
+    fake: Path, paths: tuple[str, ...]
+) -> None:
+    run = _dev_test(fake, "-k", "lease", *paths)
+    assert run.code == 0, run.output
+    assert run.pytest_runs("venv") == [f"-k lease {' '.join(paths)}"]
+    for environment in ENVIRONMENTS[1:]:
+        assert run.pytest_runs(environment) == []
+        assert not [c for c in run.calls if c.startswith(f"cache/{environment}/bin/pip")]
+    assert run.vm_runs() == []
+    assert not [c for c in run.calls if c.startswith("shared/rxe-vm/install.sh")]

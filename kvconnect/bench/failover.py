@@ -24,14 +24,14 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvconnect.bench.etcd import EtcdServer
 from kvconnect.config import StoreClientConfig
 from kvconnect.errors import StoreError
 from kvconnect.etcd import Etcd
 from kvconnect.store.client import StoreClient
+from kvconnect.store.launch import Process, free_port
 from kvconnect.store.messages import Code
 from kvconnect.store.rpc import find_leader
-from kvconnect.testing.cluster import Process, free_port
-from kvconnect.testing.etcd import EtcdServer
 from kvconnect.transfer.memory import MemoryRegion
 
 _OBJECTS = 200  # stored before each kill, 4 KiB each

@@ -28,13 +28,14 @@ from typing import Any
 import numpy as np
 
 from kvconnect.bench import master_load
-from kvconnect.bench.baselines import find_mooncake_python
+from kvconnect.bench.baselines.mooncake import find_mooncake_python
+from kvconnect.bench.baselines.mooncake_store import MooncakeStoreBaseline
 from kvconnect.config import StoreClientConfig, StoreServerConfig, TransferConfig, cluster_token
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
+from kvconnect.store.launch import Cluster, Process, free_port
 from kvconnect.store.messages import Code
 from kvconnect.store.rpc import RpcClient
-from kvconnect.testing.cluster import Cluster, Process, free_port
 
 KiB, MiB = 1 << 10, 1 << 20
 # value size → (batch size, bytes-API ops per round, batch calls per round)
@@ -181,59 +182,6 @@ class _Kvconnect:
         return seconds
 
 
-class _Mooncake:
-    """Mooncake Store through mooncake_store_runner.py (its own master and store server)."""
-
-    def __init__(self, python: str, mode: str, segment: int) -> None:
-        runner = Path(__file__).with_name("mooncake_store_runner.py")
-        self.proc = subprocess.Popen(
-            [
-                python,
-                str(runner),
-                "--mode",
-                mode,
-                "--segment",
-                str(segment),
-                "--buffer",
-                str(BUFFER),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        if not self._read().get("ready"):
-            raise RuntimeError("mooncake store runner did not start")
-
-    def call(self, command: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("mooncake store runner exited")
-        reply: dict[str, Any] = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"mooncake: {reply['error']}")
-        return reply
-
-    def run(self, command: dict[str, Any]) -> list[float]:
-        seconds = [float(s) for s in self.call(command)["seconds"]]
-        self.call({"op": "remove_all"})
-        return seconds
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-
 def _commands(quick: bool) -> list[dict[str, Any]]:
     scale = 5 if quick else 1
     commands: list[dict[str, Any]] = []
@@ -256,7 +204,7 @@ def _data_phase(mode: str, mooncake: str | None, args: argparse.Namespace) -> li
     systems: dict[str, Any] = {"kvconnect": _Kvconnect(mode, segment)}
     try:
         if mooncake is not None:
-            systems["mooncake"] = _Mooncake(mooncake, mode, segment)
+            systems["mooncake"] = MooncakeStoreBaseline(mooncake, mode, segment, BUFFER)
             systems["mooncake"].call({"op": "warm", "fraction": 0.9})
         rounds = 1 if args.quick else args.rounds
         results = []
@@ -359,7 +307,7 @@ def _scale_phase(counts: list[int], mooncake: str | None) -> list[dict[str, Any]
         rpc.close()
         master.stop()
     if mooncake is not None:
-        runner = _Mooncake(mooncake, "tcp", 256 * MiB)
+        runner = MooncakeStoreBaseline(mooncake, "tcp", 256 * MiB, BUFFER)
         try:
             base = runner.call({"op": "master_rss"})["rss"]
             filled = 0

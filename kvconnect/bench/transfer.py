@@ -21,13 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from kvconnect.bench.baselines import (
-    Baseline,
-    MemcpyBaseline,
-    MooncakeBaseline,
-    SocketBaseline,
-    find_mooncake_python,
-)
+from kvconnect.bench.baselines import Baseline
+from kvconnect.bench.baselines.memcpy import MemcpyBaseline
+from kvconnect.bench.baselines.mooncake import MooncakeBaseline, find_mooncake_python
+from kvconnect.bench.baselines.socket_pair import SocketBaseline
 from kvconnect.config import TransferConfig
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import MemoryRegion, TransferEngine, TransferOp, TransferRequest
@@ -159,7 +156,7 @@ class _Harness:
         if name == "memcpy":
             return MemcpyBaseline(self.buffer_bytes)
         if name == "perftest":
-            from kvconnect.bench.rdma import PerftestBaseline
+            from kvconnect.bench.baselines.perftest import PerftestBaseline
 
             return PerftestBaseline()
         python = find_mooncake_python(self.args.mooncake_python)
@@ -244,7 +241,7 @@ def _baseline_names(args: argparse.Namespace) -> list[str]:
     if find_mooncake_python(args.mooncake_python) is not None:
         names.append("mooncake")
     if "rdma" in _split(args.transports):
-        from kvconnect.bench.rdma import perftest_available
+        from kvconnect.bench.baselines.perftest import perftest_available
 
         if perftest_available():
             names.append("perftest")

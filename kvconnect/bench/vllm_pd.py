@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvconnect.testing import tiny_llama
-from kvconnect.testing.cluster import free_port
-from kvconnect.testing.vllm_servers import Server, complete, cpu_groups, first_token_seconds
+from kvconnect.bench import tiny_llama
+from kvconnect.bench.baselines import nixl
+from kvconnect.bench.vllm_servers import Server, complete, cpu_groups, first_token_seconds
+from kvconnect.store.launch import free_port
 
 _SHAPE = tiny_llama.Shape(layers=8, hidden=512, heads=8, kv_heads=8, intermediate=1024)
 _STARTUP = 900.0
@@ -91,33 +92,11 @@ def _write_model(python: str, path: Path) -> Path:
     """The tiny Llama, written by vLLM's interpreter (it has torch, safetensors, tokenizers)."""
     shape = dataclasses.asdict(_SHAPE)
     code = (
-        "import sys; from pathlib import Path; from kvconnect.testing import tiny_llama as t; "
+        "import sys; from pathlib import Path; from kvconnect.bench import tiny_llama as t; "
         f"t.write_tiny_llama(Path(sys.argv[1]), shape=t.Shape(**{shape!r}))"
     )
     subprocess.run([python, "-c", code, str(path)], check=True, timeout=300)
     return path
-
-
-_UNPINNED = """# written by kvconnect bench vllm --nixl-pinning off
-import os, sys
-_setaffinity = os.sched_setaffinity
-
-def _skip_nixl_pinning(pid, cpus):
-    if "nixl" in sys._getframe(1).f_code.co_filename:  # vLLM's NixlConnector worker
-        return
-    _setaffinity(pid, cpus)
-
-os.sched_setaffinity = _skip_nixl_pinning
-"""
-
-
-def _unpinned_site(work: Path) -> Path:
-    """A directory whose ``sitecustomize`` (imported by every process of the server, workers
-    included) makes vLLM's NixlConnector leave its worker's CPU affinity alone."""
-    site = work / "nixl-unpinned"
-    site.mkdir(parents=True, exist_ok=True)
-    (site / "sitecustomize.py").write_text(_UNPINNED)
-    return site
 
 
 class _Pair:
@@ -131,10 +110,7 @@ class _Pair:
         env: dict[str, str] = {}
         extra: dict[str, Any] = {}
         if name == "nixl":
-            connector = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
-            env = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}  # UCX over TCP, no shm
-            if args.nixl_pinning == "off":
-                env["PYTHONPATH"] = str(_unpinned_site(work))
+            connector, env = nixl.connector(work, pinned=args.nixl_pinning == "vllm")
         else:
             connector = {
                 "kv_connector": "KVConnectConnector",

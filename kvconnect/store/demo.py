@@ -23,8 +23,7 @@ import numpy as np
 
 from kvconnect.config import StoreClientConfig
 from kvconnect.store.client import StoreClient
-from kvconnect.testing.cluster import Process, free_port
-from kvconnect.testing.peer import pattern
+from kvconnect.store.launch import Process, free_port
 from kvconnect.transfer.memory import MemoryRegion
 
 _OPTIONS = ("clients", "seconds", "page_kib", "store_mib", "conversations", "system_pages")
@@ -140,7 +139,9 @@ def _serve_request(
 
 
 def _value(key: str, page: int) -> np.ndarray:
-    return pattern(int(key[:16], 16), page)
+    """A page's bytes, pseudo-random from its key: any client can verify any page."""
+    rng = np.random.default_rng(int(key[:16], 16))
+    return np.frombuffer(rng.bytes(page), dtype=np.uint8)
 
 
 if __name__ == "__main__":

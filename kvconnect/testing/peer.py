@@ -44,7 +44,7 @@ def pattern(seed: int, length: int) -> np.ndarray:
 class ChildProcess:
     """A child process driven over stdin/stdout with JSON lines: it prints one hello line,
     then answers one command per line until stdin closes (the protocol of this module's
-    peer and of :mod:`kvconnect.testing.prefill_peer`)."""
+    peer and of the test suite's prefill peer)."""
 
     def __init__(
         self, args: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kvconnect.testing.peer import PeerProcess, pattern
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.netns]
 

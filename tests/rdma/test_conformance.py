@@ -12,8 +12,7 @@ from kvconnect.config import TransferConfig
 from kvconnect.testing.conformance import TARGET_BYTES, Target
 from kvconnect.testing.peer import PeerProcess
 from kvconnect.transfer import MemoryRegion, TransferEngine
-from tests.conftest import ProcessTarget
-from tests.transfer.test_conformance import CHECKS
+from tests.support.conformance import CHECKS, ProcessTarget
 
 pytestmark = [pytest.mark.rdma, pytest.mark.integration]
 

@@ -11,12 +11,12 @@ from kvconnect.config import TransferConfig
 from kvconnect.errors import ConfigError
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import TransferEngine
-from tests.conftest import _rdma_present
+from tests.support.hardware import rdma_present
 
 MiB = 1 << 20
 
 
-@pytest.mark.skipif(_rdma_present(), reason="this host has an RDMA device")
+@pytest.mark.skipif(rdma_present(), reason="this host has an RDMA device")
 def test_forcing_rdma_without_a_device_is_a_config_error() -> None:
     engine = TransferEngine(TransferConfig(transport="rdma"))
     with pytest.raises(ConfigError, match="no RDMA device is usable"):

@@ -37,7 +37,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.runtime_context import create_context, use_context
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 
-from kvconnect.testing.tiny_llama import write_tiny_llama
+from kvconnect.bench.tiny_llama import write_tiny_llama
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 4, 2, 8, 16
 MLA_WIDTH = 24  # kv_lora_rank 16 + rope 8

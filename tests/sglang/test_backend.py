@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from kvconnect.store import messages as m
-from kvconnect.testing.cluster import Cluster
+from kvconnect.store.launch import Cluster
 from kvconnect.transfer import TransferOp
 from kvconnect.transfer.batch import Slice
 from kvconnect.transfer.datapath.copying import Copier
-from tests.conftest import wait_for
 from tests.sglang import harness as h
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.sglang]
 

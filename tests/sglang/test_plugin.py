@@ -17,7 +17,7 @@ from sglang.srt.server_args import prepare_server_args
 from kvconnect.errors import ConfigError
 from kvconnect.sglang import plugin
 from kvconnect.sglang.backend import KVConnectStore
-from kvconnect.testing.cluster import Cluster
+from kvconnect.store.launch import Cluster
 from tests.sglang import harness as h
 
 pytestmark = [pytest.mark.integration, pytest.mark.sglang]

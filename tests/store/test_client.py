@@ -17,14 +17,14 @@ from kvconnect.config import StoreClientConfig, TransferConfig
 from kvconnect.errors import InvalidRequest, StoreError
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
+from kvconnect.store.launch import Cluster, Process
 from kvconnect.store.messages import Code
 from kvconnect.store.resilience import BreakerState
-from kvconnect.testing.cluster import Cluster, Process
 from kvconnect.testing.peer import pattern
 from kvconnect.transfer.batch import Slice
 from kvconnect.transfer.datapath.copying import Copier
 from kvconnect.transfer.memory import MemoryRegion
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 KiB, MiB = 1 << 10, 1 << 20

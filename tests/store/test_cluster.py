@@ -20,12 +20,13 @@ from kvconnect.config import StoreClientConfig, TransferConfig, cluster_token
 from kvconnect.errors import CircuitOpen, InvalidRequest, MasterUnavailable
 from kvconnect.store import messages as m
 from kvconnect.store.client import BatchResult, StoreClient
+from kvconnect.store.launch import Cluster
 from kvconnect.store.messages import Code
 from kvconnect.store.rpc import RpcClient
-from kvconnect.testing.cluster import Cluster
 from kvconnect.testing.peer import pattern
-from kvconnect.testing.store_worker import expected, key_size
-from tests.conftest import wait_for
+from tests.support.child import child_env
+from tests.support.store_worker import expected, key_size
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 MiB = 1 << 20
@@ -48,7 +49,7 @@ def _workers(
             [
                 sys.executable,
                 "-m",
-                "kvconnect.testing.store_worker",
+                "tests.support.store_worker",
                 "--master",
                 cluster.master_endpoint,
                 "--seed",
@@ -59,6 +60,7 @@ def _workers(
             ],
             stdout=subprocess.PIPE,
             text=True,
+            env=child_env(),
         )
         for n in range(count)
     ]

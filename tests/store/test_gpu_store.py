@@ -6,8 +6,8 @@ import pytest
 
 from kvconnect.config import StoreClientConfig, TransferConfig
 from kvconnect.store.client import StoreClient
+from kvconnect.store.launch import Cluster
 from kvconnect.store.messages import Code
-from kvconnect.testing.cluster import Cluster
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 MiB = 1 << 20

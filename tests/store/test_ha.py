@@ -15,18 +15,18 @@ from datetime import datetime
 import numpy as np
 import pytest
 
+from kvconnect.bench.etcd import EtcdServer, etcd_available
 from kvconnect.bench.failover import busy_processes
 from kvconnect.config import StoreClientConfig, cluster_token
 from kvconnect.errors import StoreError
 from kvconnect.etcd import Etcd
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
+from kvconnect.store.launch import Process, free_port
 from kvconnect.store.messages import Code
 from kvconnect.store.rpc import RpcClient, find_leader
-from kvconnect.testing.cluster import Process, free_port
-from kvconnect.testing.etcd import EtcdServer, etcd_available
 from kvconnect.testing.peer import pattern
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 
 pytestmark = [
     pytest.mark.integration,

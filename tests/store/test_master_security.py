@@ -19,10 +19,11 @@ from kvconnect.errors import MasterUnavailable
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
 from kvconnect.store.commands import EXIT_CRASHED
+from kvconnect.store.launch import Cluster, Process, free_port
 from kvconnect.store.rpc import RpcClient
-from kvconnect.testing.cluster import Cluster, Process, free_port
 from kvconnect.testing.peer import pattern
-from tests.conftest import RawDealer, wait_for
+from tests.support.dealer import RawDealer
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

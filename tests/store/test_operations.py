@@ -15,10 +15,10 @@ from kvconnect.cli import build_parser, section_config
 from kvconnect.config import MasterConfig, StoreClientConfig, StoreServerConfig, TransferConfig
 from kvconnect.errors import ConfigError
 from kvconnect.store.client import StoreClient
+from kvconnect.store.launch import Cluster, free_port
 from kvconnect.store.messages import Code
-from kvconnect.testing.cluster import Cluster, free_port
 from kvconnect.testing.peer import pattern
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 MiB = 1 << 20

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from kvconnect.config import TransferConfig
-from kvconnect.testing import conformance
 from kvconnect.testing.conformance import TARGET_BYTES, EngineTarget, Target
 from kvconnect.testing.peer import PeerProcess
 from kvconnect.transfer import MemoryRegion, TransferEngine
-from tests.conftest import DATAPATHS, ProcessTarget, native_mode
+from tests.support.conformance import CHECKS, ProcessTarget
+from tests.support.hardware import DATAPATHS, native_mode
 
 TRANSPORTS = ["tcp", "shm", "local"]
 
@@ -36,14 +36,6 @@ def setup(request: pytest.FixtureRequest) -> Iterator[tuple[TransferEngine, Memo
             with PeerProcess(config=peer_config, shared=TARGET_BYTES, seed=1) as peer:
                 yield engine, local, ProcessTarget(peer)
                 assert engine.stats().transports[transport].bytes_read > 0
-
-
-CHECKS: list[Callable[[TransferEngine, MemoryRegion, Target, int], None]] = [
-    conformance.check_sizes,
-    conformance.check_many_small,
-    conformance.check_concurrent,
-    conformance.check_refusals,
-]
 
 
 @pytest.mark.integration

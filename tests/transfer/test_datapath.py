@@ -17,7 +17,7 @@ from kvconnect.transfer.datapath.iov import (
     PythonDataPath,
     select_datapath,
 )
-from tests.conftest import DATAPATHS, native_mode
+from tests.support.hardware import DATAPATHS, native_mode
 
 
 @pytest.fixture(params=DATAPATHS)

@@ -33,7 +33,7 @@ from kvconnect.transfer import (
 from kvconnect.transfer.batch import TransferBatch
 from kvconnect.transfer.memory import MemoryRegion
 from kvconnect.transfer.protocol import wire
-from tests.conftest import kvconnect_threads, wait_no_kvconnect_threads
+from tests.support.leaks import kvconnect_threads, wait_no_kvconnect_threads
 
 MiB = 1 << 20
 

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvconnect.bench.etcd import EtcdServer, etcd_available
 from kvconnect.config import TransferConfig
 from kvconnect.errors import (
     BrokenError,
@@ -21,8 +22,7 @@ from kvconnect.errors import (
     SegmentNotFound,
 )
 from kvconnect.etcd import Etcd
-from kvconnect.testing.cluster import free_port
-from kvconnect.testing.etcd import EtcdServer, etcd_available
+from kvconnect.store.launch import free_port
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import (
     SegmentDescriptor,
@@ -33,7 +33,7 @@ from kvconnect.transfer import (
 )
 from kvconnect.transfer.metadata.etcd import PREFIX, EtcdMetadata
 from kvconnect.transfer.segment import decode_descriptor
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 
 pytestmark = [
     pytest.mark.integration,

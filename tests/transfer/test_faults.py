@@ -23,7 +23,8 @@ from kvconnect.errors import (
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
 from kvconnect.transfer.protocol import wire
-from tests.conftest import kvconnect_threads, wait_for
+from tests.support.leaks import kvconnect_threads
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,7 @@ from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
 from kvconnect.transfer.metadata import P2PMetadata
 from kvconnect.transfer.protocol import wire
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ from kvconnect.transfer.memory import (
     MemoryRegistry,
     read_shm_header,
 )
-from tests.fakes import FakeCudaArray
+from tests.support.fakes import FakeCudaArray
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, Tran
 from kvconnect.transfer.batch import TransferBatch
 from kvconnect.transfer.datapath.copying import _COPY_CHUNK as COPY_CHUNK
 from kvconnect.transfer.datapath.iov import PythonDataPath
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

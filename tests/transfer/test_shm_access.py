@@ -19,7 +19,7 @@ from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, Tran
 from kvconnect.transfer.memory import SHM_HEADER
 from kvconnect.transfer.metadata import P2PMetadata
 from kvconnect.transfer.protocol import wire
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

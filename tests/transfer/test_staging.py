@@ -11,7 +11,7 @@ import pytest
 from kvconnect.config import TransferConfig
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import MemoryKind, TransferEngine
-from tests.fakes import FakeCudaArray, HostCopier
+from tests.support.fakes import FakeCudaArray, HostCopier
 
 MiB = 1 << 20
 pytestmark = pytest.mark.integration

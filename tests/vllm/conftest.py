@@ -43,6 +43,6 @@ collect_ignore = (
 @pytest.fixture(scope="session")
 def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama's config and tokenizer (no weights): enough for the scheduler."""
-    from kvconnect.testing.tiny_llama import write_tiny_llama
+    from kvconnect.bench.tiny_llama import write_tiny_llama
 
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-config"), weights=False)

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvconnect.testing import tiny_llama
-from kvconnect.testing.cluster import Cluster
-from kvconnect.testing.tiny_llama import Shape, write_tiny_llama
-from kvconnect.testing.vllm_servers import Proxy, Server, complete, cpu_groups
+from kvconnect.bench import tiny_llama
+from kvconnect.bench.tiny_llama import Shape, write_tiny_llama
+from kvconnect.bench.vllm_servers import Proxy, Server, complete, cpu_groups
+from kvconnect.store.launch import Cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -9,8 +9,8 @@ import threading
 import msgspec
 import pytest
 
+from kvconnect.bench.vllm_servers import cpu_groups
 from kvconnect.errors import ConfigError
-from kvconnect.testing.vllm_servers import cpu_groups
 from kvconnect.vllm.config import parse_config
 from kvconnect.vllm.layout import (
     KVFormat,

@@ -16,7 +16,7 @@ from vllm.v1.request import RequestStatus
 
 from kvconnect.config import StoreClientConfig
 from kvconnect.store.client import StoreClient
-from kvconnect.testing.cluster import Cluster
+from kvconnect.store.launch import Cluster
 from kvconnect.vllm import messages as msg
 from kvconnect.vllm.connector import KVConnectHandshake
 from kvconnect.vllm.layout import LayerLayout, RankLayout

@@ -10,7 +10,8 @@ import pytest
 from kvconnect.errors import PeerUnreachable
 from kvconnect.vllm import messages as msg
 from kvconnect.vllm.sidechannel import SideChannelClient, SideChannelServer
-from tests.conftest import RawDealer, wait_for
+from tests.support.dealer import RawDealer
+from tests.support.waiting import wait_for
 
 TOKEN = "side-channel-test-token"
 _PURPOSE = "vllm side channel"  # its CURVE key label

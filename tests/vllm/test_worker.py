@@ -18,8 +18,7 @@ import pytest
 
 from kvconnect.config import StoreClientConfig, TransferConfig, VllmConnectorConfig
 from kvconnect.store.client import StoreClient
-from kvconnect.testing.cluster import Cluster
-from kvconnect.testing.prefill_peer import BLOCKS, FORMAT, PrefillPeer, block_digest, kv_caches
+from kvconnect.store.launch import Cluster
 from kvconnect.transfer import TransferOp
 from kvconnect.transfer.datapath.copying import Copier
 from kvconnect.vllm.params import RemotePrefill
@@ -29,7 +28,8 @@ from kvconnect.vllm.pool import StorePoolIndex
 from kvconnect.vllm.roles import SchedulerServices
 from kvconnect.vllm.sidechannel import SideChannelClient
 from kvconnect.vllm.worker import ConnectorWorker
-from tests.conftest import wait_for
+from tests.support.prefill_peer import BLOCKS, FORMAT, PrefillPeer, block_digest, kv_caches
+from tests.support.waiting import wait_for
 
 torch = pytest.importorskip("torch")
 

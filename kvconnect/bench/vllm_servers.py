@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvconnect.testing.cluster import free_port
+from kvconnect.store.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]  # the source tree (examples/ is not installed)
 _STATS = re.compile(r"KV Transfer metrics: (.*)$")

@@ -31,6 +31,7 @@ from kvconnect.vllm import messages as msg
 from kvconnect.vllm.params import RemotePrefill
 from kvconnect.vllm.pd import PrefillService
 from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
+from tests.support.child import child_env
 
 BLOCKS = 16
 FORMAT = EngineFormat(model="m", dtype="float32", block_size=4, tp_rank=0, tp_size=1)
@@ -60,13 +61,13 @@ def block_digest(caches: Mapping[str, Any], blocks: Sequence[int]) -> str:
 
 
 class PrefillPeer(ChildProcess):
-    """Start ``python -m kvconnect.testing.prefill_peer`` and talk to it."""
+    """Start ``python -m tests.support.prefill_peer`` and talk to it."""
 
     def __init__(self, *, seed: int, lease: float = 30.0, timeout: float = 60.0) -> None:
         """``seed``: the KV cache's contents (:func:`kv_caches`); ``lease``: prefill's lease."""
-        args = [sys.executable, "-m", "kvconnect.testing.prefill_peer"]
+        args = [sys.executable, "-m", "tests.support.prefill_peer"]
         args += ["--seed", str(seed), "--lease", str(lease)]
-        super().__init__(args, timeout=timeout)
+        super().__init__(args, env=child_env(), timeout=timeout)
         self.port: int = self.hello["port"]
         self.engine_id: str = self.hello["engine_id"]
 

@@ -1,6 +1,6 @@
 """A store client workload in its own process, verifying every byte it reads.
 
-    python -m kvconnect.testing.store_worker --master tcp://… --seconds 5 --keys 200
+    python -m tests.support.store_worker --master tcp://… --seconds 5 --keys 200
 
 Every key has one deterministic size and value (derived from the key), so any worker can check
 any read without coordination. Prints one JSON line: operation counts, codes seen, and the

@@ -10,7 +10,7 @@ import time
 import urllib.request
 from types import TracebackType
 
-from kvconnect.testing.cluster import free_port
+from kvconnect.store.launch import free_port
 
 
 def etcd_available() -> bool:

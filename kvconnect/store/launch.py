@@ -1,4 +1,6 @@
-"""A real store cluster of separate processes on loopback, for tests and benchmarks.
+"""kvconnect commands in child processes on loopback: ``kvconnect demo`` and ``kvconnect bench``
+start their stores with it, and the test suite its clusters (which is why it ships: the
+shipped commands need it, and tests import this one rather than a copy).
 
     with Cluster(servers=3, server_size=64 << 20) as cluster:
         client = StoreClient(StoreClientConfig(master=cluster.master_endpoint))
