@@ -45,6 +45,7 @@ from kvconnect.sglang.keys import PageFormat, PageKeys, page_keys
 from kvconnect.sglang.withheld import WithheldSlots
 from kvconnect.store.client import BatchResult, StoreClient
 from kvconnect.store.messages import Code
+from kvconnect.store.resilience import BreakerState
 from kvconnect.store.server import StoreServer
 from kvconnect.transfer.memory import MemoryRegion
 
@@ -166,12 +167,13 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
     @property
     def local_only(self) -> bool:
         """Whether the store is considered down (SGLang then runs on its local tiers)."""
-        return self.breaker_state != "closed"
+        return self.breaker_state is not BreakerState.CLOSED
 
     @property
-    def breaker_state(self) -> str:
-        """``closed`` (store in use), ``open`` (failing fast) or ``half_open`` (probing)."""
-        return self._client.breaker.state.value
+    def breaker_state(self) -> BreakerState:
+        """``closed`` (store in use), ``open`` (failing fast) or ``half_open`` (probing); a
+        ``str`` enum, equal to those strings."""
+        return self._client.breaker.state
 
     # ---------------------------------------------------------------------------- zero-copy
 
