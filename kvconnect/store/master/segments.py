@@ -26,19 +26,27 @@ returns by itself and nothing should be evicted for it.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import heapq
 import itertools
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 from kvconnect.store.master.allocator import OffsetAllocator
 from kvconnect.store.master.objects import Replica
 from kvconnect.store.messages import Change, Changes, SegmentSpec
 
-Strategy = Literal["local_first", "random", "free_ratio"]
+
+class Strategy(enum.StrEnum):
+    """Where new objects go (``MasterConfig.allocation``; see the module docstring)."""
+
+    LOCAL_FIRST = "local_first"
+    RANDOM = "random"
+    FREE_RATIO = "free_ratio"
+
 
 _CHANGES_PER_REPLY = 16384  # journal changes sent in one heartbeat reply
 
@@ -225,10 +233,10 @@ class SegmentTable:
     def order(self, writer: str, host_id: str) -> list[Segment]:
         """Candidate segments for a writer, in the order the strategy prefers."""
         live = [s for s in self.live() if s.recovering is None]
-        if self.strategy == "random":
+        if self.strategy is Strategy.RANDOM:
             self._rng.shuffle(live)
             return live
-        if self.strategy == "free_ratio":
+        if self.strategy is Strategy.FREE_RATIO:
             return sorted(live, key=_free_ratio, reverse=True)
         return sorted(live, key=lambda s: (s.spec.host_id != host_id, -s.rank(writer)))
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from kvconnect.config import MasterConfig
 from kvconnect.store.master.objects import ObjectTable, Pending, Replica, State
-from kvconnect.store.master.segments import Segment, SegmentTable
+from kvconnect.store.master.segments import Segment, SegmentTable, Strategy
 from kvconnect.store.messages import (
     Change,
     Changes,
@@ -46,7 +46,8 @@ class MasterState:
     def __init__(self, config: MasterConfig, seed: int | None = None) -> None:
         self.config = config
         self.objects = ObjectTable()
-        self.segments = SegmentTable(config.allocation, config.alignment, seed)
+        strategy = Strategy(config.allocation)  # the config checked it is one
+        self.segments = SegmentTable(strategy, config.alignment, seed)
         self._servers: dict[str, float] = {}
         self._next_expiry_scan = 0.0
         self._cleanup: list[int] = []  # slots that referenced a lost segment
@@ -232,7 +233,7 @@ class MasterState:
         on one segment (``local_first``); [] for an object that does not fit anywhere."""
         if not sizes:
             return []
-        if self.segments.strategy == "local_first":
+        if self.segments.strategy is Strategy.LOCAL_FIRST:
             # The common case: the writer's first choice takes the whole batch, in one search.
             order = self.segments.order(client, host_id)
             run = self.segments.place_run(order[:replicas], sizes) if order else None
