@@ -100,7 +100,7 @@ class ObjectTable:
         """:meth:`add` for a batch (free slots first, then columns extended at once)."""
         reuse = min(len(keys), len(self._free))
         head = zip(keys[:reuse], sizes[:reuse], placed[:reuse], strict=True)
-        slots = [self.add(key, size, *where, pin) for key, size, where in head]
+        slots = [self.add(key, size, at.segment, at.offset, pin) for key, size, at in head]
         rest = len(keys) - reuse
         if rest:
             first = len(self.keys)
