@@ -23,6 +23,7 @@ Contract with SGLang, and why:
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -45,6 +46,7 @@ from kvconnect.sglang.keys import PageFormat, PageKeys, page_keys
 from kvconnect.sglang.withheld import WithheldSlots
 from kvconnect.store.client import BatchResult, StoreClient
 from kvconnect.store.messages import Code
+from kvconnect.store.resilience import BreakerState
 from kvconnect.store.server import StoreServer
 from kvconnect.transfer.memory import MemoryRegion
 
@@ -53,6 +55,17 @@ log = logging.getLogger(__name__)
 SUPPORTED_LAYOUTS = ("page_first", "page_first_direct")
 _WARN_EVERY = 10.0  # seconds between WARNING lines about the same kind of store trouble
 _MAX_SAMPLES = 10_000  # per-call samples kept for SGLang's metrics between two collections
+
+
+class _Trouble(enum.StrEnum):
+    """What a WARNING is about: each has its own clock (:meth:`KVConnectStore._warn`); the value
+    names it in the line."""
+
+    EXISTS = "exists"  # the store failed a lookup
+    UNSETTLED = "unsettled"  # transfers still running past their deadline
+    BATCH_EXISTS = "batch_exists"  # unexpected errors, by SGLang call
+    BATCH_GET = "batch_get_v1"
+    BATCH_SET = "batch_set_v1"
 
 
 @dataclass
@@ -87,7 +100,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         self.stats = BackendStats()
         self._metrics = StorageMetrics()  # per-call samples for SGLang's --enable-metrics
         self._lock = threading.Lock()  # guards stats, metrics and the warning clock
-        self._last_warning: dict[str, float] = {}
+        self._last_warning: dict[_Trouble, float] = {}
         self._healthy = True
         self._keys: PageKeys | None = None
         self._memory: _PoolMemory | None = None
@@ -166,12 +179,13 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
     @property
     def local_only(self) -> bool:
         """Whether the store is considered down (SGLang then runs on its local tiers)."""
-        return self.breaker_state != "closed"
+        return self.breaker_state is not BreakerState.CLOSED
 
     @property
-    def breaker_state(self) -> str:
-        """``closed`` (store in use), ``open`` (failing fast) or ``half_open`` (probing)."""
-        return self._client.breaker.state.value
+    def breaker_state(self) -> BreakerState:
+        """``closed`` (store in use), ``open`` (failing fast) or ``half_open`` (probing); a
+        ``str`` enum, equal to those strings."""
+        return self._client.breaker.state
 
     # ---------------------------------------------------------------------------- zero-copy
 
@@ -185,10 +199,10 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
             self._set_healthy(True)
             return naming.leading_pages(found)
         except StoreError as exc:
-            self._store_trouble("exists", exc)
+            self._store_trouble(_Trouble.EXISTS, exc)
             return 0
         except Exception:
-            self._unexpected("batch_exists")
+            self._unexpected(_Trouble.BATCH_EXISTS)
             return 0
 
     def batch_get_v1(
@@ -202,7 +216,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         try:
             return self._transfer(keys, host_indices, write=False)
         except Exception:
-            self._unexpected("batch_get_v1")
+            self._unexpected(_Trouble.BATCH_GET)
             return [False] * len(keys)
 
     def batch_set_v1(
@@ -218,7 +232,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
                 return [True] * len(keys)  # MLA: another rank writes the shared pages
             return self._transfer(keys, host_indices, write=True)
         except Exception:
-            self._unexpected("batch_set_v1")
+            self._unexpected(_Trouble.BATCH_SET)
             return [False] * len(keys)
 
     # ------------------------------------------------------------------- legacy (copy) API
@@ -315,7 +329,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         with self._lock:
             self.stats.pages_withheld += len(unsettled)
         self._warn(
-            "unsettled",
+            _Trouble.UNSETTLED,
             "kvconnect: %d page(s) still in transfer past the deadline; their host slots are "
             "withheld from SGLang until the transfer lets go",
             len(unsettled),
@@ -389,16 +403,16 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
                 self.config.breaker_cooldown,
             )
 
-    def _store_trouble(self, what: str, exc: Exception) -> None:
+    def _store_trouble(self, what: _Trouble, exc: Exception) -> None:
         self._set_healthy(False)
         self._warn(what, "kvconnect store %s failed: %s", what, exc)
 
-    def _unexpected(self, what: str) -> None:
+    def _unexpected(self, what: _Trouble) -> None:
         with self._lock:
             self.stats.errors += 1
         self._warn(what, "kvconnect HiCache %s failed; treated as a miss", what, exc_info=True)
 
-    def _warn(self, kind: str, message: str, *args: object, exc_info: bool = False) -> None:
+    def _warn(self, kind: _Trouble, message: str, *args: object, exc_info: bool = False) -> None:
         """At most one WARNING per kind every few seconds (an outage is one story)."""
         now = time.monotonic()
         with self._lock:

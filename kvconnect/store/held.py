@@ -9,17 +9,25 @@ new master, which indexes those objects again.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 from kvconnect.store.messages import Change, Changes
 
 log = logging.getLogger(__name__)
 
 
+class Held(NamedTuple):
+    """Where a held object lies in its segment."""
+
+    offset: int
+    size: int
+
+
 class HeldObjects:
-    """key → (offset, size) of one segment, and how many journal changes were applied."""
+    """key → where in one segment, and how many journal changes were applied."""
 
     def __init__(self) -> None:
-        self._by_key: dict[str, tuple[int, int]] = {}
+        self._by_key: dict[str, Held] = {}
         self._by_offset: dict[int, str] = {}
         self.applied = 0
         """Journal changes of the current mount applied so far (the acknowledgement)."""
@@ -27,8 +35,8 @@ class HeldObjects:
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def get(self, key: str) -> tuple[int, int] | None:
-        """(offset, size) of a held object."""
+    def get(self, key: str) -> Held | None:
+        """Where a held object lies (None: not held)."""
         return self._by_key.get(key)
 
     def new_mount(self) -> None:
@@ -48,7 +56,7 @@ class HeldObjects:
     def report(self) -> list[Change]:
         """Every held object, in offset order (how the master adopts them)."""
         ordered = sorted(self._by_offset.items())
-        return [Change(key, offset, self._by_key[key][1]) for offset, key in ordered]
+        return [Change(key, offset, self._by_key[key].size) for offset, key in ordered]
 
     def _apply(self, change: Change) -> None:
         # Whatever was at this offset is gone: released, or overwritten by the new object.
@@ -59,6 +67,6 @@ class HeldObjects:
             return
         previous = self._by_key.pop(change.key, None)
         if previous is not None:
-            del self._by_offset[previous[0]]
-        self._by_key[change.key] = (change.offset, change.size)
+            del self._by_offset[previous.offset]
+        self._by_key[change.key] = Held(change.offset, change.size)
         self._by_offset[change.offset] = change.key

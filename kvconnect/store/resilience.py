@@ -13,8 +13,9 @@ import threading
 from collections import OrderedDict
 
 
-class BreakerState(enum.Enum):
-    """CLOSED: calls flow. OPEN: calls fail fast. HALF_OPEN: one probe is in flight."""
+class BreakerState(enum.StrEnum):
+    """CLOSED: calls flow. OPEN: calls fail fast. HALF_OPEN: one probe is in flight.
+    (A ``str``: adapters show it as is, e.g. SGLang's ``breaker_state``.)"""
 
     CLOSED = "closed"
     OPEN = "open"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvconnect.vllm.params import prefill_params, remote_prefill, wants_remote_decode
 from kvconnect.vllm.pd import LeaseKeeper, PrefillService
@@ -40,6 +40,13 @@ class PoolIndex(Protocol):
         """How many of ``hashes``, from the first, are stored (0 when the pool is down)."""
 
 
+class _PoolHit(NamedTuple):
+    """What the pool holds of a request, as last looked up."""
+
+    computed: int  # tokens computed locally when it was looked up
+    blocks: int  # leading blocks after those that the pool holds
+
+
 class ConnectorScheduler:
     """Scheduler-side state of one engine (prefill, decode, pool, or several at once)."""
 
@@ -62,7 +69,7 @@ class ConnectorScheduler:
         self._keeper = keeper
         self._pool = pool
         self._requests: dict[str, RequestView] = {}
-        self._pool_hits: dict[str, tuple[int, int]] = {}  # request → (computed, blocks found)
+        self._pool_hits: dict[str, _PoolHit] = {}  # by request
         self._pooled: dict[str, int] = {}  # request → leading blocks known to be in the pool
         self._saving: set[str] = set()  # requests with a save planned (their frees wait)
         self._recv: list[RecvJob] = []
@@ -103,12 +110,12 @@ class ConnectorScheduler:
         if self._pool is None:
             return 0, False
         hit = self._pool_hits.get(request.request_id)
-        if hit is None or hit[0] != num_computed:
+        if hit is None or hit.computed != num_computed:
             first = num_computed // self._block_size
             hashes = [h.hex() for h in request.block_hashes[first:]]
-            hit = (num_computed, self._pool.leading(hashes) if hashes else 0)
+            hit = _PoolHit(num_computed, self._pool.leading(hashes) if hashes else 0)
             self._pool_hits[request.request_id] = hit
-        return _async(hit[1] * self._block_size)
+        return _async(hit.blocks * self._block_size)
 
     def after_alloc(
         self, request: RequestView, block_ids: Sequence[int], num_external: int
@@ -135,7 +142,7 @@ class ConnectorScheduler:
         hit = self._pool_hits.pop(rid, None)
         if hit is None or num_external <= 0:
             return
-        first = hit[0] // self._block_size
+        first = hit.computed // self._block_size
         count = min(num_external // self._block_size, len(block_ids))
         hashes = tuple(h.hex() for h in request.block_hashes[first : first + count])
         self._load.append(PoolJob(rid, hashes, tuple(block_ids[:count])))

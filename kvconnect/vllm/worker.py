@@ -14,6 +14,7 @@ reported only once the transfer settled, so vLLM keeps the blocks until then.
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import queue
@@ -83,10 +84,25 @@ class EngineFormat:
         )
 
 
+class _Kind(enum.StrEnum):
+    """What a background job of the worker does (its value names it in logs)."""
+
+    RECV = "recv"  # decode: read a prefill engine's blocks
+    LOAD = "load"  # pool: load blocks from the store
+    SAVE = "save"  # pool: save blocks to the store
+
+
+class _Hold(enum.Enum):
+    """What a finished request's blocks still wait for before they are reported sent."""
+
+    LEASE = enum.auto()  # prefill: decode has neither read nor given them up (the lease)
+    SAVE = enum.auto()  # pool: their save still reads them
+
+
 @dataclass(slots=True)
 class _Outcome:
     request_id: str
-    kind: str  # "recv", "load" or "save"
+    kind: _Kind
     ok: bool
     failed_blocks: tuple[int, ...] = ()
     nbytes: int = 0
@@ -140,7 +156,7 @@ class ConnectorWorker:
         self.layout: RankLayout | None = None
         self._regions: dict[int, MemoryRegion] = {}
         self._load_errors: set[int] = set()
-        self._holds: dict[str, set[str]] = {}  # finished request → what its blocks wait for
+        self._holds: dict[str, set[_Hold]] = {}  # finished request → what its blocks wait for
         self._saves: dict[str, bool] = {}  # request → its save is done
         self._saving: dict[str, threading.Event] = {}  # saves not reported yet, by request
         self._cuda = False
@@ -206,13 +222,14 @@ class ConnectorWorker:
                 plan.released,
             )
         for job in plan.recv:
-            self._lanes.submit(f"read-{job.remote.endpoint}", self._guarded(self._recv, job))
+            lane = f"read-{job.remote.endpoint}"
+            self._lanes.submit(lane, self._guarded(_Kind.RECV, self._recv, job))
         for load in plan.load:
-            self._lanes.submit(_LOADS, self._guarded(self._load, load))
+            self._lanes.submit(_LOADS, self._guarded(_Kind.LOAD, self._load, load))
         for rid in plan.held:
-            self._holds.setdefault(rid, set()).add("lease")
+            self._holds.setdefault(rid, set()).add(_Hold.LEASE)
         for rid in plan.released:  # held in this plan or an earlier one
-            self._release(rid, "lease")
+            self._release(rid, _Hold.LEASE)
 
     def save(self, plan: StepPlan) -> None:
         """Start this step's saves; the forward pass that wrote the blocks has run."""
@@ -224,7 +241,7 @@ class ConnectorWorker:
             self._saves[job.request_id] = False
             with self._lock:
                 self._saving[job.request_id] = threading.Event()
-            self._lanes.submit(_SAVES, self._guarded(self._save, job))
+            self._lanes.submit(_SAVES, self._guarded(_Kind.SAVE, self._save, job))
 
     def protect(self, plan: StepPlan) -> None:
         """Before the forward pass: wait until the saves of requests preempted this step
@@ -246,7 +263,7 @@ class ConnectorWorker:
             if rid in self._saves:
                 waits = self._holds.setdefault(rid, set())
                 if not self._saves[rid]:
-                    waits.add("save")
+                    waits.add(_Hold.SAVE)
         recving: set[str] = set()
         failed: set[str] = set()
         while True:
@@ -255,9 +272,9 @@ class ConnectorWorker:
             except queue.Empty:
                 break
             self._account(outcome)
-            if outcome.kind == "save":
+            if outcome.kind is _Kind.SAVE:
                 self._saves[outcome.request_id] = True
-                self._release(outcome.request_id, "save")
+                self._release(outcome.request_id, _Hold.SAVE)
                 continue
             recving.add(outcome.request_id)
             if not outcome.ok:
@@ -274,13 +291,13 @@ class ConnectorWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def _release(self, rid: str, reason: str) -> None:
+    def _release(self, rid: str, hold: _Hold) -> None:
         waits = self._holds.get(rid)
         if waits is not None:
-            waits.discard(reason)
+            waits.discard(hold)
 
     def _account(self, outcome: _Outcome) -> None:
-        if outcome.kind == "recv":
+        if outcome.kind is _Kind.RECV:
             self.stats.add(
                 pd_reads=1,
                 pd_failed=0 if outcome.ok else 1,
@@ -289,7 +306,7 @@ class ConnectorWorker:
                 pd_read_seconds=outcome.io_seconds,
                 pd_incompatible=1 if outcome.refused else 0,
             )
-        elif outcome.kind == "load":
+        elif outcome.kind is _Kind.LOAD:
             self.stats.add(
                 pool_loads=1,
                 pool_failed=0 if outcome.ok else 1,
@@ -299,24 +316,26 @@ class ConnectorWorker:
         else:
             self.stats.add(pool_saves=1, pool_bytes_saved=outcome.nbytes)
 
-    def _guarded(self, job: Any, item: RecvJob | PoolJob) -> Callable[[], None]:
-        return functools.partial(self._guard, job, item)
+    def _guarded(
+        self, kind: _Kind, job: Callable[[Any], None], item: RecvJob | PoolJob
+    ) -> Callable[[], None]:
+        """``job(item)`` as a lane job that always reports an outcome of ``kind``."""
+        return functools.partial(self._guard, kind, job, item)
 
-    def _guard(self, job: Any, item: RecvJob | PoolJob) -> None:
+    def _guard(self, kind: _Kind, job: Callable[[Any], None], item: RecvJob | PoolJob) -> None:
         # A job must always produce an outcome, or vLLM would wait for its request for ever.
         try:
             job(item)
         except Exception:  # reported as a failed transfer
-            log.exception("kvconnect %s of %s failed", job.__name__, item.request_id)
+            log.exception("kvconnect %s of %s failed", kind, item.request_id)
             blocks = item.local_blocks if isinstance(item, RecvJob) else item.blocks
-            kind = job.__name__.lstrip("_")
             self._report(_Outcome(item.request_id, kind, False, tuple(blocks)))
 
     def _report(self, outcome: _Outcome) -> None:
         """Hand ``outcome`` to the next :meth:`results` (any thread; for a transfer that had
         not settled, the transport thread that settles it)."""
         self._outcomes.put(outcome)
-        if outcome.kind == "save":
+        if outcome.kind is _Kind.SAVE:
             with self._lock:
                 settled = self._saving.pop(outcome.request_id, None)
             if settled is not None:
@@ -353,7 +372,7 @@ class ConnectorWorker:
             seconds = time.monotonic() - started
             self._report(
                 _Outcome(
-                    job.request_id, "recv", False, job.local_blocks, 0, seconds, refused=refused
+                    job.request_id, _Kind.RECV, False, job.local_blocks, 0, seconds, refused=refused
                 )
             )
             self._give_up(remote.endpoint, remote.request_id)
@@ -375,7 +394,7 @@ class ConnectorWorker:
         failed = () if ok else job.local_blocks
         moved = nbytes if ok else 0
         # Reported before telling prefill, so a dead prefill delays no recompute.
-        outcome = _Outcome(job.request_id, "recv", ok, failed, moved, seconds, io_seconds)
+        outcome = _Outcome(job.request_id, _Kind.RECV, ok, failed, moved, seconds, io_seconds)
         unsettled = TransferStatus.PENDING in statuses
         self._report_settled(outcome, unsettled, batch.add_settled_callback)
         if not read:
@@ -497,7 +516,9 @@ class ConnectorWorker:
             if not all(ok[i * per_block : (i + 1) * per_block])
         )
         seconds = time.monotonic() - started
-        outcome = _Outcome(job.request_id, "load", not failed, failed, sum(result.sizes), seconds)
+        outcome = _Outcome(
+            job.request_id, _Kind.LOAD, not failed, failed, sum(result.sizes), seconds
+        )
         self._report_settled(outcome, Code.UNSETTLED in result.codes, result.on_settled)
 
     def _save(self, job: PoolJob) -> None:
@@ -507,5 +528,5 @@ class ConnectorWorker:
             keys, regions, offsets, sizes, timeout=self.config.pool_write_timeout
         )
         written = sum(size for size, ok in zip(sizes, result.ok(), strict=True) if ok)
-        outcome = _Outcome(job.request_id, "save", all(result.ok()), (), written)
+        outcome = _Outcome(job.request_id, _Kind.SAVE, all(result.ok()), (), written)
         self._report_settled(outcome, Code.UNSETTLED in result.codes, result.on_settled)

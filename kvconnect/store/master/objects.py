@@ -13,6 +13,7 @@ from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,6 +29,13 @@ class State(enum.IntEnum):
 # Plain ints for the columns: storing an IntEnum member costs a conversion per element.
 _FREE = int(State.FREE)
 _PENDING = int(State.PENDING)
+
+
+class Replica(NamedTuple):
+    """Where one copy of an object lives."""
+
+    segment: int  # index in SegmentTable.all
+    offset: int  # bytes into that segment
 
 
 @dataclass(slots=True)
@@ -54,7 +62,7 @@ class ObjectTable:
         self.lease = array("d")
         self.access = array("f")
         self.pin = array("f")
-        self.extra: dict[int, list[tuple[int, int]]] = {}  # more replicas: (segment, offset)
+        self.extra: dict[int, list[Replica]] = {}  # replicas after the primary
         self.pending: dict[int, Pending] = {}
         self._free: list[int] = []
 
@@ -87,20 +95,20 @@ class ObjectTable:
         return slot
 
     def add_many(
-        self, keys: list[str], sizes: list[int], placed: list[tuple[int, int]], pin: float
+        self, keys: list[str], sizes: list[int], placed: list[Replica], pin: float
     ) -> list[int]:
         """:meth:`add` for a batch (free slots first, then columns extended at once)."""
         reuse = min(len(keys), len(self._free))
         head = zip(keys[:reuse], sizes[:reuse], placed[:reuse], strict=True)
-        slots = [self.add(key, size, seg, off, pin) for key, size, (seg, off) in head]
+        slots = [self.add(key, size, at.segment, at.offset, pin) for key, size, at in head]
         rest = len(keys) - reuse
         if rest:
             first = len(self.keys)
             new = range(first, first + rest)
             self.keys.extend(keys[reuse:])
             self.size.extend(sizes[reuse:])
-            self.segment.extend([s for s, _ in placed[reuse:]])
-            self.offset.extend([o for _, o in placed[reuse:]])
+            self.segment.extend([where.segment for where in placed[reuse:]])
+            self.offset.extend([where.offset for where in placed[reuse:]])
             self.state.frombytes(bytes((_PENDING,)) * rest)
             self.lease.extend(array("d", (0.0,)) * rest)
             self.access.extend(array("f", (0.0,)) * rest)
@@ -120,13 +128,13 @@ class ObjectTable:
         self.pending.pop(slot, None)
         self._free.append(slot)
 
-    def replicas(self, slot: int) -> list[tuple[int, int]]:
-        """(segment, offset) of every replica, primary first."""
-        first = (self.segment[slot], self.offset[slot])
+    def replicas(self, slot: int) -> list[Replica]:
+        """Every replica, primary first."""
+        first = Replica(self.segment[slot], self.offset[slot])
         more = self.extra.get(slot)
         return [first, *more] if more else [first]
 
-    def set_replicas(self, slot: int, replicas: list[tuple[int, int]]) -> None:
+    def set_replicas(self, slot: int, replicas: list[Replica]) -> None:
         """Replace the replica list (non-empty)."""
         self.segment[slot], self.offset[slot] = replicas[0]
         if len(replicas) > 1:

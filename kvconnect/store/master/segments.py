@@ -26,20 +26,49 @@ returns by itself and nothing should be evicted for it.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import heapq
 import itertools
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import NamedTuple
 
 from kvconnect.store.master.allocator import OffsetAllocator
+from kvconnect.store.master.objects import Replica
 from kvconnect.store.messages import Change, Changes, SegmentSpec
 
-Strategy = Literal["local_first", "random", "free_ratio"]
+
+class Strategy(enum.StrEnum):
+    """Where new objects go (``MasterConfig.allocation``; see the module docstring)."""
+
+    LOCAL_FIRST = "local_first"
+    RANDOM = "random"
+    FREE_RATIO = "free_ratio"
+
 
 _CHANGES_PER_REPLY = 16384  # journal changes sent in one heartbeat reply
+
+
+class InTransit(NamedTuple):
+    """Released space of a segment waiting for a time before it is reusable (the end of a
+    read lease, the put quarantine). Compared as a tuple: ``until`` first, so a heap of them
+    yields the earliest due."""
+
+    until: float  # not reusable before (seconds on the master's clock)
+    segment: int  # index in SegmentTable.all
+    offset: int
+    size: int  # the object's size (the allocator rounds it to the alignment)
+
+
+class _Release(NamedTuple):
+    """A committed object's release, journaled but not acknowledged by its server yet."""
+
+    seq: int  # the release's sequence number in the segment's journal
+    offset: int
+    size: int
+    until: float  # not reusable before (a read lease), even once acknowledged
 
 
 @dataclass(slots=True, eq=False)
@@ -57,8 +86,7 @@ class Segment:
     journal: deque[Change] = field(default_factory=deque)  # not yet acknowledged by the server
     journal_base: int = 0  # sequence number of journal[0]
     journal_sent: int = 0  # changes before this one were sent to the server
-    # journaled releases not acknowledged yet: (seq, offset, size, not reusable before)
-    releasing: deque[tuple[int, int, int, float]] = field(default_factory=deque)
+    releasing: deque[_Release] = field(default_factory=deque)  # oldest first
     in_transit: int = 0  # bytes released but not allocatable yet (see the module docstring)
     _ranks: dict[str, int] = field(default_factory=dict)
 
@@ -85,7 +113,7 @@ class Segment:
         """Journal a committed object's release now — its server forgets the object at the
         next heartbeat, so no later master indexes it again — and keep its space in transit
         until the server acknowledges the release and ``until`` (a read lease) has passed."""
-        self.releasing.append((self.journal_base + len(self.journal), offset, size, until))
+        self.releasing.append(_Release(self.journal_base + len(self.journal), offset, size, until))
         self.hold(size)
         self.journal.append(Change("", offset, size))
 
@@ -103,19 +131,19 @@ class Segment:
         the master could not adopt); no space changes hands."""
         self.journal.append(Change("", offset, 0))
 
-    def acknowledge(self, applied: int) -> tuple[Changes, list[tuple[float, int, int]]]:
+    def acknowledge(self, applied: int) -> tuple[Changes, list[InTransit]]:
         """The server applied the journal up to sequence ``applied``: drop that part. Returns
-        the changes it still lacks (a bounded batch) and the releases it now knows, as
-        (not reusable before, offset, size); the caller makes that space reusable."""
+        the changes it still lacks (a bounded batch) and the space of the releases it now
+        knows; the caller makes that space reusable."""
         # Never past what was sent: a confused server must not make us drop unseen changes.
         count = max(min(applied, self.journal_sent) - self.journal_base, 0)
         for _ in range(count):
             self.journal.popleft()
         self.journal_base += count
         known = []
-        while self.releasing and self.releasing[0][0] < self.journal_base:
-            _seq, offset, size, until = self.releasing.popleft()
-            known.append((until, offset, size))
+        while self.releasing and self.releasing[0].seq < self.journal_base:
+            release = self.releasing.popleft()
+            known.append(InTransit(release.until, self.index, release.offset, release.size))
         pending = list(itertools.islice(self.journal, _CHANGES_PER_REPLY))
         self.journal_sent = max(self.journal_sent, self.journal_base + len(pending))
         return Changes(self.mount_id, self.journal_base, pending), known
@@ -133,8 +161,7 @@ class SegmentTable:
         self.by_name: dict[str, Segment] = {}
         self.by_mount: dict[str, Segment] = {}
         self._rng = random.Random(seed)
-        # space in transit waiting for a time: (reusable at, segment index, offset, size)
-        self._waiting: list[tuple[float, int, int, int]] = []
+        self._waiting: list[InTransit] = []  # a heap: the earliest due first
 
     def mount(self, server: str, mount_id: str, spec: SegmentSpec, recovering: bool) -> Segment:
         """Add a live segment (the caller retired any previous mount of the same name).
@@ -206,29 +233,27 @@ class SegmentTable:
     def order(self, writer: str, host_id: str) -> list[Segment]:
         """Candidate segments for a writer, in the order the strategy prefers."""
         live = [s for s in self.live() if s.recovering is None]
-        if self.strategy == "random":
+        if self.strategy is Strategy.RANDOM:
             self._rng.shuffle(live)
             return live
-        if self.strategy == "free_ratio":
+        if self.strategy is Strategy.FREE_RATIO:
             return sorted(live, key=_free_ratio, reverse=True)
         return sorted(live, key=lambda s: (s.spec.host_id != host_id, -s.rank(writer)))
 
-    def place(self, order: list[Segment], size: int, replicas: int) -> list[tuple[int, int]]:
+    def place(self, order: list[Segment], size: int, replicas: int) -> list[Replica]:
         """Allocate up to ``replicas`` copies on distinct segments; [] if none fits."""
-        placed: list[tuple[int, int]] = []
+        placed: list[Replica] = []
         for segment in order:
             offset = segment.allocator.allocate(size)
             if offset is None:
                 continue
-            placed.append((segment.index, offset))
+            placed.append(Replica(segment.index, offset))
             segment.objects += 1
             if len(placed) == replicas:
                 break
         return placed
 
-    def place_run(
-        self, segments: list[Segment], sizes: list[int]
-    ) -> list[list[tuple[int, int]]] | None:
+    def place_run(self, segments: list[Segment], sizes: list[int]) -> list[list[Replica]] | None:
         """Place a whole batch contiguously, one replica of the run on each of ``segments``
         (all or nothing). Per object its placements, or None."""
         runs: list[tuple[int, list[int]]] = []
@@ -241,7 +266,7 @@ class SegmentTable:
                 return None
             segment.objects += len(sizes)
             runs.append((segment.index, offsets))
-        return [[(index, offsets[n]) for index, offsets in runs] for n in range(len(sizes))]
+        return [[Replica(index, offsets[n]) for index, offsets in runs] for n in range(len(sizes))]
 
     def release(
         self, segment_index: int, offset: int, size: int, committed: bool, until: float = 0.0
@@ -258,7 +283,7 @@ class SegmentTable:
             segment.journal_release(offset, size, until)
         elif until > 0:
             segment.hold(size)
-            heapq.heappush(self._waiting, (until, segment_index, offset, size))
+            heapq.heappush(self._waiting, InTransit(until, segment_index, offset, size))
         else:
             segment.allocator.free(offset, size)
 
@@ -266,20 +291,20 @@ class SegmentTable:
         """:meth:`Segment.acknowledge`, making acknowledged space reusable (at once, or when
         its lease ends); returns the changes the server still lacks."""
         changes, known = segment.acknowledge(applied)
-        for until, offset, size in known:
-            if until <= now:
-                segment.reuse(offset, size)
+        for space in known:
+            if space.until <= now:
+                segment.reuse(space.offset, space.size)
             else:
-                heapq.heappush(self._waiting, (until, segment.index, offset, size))
+                heapq.heappush(self._waiting, space)
         return changes
 
     def reuse_due(self, now: float) -> None:
         """Make space in transit reusable whose time has come (leases ended, quarantines)."""
-        while self._waiting and self._waiting[0][0] <= now:
-            _until, index, offset, size = heapq.heappop(self._waiting)
-            segment = self.all[index]
+        while self._waiting and self._waiting[0].until <= now:
+            space = heapq.heappop(self._waiting)
+            segment = self.all[space.segment]
             if segment.alive:
-                segment.reuse(offset, size)
+                segment.reuse(space.offset, space.size)
 
     def returning(self, length: int) -> bool:
         """Whether space in transit, once back, gives some segment ``length`` free bytes."""

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvconnect.config import MasterConfig
-from kvconnect.store.master.objects import ObjectTable, Pending, State
-from kvconnect.store.master.segments import Segment, SegmentTable
+from kvconnect.store.master.objects import ObjectTable, Pending, Replica, State
+from kvconnect.store.master.segments import Segment, SegmentTable, Strategy
 from kvconnect.store.messages import (
     Change,
     Changes,
@@ -33,6 +33,11 @@ MAX_PARTS = 64
 _CLEANUP_STEP = 4096  # objects of lost segments cleaned per tick
 _EXPIRY_SCAN = 0.25  # seconds between scans for timed-out puts
 _COMPLETE = int(State.COMPLETE)
+PIN_PUT_TIMEOUTS = 60
+"""How long a soft pin (``PutStart.pin``) lasts, in ``MasterConfig.put_timeout``: 60 of the
+default 30 s is half an hour. A pin is a preference of eviction, not a guarantee (pinned
+objects go when nothing else is eligible), so it is tied to the put timeout rather than made a
+setting of its own: a store tuned for slow writers keeps what they pinned longer too."""
 
 
 class MasterState:
@@ -41,7 +46,8 @@ class MasterState:
     def __init__(self, config: MasterConfig, seed: int | None = None) -> None:
         self.config = config
         self.objects = ObjectTable()
-        self.segments = SegmentTable(config.allocation, config.alignment, seed)
+        strategy = Strategy(config.allocation)  # the config checked it is one
+        self.segments = SegmentTable(strategy, config.alignment, seed)
         self._servers: dict[str, float] = {}
         self._next_expiry_scan = 0.0
         self._cleanup: list[int] = []  # slots that referenced a lost segment
@@ -98,7 +104,7 @@ class MasterState:
         for change in held:
             if change.key and self.segments.adopt(segment, change.offset, change.size):
                 self._recover(segment, change, now)
-            elif (segment.index, change.offset) not in self._replicas_of(change.key):
+            elif Replica(segment.index, change.offset) not in self._replicas_of(change.key):
                 segment.forget(change.offset)  # unusable (not a repeat): the server drops it
         if not more:
             self.segments.recovered(segment)
@@ -122,10 +128,10 @@ class MasterState:
         usable = (
             objects.state[slot] == State.COMPLETE
             and objects.size[slot] == change.size
-            and all(index != segment.index for index, _ in replicas)
+            and all(replica.segment != segment.index for replica in replicas)
         )
         if usable:
-            objects.set_replicas(slot, [*replicas, (segment.index, change.offset)])
+            objects.set_replicas(slot, [*replicas, Replica(segment.index, change.offset)])
         else:
             self.segments.release(segment.index, change.offset, change.size, committed=True)
 
@@ -189,7 +195,7 @@ class MasterState:
     ) -> list[Placement]:
         """Allocate space for new objects; EXISTS for stored ones, a shared placement for the
         other parts of a multi-part put."""
-        pin_until = now + self.config.put_timeout * 60 if pin else 0.0
+        pin_until = now + self.config.put_timeout * PIN_PUT_TIMEOUTS if pin else 0.0
         results: list[Placement | None] = []
         seen: set[str] = set()
         for item in items:
@@ -222,12 +228,12 @@ class MasterState:
 
     def _place_batch(
         self, client: str, host_id: str, sizes: list[int], replicas: int
-    ) -> list[list[tuple[int, int]]]:
+    ) -> list[list[Replica]]:
         """Placements for new objects, contiguous per batch where the strategy keeps a writer
         on one segment (``local_first``); [] for an object that does not fit anywhere."""
         if not sizes:
             return []
-        if self.segments.strategy == "local_first":
+        if self.segments.strategy is Strategy.LOCAL_FIRST:
             # The common case: the writer's first choice takes the whole batch, in one search.
             order = self.segments.order(client, host_id)
             run = self.segments.place_run(order[:replicas], sizes) if order else None
@@ -353,7 +359,7 @@ class MasterState:
             objects.lease[slot] = lease
             objects.access[slot] = now
             if len(live) > 1 and host_id:
-                live.sort(key=lambda r: self.segments.all[r[0]].spec.host_id != host_id)
+                live.sort(key=lambda r: self.segments.all[r.segment].spec.host_id != host_id)
             results.append(Replicas(Code.OK, objects.size[slot], self._locations(live)))
         return results
 
@@ -436,7 +442,7 @@ class MasterState:
             self._cleanup += [
                 slot
                 for slot, more in self.objects.extra.items()
-                if any(seg in lost_set for seg, _ in more)
+                if any(replica.segment in lost_set for replica in more)
             ]
         for _ in range(min(_CLEANUP_STEP, len(self._cleanup))):
             self._drop_lost_replicas(self._cleanup.pop())
@@ -445,12 +451,13 @@ class MasterState:
         if self.objects.state[slot] == State.FREE:
             return
         replicas = self.objects.replicas(slot)
-        live = [(seg, off) for seg, off in replicas if self.segments.all[seg].alive]
+        live = [replica for replica in replicas if self.segments.all[replica.segment].alive]
         if len(live) == len(replicas):
             return
-        for seg, _off in replicas:
-            if not self.segments.all[seg].alive:
-                self.segments.all[seg].objects -= 1
+        for replica in replicas:
+            segment = self.segments.all[replica.segment]
+            if not segment.alive:
+                segment.objects -= 1
         if live:
             self.objects.set_replicas(slot, live)
             return
@@ -504,19 +511,22 @@ class MasterState:
 
     # ------------------------------------------------------------------------------ helpers
 
-    def _replicas_of(self, key: str) -> list[tuple[int, int]]:
+    def _replicas_of(self, key: str) -> list[Replica]:
         slot = self.objects.slots.get(key)
         return [] if slot is None else self.objects.replicas(slot)
 
-    def _live(self, slot: int) -> list[tuple[int, int]]:
-        return [(s, o) for s, o in self.objects.replicas(slot) if self.segments.all[s].alive]
+    def _live(self, slot: int) -> list[Replica]:
+        segments = self.segments.all
+        return [
+            replica for replica in self.objects.replicas(slot) if segments[replica.segment].alive
+        ]
 
     def _readable(self, slot: int) -> bool:
         if self.segments.alive[self.objects.segment[slot]]:
             return True
         return bool(self._live(slot))
 
-    def _locations(self, placed: list[tuple[int, int]]) -> list[Location]:
+    def _locations(self, placed: list[Replica]) -> list[Location]:
         segments = self.segments.all
         return [
             Location(segments[i].spec.engine_segment, segments[i].spec.region, offset)
