@@ -142,13 +142,7 @@ class BatchState:
     # ------------------------------------------------------------------------- caller side
 
     def wait(self, timeout: float | None = None) -> tuple[TransferStatus, ...]:
-        """Block until every request settles or ``timeout`` passes; return the statuses.
-
-        Requests still PENDING when the batch deadline passes become TIMEOUT. Returns at the
-        latest ``settle_grace`` after the deadline: a request a transport thread still holds
-        then is returned as PENDING (its memory must not be reused before
-        :meth:`add_settled_callback` fires).
-        """
+        """:meth:`TransferBatch.wait`."""
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._cond:
@@ -172,9 +166,7 @@ class BatchState:
             return self._released
 
     def add_settled_callback(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once every request has settled: at once (on this thread) if they
-        have, else on the thread that settles the last one. For memory that :meth:`wait`
-        returned as PENDING: the caller must not reuse it before this runs."""
+        """:meth:`TransferBatch.add_settled_callback`."""
         with self._cond:
             if not self._released:
                 self._callbacks.append(callback)
