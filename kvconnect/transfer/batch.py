@@ -1,5 +1,9 @@
 """Batches: per-request state, slices, deadlines.
 
+Two faces: :class:`TransferBatch` is the caller's handle (``wait``, ``statuses``, ``cancel``…);
+transports and the engine work on its :class:`BatchState` through :class:`Slice` and the
+``*_slices`` functions below (``BatchState.fail`` for whole requests), never through the handle.
+
 Threads: the submitting thread creates a batch; transport threads complete its slices; any thread
 may ``wait``. A request is *final* once it has a status other than PENDING and *settled* once,
 in addition, no transport thread touches its local memory any more ("pins"). ``wait`` returns
@@ -29,7 +33,7 @@ log = logging.getLogger(__name__)
 class Slice:
     """A contiguous piece of one request, the unit transports move."""
 
-    batch: TransferBatch
+    state: BatchState
     index: int
     local: MemoryRegion
     local_offset: int
@@ -39,12 +43,12 @@ class Slice:
 
     def done(self, error: KVConnectError | None = None) -> None:
         """Report this slice finished (``error`` None) or failed."""
-        self.batch._done([self.index], error)
+        self.state.complete([self.index], error)
 
 
 def pending_slices(slices: Sequence[Slice]) -> list[Slice]:
     """The slices whose requests still wait for them (not final yet)."""
-    return _by_batch(slices, lambda batch, group: batch._pending(group))
+    return _by_batch(slices, lambda batch, group: batch.pending(group))
 
 
 def pin_slices(slices: Sequence[Slice], abort: Callable[[], None] | None = None) -> list[Slice]:
@@ -53,29 +57,29 @@ def pin_slices(slices: Sequence[Slice], abort: Callable[[], None] | None = None)
     ``abort`` interrupts the access (e.g. shuts a socket) if a request's deadline passes.
     Transports call this (and the two below) with slices of one batch: one lock per call.
     """
-    return _by_batch(slices, lambda batch, group: batch._pin(group, abort))
+    return _by_batch(slices, lambda batch, group: batch.pin(group, abort))
 
 
 def unpin_slices(slices: Sequence[Slice], abort: Callable[[], None] | None = None) -> None:
     """End the access announced by :func:`pin_slices`."""
-    _by_batch(slices, lambda batch, group: batch._unpin(group, abort))
+    _by_batch(slices, lambda batch, group: batch.unpin(group, abort))
 
 
 def complete_slices(slices: Sequence[Slice], error: KVConnectError | None = None) -> None:
     """Report slices finished (``error`` None) or failed."""
-    _by_batch(slices, lambda batch, group: batch._done([s.index for s in group], error))
+    _by_batch(slices, lambda batch, group: batch.complete([s.index for s in group], error))
 
 
 def _by_batch(
     slices: Sequence[Slice],
-    action: Callable[[TransferBatch, list[Slice]], list[Slice] | None],
+    action: Callable[[BatchState, list[Slice]], list[Slice] | None],
 ) -> list[Slice]:
     out: list[Slice] = []
     start = 0
     while start < len(slices):
-        batch = slices[start].batch
+        batch = slices[start].state
         end = start + 1
-        while end < len(slices) and slices[end].batch is batch:
+        while end < len(slices) and slices[end].state is batch:
             end += 1
         out += action(batch, list(slices[start:end])) or []
         start = end
@@ -83,7 +87,7 @@ def _by_batch(
 
 
 def make_slices(
-    batch: TransferBatch, index: int, request: TransferRequest, slice_bytes: int
+    batch: BatchState, index: int, request: TransferRequest, slice_bytes: int
 ) -> list[Slice]:
     """Cut ``request`` into slices of at most ``slice_bytes``."""
     return [
@@ -100,8 +104,9 @@ def make_slices(
     ]
 
 
-class TransferBatch:
-    """Handle of submitted requests; see the module docstring for threads and guarantees."""
+class BatchState:
+    """The per-request state of one batch: what transports complete, pin and unpin (through
+    slices), the engine fails and expires, and the caller's :class:`TransferBatch` reads."""
 
     def __init__(
         self,
@@ -137,13 +142,7 @@ class TransferBatch:
     # ------------------------------------------------------------------------- caller side
 
     def wait(self, timeout: float | None = None) -> tuple[TransferStatus, ...]:
-        """Block until every request settles or ``timeout`` passes; return the statuses.
-
-        Requests still PENDING when the batch deadline passes become TIMEOUT. Returns at the
-        latest ``settle_grace`` after the deadline: a request a transport thread still holds
-        then is returned as PENDING (its memory must not be reused before
-        :meth:`add_settled_callback` fires).
-        """
+        """:meth:`TransferBatch.wait`."""
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._cond:
@@ -159,17 +158,15 @@ class TransferBatch:
                     wake = max(wake, now + 0.001)
                     self._cond.wait((wake if end is None else min(wake, end)) - now)
                     continue
-            self._expire(now)
+            self.expire(now)
 
-    def done(self) -> bool:
+    def released(self) -> bool:
         """Whether every request has settled (and the batch let go of its regions)."""
         with self._cond:
             return self._released
 
     def add_settled_callback(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once every request has settled: at once (on this thread) if they
-        have, else on the thread that settles the last one. For memory that :meth:`wait`
-        returned as PENDING: the caller must not reuse it before this runs."""
+        """:meth:`TransferBatch.add_settled_callback`."""
         with self._cond:
             if not self._released:
                 self._callbacks.append(callback)
@@ -178,7 +175,7 @@ class TransferBatch:
 
     @property
     def statuses(self) -> tuple[TransferStatus, ...]:
-        """Current per-request statuses (without waiting); see :meth:`_visible_locked`."""
+        """Current per-request statuses (without waiting); final only once settled."""
         with self._cond:
             return self._visible_locked()
 
@@ -221,7 +218,8 @@ class TransferBatch:
 
     # ----------------------------------------------------------------------- transport side
 
-    def _done(self, indices: Sequence[int], error: KVConnectError | None) -> None:
+    def complete(self, indices: Sequence[int], error: KVConnectError | None) -> None:
+        """One slice of each request in ``indices`` finished (``error`` None) or failed."""
         if error is not None:
             _drop_frames(error)
         with self._cond:
@@ -239,14 +237,17 @@ class TransferBatch:
         if settled:
             self._run_settled()
 
-    def _fail(self, index: int, error: KVConnectError) -> None:
-        self._done([index], error)
+    def fail(self, index: int, error: KVConnectError) -> None:
+        """Request ``index`` failed as a whole (refused before any slice was sent)."""
+        self.complete([index], error)
 
-    def _pending(self, slices: list[Slice]) -> list[Slice]:
+    def pending(self, slices: list[Slice]) -> list[Slice]:
+        """The slices (of this batch) whose request is not final yet."""
         with self._cond:
             return [p for p in slices if self._status[p.index] is TransferStatus.PENDING]
 
-    def _pin(self, slices: list[Slice], abort: Callable[[], None] | None) -> list[Slice]:
+    def pin(self, slices: list[Slice], abort: Callable[[], None] | None) -> list[Slice]:
+        """See :func:`pin_slices` (slices of this batch)."""
         pinned = []
         with self._cond:
             for piece in slices:
@@ -257,7 +258,8 @@ class TransferBatch:
                     pinned.append(piece)
         return pinned
 
-    def _unpin(self, slices: list[Slice], abort: Callable[[], None] | None) -> None:
+    def unpin(self, slices: list[Slice], abort: Callable[[], None] | None) -> None:
+        """See :func:`unpin_slices` (slices of this batch)."""
         with self._cond:
             for piece in slices:
                 self._pins[piece.index] -= 1
@@ -267,7 +269,8 @@ class TransferBatch:
         if settled:
             self._run_settled()
 
-    def _expire(self, now: float) -> None:
+    def expire(self, now: float) -> None:
+        """Turn requests still pending into TIMEOUT if the deadline has passed at ``now``."""
         if now >= self.deadline:
             self._finalize(
                 TransferStatus.TIMEOUT,
@@ -328,6 +331,60 @@ class TransferBatch:
         return f"TransferBatch({self.op.value}, {len(statuses)} requests, {counts})"
 
 
+class TransferBatch:
+    """Handle of submitted requests; see the module docstring for threads and guarantees."""
+
+    def __init__(self, state: BatchState) -> None:
+        """The engine creates handles; ``state`` is what its transports complete."""
+        self._state = state
+        self.op = state.op
+        self.requests = state.requests
+        self.deadline = state.deadline
+        self.settle_grace = state.settle_grace
+
+    def wait(self, timeout: float | None = None) -> tuple[TransferStatus, ...]:
+        """Block until every request settles or ``timeout`` passes; return the statuses.
+
+        Requests still PENDING when the batch deadline passes become TIMEOUT. Returns at the
+        latest ``settle_grace`` after the deadline: a request a transport thread still holds
+        then is returned as PENDING (its memory must not be reused before
+        :meth:`add_settled_callback` fires).
+        """
+        return self._state.wait(timeout)
+
+    def done(self) -> bool:
+        """Whether every request has settled (and the batch let go of its regions)."""
+        return self._state.released()
+
+    def add_settled_callback(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once every request has settled: at once (on this thread) if they
+        have, else on the thread that settles the last one. For memory that :meth:`wait`
+        returned as PENDING: the caller must not reuse it before this runs."""
+        self._state.add_settled_callback(callback)
+
+    @property
+    def statuses(self) -> tuple[TransferStatus, ...]:
+        """Current per-request statuses (without waiting); a request is shown final only once
+        settled (until then a transport thread may still touch its memory)."""
+        return self._state.statuses
+
+    @property
+    def errors(self) -> tuple[KVConnectError | None, ...]:
+        """Per-request errors (None where the request did not fail)."""
+        return self._state.errors
+
+    def raise_for_status(self) -> None:
+        """Raise TransferError (TransferTimeout if any request timed out) unless all completed."""
+        self._state.raise_for_status()
+
+    def cancel(self) -> None:
+        """Mark every pending request CANCELED and stop touching its memory."""
+        self._state.cancel()
+
+    def __repr__(self) -> str:
+        return repr(self._state)
+
+
 def _drop_frames(error: BaseException) -> None:
     """Detach tracebacks: errors live on in batches, and transport frames hold whole buffers."""
     seen: set[int] = set()
@@ -342,7 +399,7 @@ class DeadlineWatch:
     """One thread that times out batches nobody is waiting on, so their resources are freed."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, weakref.ref[TransferBatch]]] = []
+        self._heap: list[tuple[float, int, weakref.ref[BatchState]]] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
@@ -353,7 +410,7 @@ class DeadlineWatch:
         self._thread = threading.Thread(target=self._run, name="kvconnect-deadlines", daemon=True)
         self._thread.start()
 
-    def add(self, batch: TransferBatch) -> None:
+    def add(self, batch: BatchState) -> None:
         """Watch ``batch`` until its deadline."""
         with self._cond:
             heapq.heappush(self._heap, (batch.deadline, next(self._seq), weakref.ref(batch)))
@@ -375,7 +432,7 @@ class DeadlineWatch:
                 if self._closed:
                     return
                 now = time.monotonic()
-                due: list[TransferBatch] = []
+                due: list[BatchState] = []
                 while self._heap and self._heap[0][0] <= now:
                     batch = heapq.heappop(self._heap)[2]()
                     if batch is not None:
@@ -384,4 +441,4 @@ class DeadlineWatch:
                     self._cond.wait(self._heap[0][0] - now if self._heap else None)
                     continue
             for batch in due:
-                batch._expire(now)
+                batch.expire(now)

@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from kvconnect.config import TransferConfig
 from kvconnect.errors import (
     AccessDenied,
-    BrokenError,
     ClosedError,
     ConfigError,
     InvalidRequest,
@@ -31,10 +30,10 @@ from kvconnect.errors import (
     PeerUnreachable,
 )
 from kvconnect.lifecycle import Lifecycle
-from kvconnect.transfer.batch import DeadlineWatch, Slice, TransferBatch, make_slices
+from kvconnect.transfer.batch import BatchState, DeadlineWatch, Slice, TransferBatch, make_slices
 from kvconnect.transfer.datapath.copying import Copier, CopyWorkers
 from kvconnect.transfer.datapath.cuda import DeviceCopier, default_copier
-from kvconnect.transfer.datapath.iov import select_datapath
+from kvconnect.transfer.datapath.iov import DataPath, select_datapath
 from kvconnect.transfer.datapath.staging import StagingPool
 from kvconnect.transfer.memory import MemoryRegion, MemoryRegistry
 from kvconnect.transfer.metadata import EmbeddedMetadata, MetadataBackend, P2PMetadata
@@ -50,13 +49,10 @@ from kvconnect.transfer.segment import (
 )
 from kvconnect.transfer.stats import EngineStats, ListenerStats
 from kvconnect.transfer.transports import local as local_registry
-from kvconnect.transfer.transports.base import Transport
-from kvconnect.transfer.transports.local import LocalTransport
+from kvconnect.transfer.transports import registry
+from kvconnect.transfer.transports.base import Transport, TransportContext
 from kvconnect.transfer.transports.rdma.transport import RdmaTransport
-from kvconnect.transfer.transports.rdma.transport import available as rdma_available
-from kvconnect.transfer.transports.shm import ShmTransport
-from kvconnect.transfer.transports.tcp import TcpTransport
-from kvconnect.transfer.types import TransferOp, TransferRequest
+from kvconnect.transfer.types import Capabilities, TransferOp, TransferRequest
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +91,9 @@ class TransferEngine(Lifecycle):
         self._metadata = metadata or _metadata_backend(config)
         self._engine_id = uuid.uuid4().bytes
         self._registry = MemoryRegistry()
-        self._directory = SegmentDirectory(self._metadata, config.connect_timeout)
+        self._directory = SegmentDirectory(
+            self._metadata, config.connect_timeout, self._peer_replaced
+        )
         self._device_copier = device_copier
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # notified when _state changes
@@ -105,7 +103,8 @@ class TransferEngine(Lifecycle):
         self._published = False
         self._name = config.name or ""
         self._listener: Listener | None = None
-        self._transports: dict[str, Transport] = {}
+        self._transports: dict[str, Transport] = {}  # most preferred first
+        self._capabilities: dict[str, Capabilities] = {}  # what routing chooses from
         self._rdma: RdmaTransport | None = None
         self._workers: CopyWorkers | None = None
         self._resolver: ThreadPoolExecutor | None = None
@@ -164,13 +163,7 @@ class TransferEngine(Lifecycle):
                 else self._listener.endpoints["tcp"]
             )
         self._workers = CopyWorkers(cfg.copy_threads, cfg.slice_bytes * _COPY_JOB_SLICES)
-        copier = Copier(datapath, self._device)
-        self._transports = {
-            "local": LocalTransport(copier, self._workers),
-            "shm": ShmTransport(cfg, copier, self._workers, self._peer_lost),
-            "tcp": TcpTransport(cfg, datapath, self._staging_pool, self._peer_lost),
-        }
-        self._start_rdma()
+        self._build_transports(datapath, self._workers)
         self._identity = self._describe()  # routing needs only its host and process identity
         self._resolver = ThreadPoolExecutor(_RESOLVER_THREADS, "kvconnect-resolve")
         local_registry.publish(self._engine_id.hex(), self._registry)
@@ -179,33 +172,29 @@ class TransferEngine(Lifecycle):
             self._metadata.publish(self._describe())
             self._published = True
 
-    def _start_rdma(self) -> None:
-        """The RDMA transport, when this host has RDMA (``auto``) or it is forced (``rdma``)."""
-        cfg = self.config
-        if cfg.transport not in ("auto", "rdma"):
-            return
-        nics = rdma_available(cfg)
-        if not nics:
-            if cfg.transport == "rdma":
-                raise ConfigError("transport 'rdma' is forced but no RDMA device is usable")
-            return
-        try:
-            rdma = RdmaTransport(
-                cfg,
-                self._registry,
-                self._engine_id.hex(),
-                self._transports["tcp"],
-                self._peer_lost,
-                nics,
-            )
-        except BrokenError as exc:  # e.g. every port down: auto runs on without RDMA
-            if cfg.transport == "rdma":
-                raise ConfigError(f"transport 'rdma' is forced but {exc}") from exc
-            log.warning("continuing without RDMA: %s", exc)
-            return
-        self._registry.on_withdraw = rdma.withdraw
-        rdma.start()
-        self._transports["rdma"] = self._rdma = rdma
+    def _build_transports(self, datapath: DataPath, workers: CopyWorkers) -> None:
+        """Build the registry's transports, least preferred first (see ``registry.entries``)."""
+        built: dict[str, Transport] = {}
+        context = TransportContext(
+            config=self.config,
+            registry=self._registry,
+            engine_id=self._engine_id.hex(),
+            datapath=datapath,
+            copier=Copier(datapath, self._device),
+            workers=workers,
+            staging=self._staging_pool,
+            on_lost=self._peer_lost,
+            built=built,
+        )
+        entries = registry.entries()
+        for entry in reversed(entries):
+            transport = entry.build(context)
+            if transport is not None:
+                built[entry.name] = self._transports[entry.name] = transport
+        self._transports = {e.name: built[e.name] for e in entries if e.name in built}
+        self._capabilities = {name: t.capabilities for name, t in self._transports.items()}
+        rdma = built.get(RdmaTransport.name)
+        self._rdma = rdma if isinstance(rdma, RdmaTransport) else None
 
     def _rdma_accept(self, request: RdmaConnect) -> ControlReply:
         rdma = self._rdma
@@ -242,7 +231,6 @@ class TransferEngine(Lifecycle):
             self._resolver.shutdown(wait=True)
         for transport in self._transports.values():
             transport.close()
-        self._registry.on_withdraw = None
         if self._workers is not None:
             self._workers.close()
         self._watch.close()
@@ -372,7 +360,7 @@ class TransferEngine(Lifecycle):
         batch_requests = list(requests)
         held = self._hold_local(op, batch_requests)
         deadline = time.monotonic() + (self.config.request_timeout if timeout is None else timeout)
-        batch = TransferBatch(
+        batch = BatchState(
             op,
             batch_requests,
             deadline,
@@ -390,7 +378,7 @@ class TransferEngine(Lifecycle):
                 self._dispatch(descriptor, batch, indices, fresh=False)
             else:
                 self._resolve_later(segment, batch, indices)
-        return batch
+        return TransferBatch(batch)
 
     def transfer(
         self,
@@ -465,7 +453,7 @@ class TransferEngine(Lifecycle):
             raise InvalidRequest(f"local region {stranger.id} is not registered with this engine")
         return held
 
-    def _resolve_later(self, segment: str, batch: TransferBatch, indices: list[int]) -> None:
+    def _resolve_later(self, segment: str, batch: BatchState, indices: list[int]) -> None:
         resolver = self._resolver
         try:
             if resolver is None or self._state is not _State.STARTED:
@@ -474,7 +462,7 @@ class TransferEngine(Lifecycle):
         except RuntimeError:
             _fail(batch, indices, ClosedError("engine closed"))
 
-    def _resolve_and_dispatch(self, segment: str, batch: TransferBatch, indices: list[int]) -> None:
+    def _resolve_and_dispatch(self, segment: str, batch: BatchState, indices: list[int]) -> None:
         if self._state is not _State.STARTED:
             _fail(batch, indices, ClosedError("engine closed"))
             return
@@ -489,7 +477,7 @@ class TransferEngine(Lifecycle):
         self._dispatch(descriptor, batch, indices, fresh=True)
 
     def _dispatch(
-        self, peer: SegmentDescriptor, batch: TransferBatch, indices: list[int], *, fresh: bool
+        self, peer: SegmentDescriptor, batch: BatchState, indices: list[int], *, fresh: bool
     ) -> None:
         me = self._identity
         assert me is not None
@@ -510,7 +498,7 @@ class TransferEngine(Lifecycle):
                 region, name = route
                 _check_remote(batch.op, request, region)
             except KVConnectError as exc:
-                batch._fail(index, exc)
+                batch.fail(index, exc)
                 continue
             routed[name].extend(make_slices(batch, index, request, self.config.slice_bytes))
         if unknown and fresh:
@@ -529,12 +517,21 @@ class TransferEngine(Lifecycle):
         if region is None:
             return None
         try:
-            return region, choose_transport(self.config.transport, me, peer, region)
+            return region, choose_transport(
+                self.config.transport, me, peer, region, self._capabilities
+            )
         except KVConnectError as exc:
             return exc
 
     def _peer_lost(self, peer: SegmentDescriptor) -> None:
         self._directory.forget(peer.name)
+
+    def _peer_replaced(self, old: SegmentDescriptor) -> None:
+        """A lookup found segment ``old.name`` served by another engine now (the peer restarted,
+        or the name moved): drop every connection and mapping the old engine had."""
+        log.info("segment %s now belongs to another engine: forgetting the old one", old.name)
+        for transport in self._transports.values():
+            transport.forget(old.engine_id)
 
     def _device(self) -> DeviceCopier:
         return self._device_copier or default_copier()
@@ -585,9 +582,9 @@ def _metadata_backend(config: TransferConfig) -> MetadataBackend:
     return EtcdMetadata(config.metadata, ttl=config.metadata_ttl, timeout=timeout)
 
 
-def _fail(batch: TransferBatch, indices: Iterable[int], error: KVConnectError) -> None:
+def _fail(batch: BatchState, indices: Iterable[int], error: KVConnectError) -> None:
     for index in indices:
-        batch._fail(index, error)
+        batch.fail(index, error)
 
 
 def _check_request(op: TransferOp, request: TransferRequest) -> None:

@@ -1,42 +1,60 @@
-"""Which transport serves a request: pure logic, no I/O."""
+"""Which transport serves a request: pure logic, no I/O, decided from capabilities alone."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from kvconnect.config import TransportName
 from kvconnect.errors import InvalidRequest
 from kvconnect.transfer.segment import RegionInfo, SegmentDescriptor
+from kvconnect.transfer.types import Capabilities
+
+
+def unreachable(
+    capabilities: Capabilities, me: SegmentDescriptor, peer: SegmentDescriptor, region: RegionInfo
+) -> str | None:
+    """Why a transport with ``capabilities`` cannot reach ``region`` of ``peer``; None if it can."""
+    if capabilities.same_process_only and peer.process_id != me.process_id:
+        return f"{peer.name} is in another process"
+    if capabilities.same_host_only and peer.host_id != me.host_id:
+        return f"{peer.name} is on another host"
+    endpoint = capabilities.endpoint
+    if endpoint is not None:
+        if capabilities.both_ends and endpoint not in me.endpoints:
+            return f"this engine has no {capabilities.endpoint_label}"
+        if endpoint not in peer.endpoints:
+            return f"{peer.name} offers no {capabilities.endpoint_label}"
+    if capabilities.shared_regions_only and not region.shareable:
+        return (
+            f"{peer.name} region {region.id} is not shared memory "
+            "(allocate it with engine.allocate)"
+        )
+    return None
 
 
 def choose_transport(
-    mode: TransportName, me: SegmentDescriptor, peer: SegmentDescriptor, region: RegionInfo
+    mode: TransportName,
+    me: SegmentDescriptor,
+    peer: SegmentDescriptor,
+    region: RegionInfo,
+    transports: Mapping[str, Capabilities],
 ) -> str:
-    """Pick ``local``, ``shm``, ``rdma`` or ``tcp`` for an access to ``region`` of ``peer``.
+    """The name of the transport that serves an access to ``region`` of ``peer``.
 
-    ``auto``: same process → local; same host and a shared region → shm; both ends with RDMA
-    NICs → rdma; otherwise tcp. A forced mode that cannot reach the region raises
-    InvalidRequest naming the reason.
+    ``transports``: the capabilities of the transports this engine runs, most preferred first
+    (the registry's order: local → shm → rdma → tcp). ``auto`` picks the first that reaches
+    the region; any other mode forces that transport and raises InvalidRequest naming the
+    reason when it cannot reach the region.
     """
-    same_process = peer.process_id == me.process_id
-    shm_ok = peer.host_id == me.host_id and "shm" in peer.endpoints and region.shareable
-    rdma_ok = "rdma" in me.endpoints and "rdma" in peer.endpoints
     if mode == "auto":
-        if same_process:
-            return "local"
-        return "shm" if shm_ok else "rdma" if rdma_ok else "tcp"
-    if mode == "rdma" and not rdma_ok:
-        side = "this engine has" if "rdma" not in me.endpoints else f"{peer.name} offers"
-        raise InvalidRequest(f"transport 'rdma' is forced but {side} no RDMA NIC")
-    if mode == "local" and not same_process:
-        raise InvalidRequest(f"transport 'local' is forced but {peer.name} is in another process")
-    if mode == "shm" and not shm_ok:
-        reason = (
-            "is on another host"
-            if peer.host_id != me.host_id
-            else "offers no shared-memory endpoint"
-            if "shm" not in peer.endpoints
-            else f"region {region.id} is not shared memory (allocate it with engine.allocate)"
-        )
-        raise InvalidRequest(f"transport 'shm' is forced but {peer.name} {reason}")
-    if mode == "tcp" and "tcp" not in peer.endpoints:
-        raise InvalidRequest(f"transport 'tcp' is forced but {peer.name} has no TCP endpoint")
+        for name, capabilities in transports.items():
+            if unreachable(capabilities, me, peer, region) is None:
+                return name
+        raise InvalidRequest(f"no transport of this engine reaches {peer.name} region {region.id}")
+    forced = transports.get(mode)
+    reason = (
+        "this engine does not run it" if forced is None else unreachable(forced, me, peer, region)
+    )
+    if reason is not None:
+        raise InvalidRequest(f"transport '{mode}' is forced but {reason}")
     return mode

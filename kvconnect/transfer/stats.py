@@ -18,6 +18,8 @@ class TransportStats:
     ops: int = 0
     errors: int = 0
     retries: int = 0
+    peers: int = 0
+    """Peer engines the transport holds connections or mappings for now (a gauge)."""
 
 
 @dataclass(frozen=True, slots=True)

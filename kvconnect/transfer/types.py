@@ -42,11 +42,21 @@ class TransferRequest:
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:
-    """What a transport can do, as data (not ``supports_x()`` methods)."""
+    """Which peers and regions a transport reaches, as data: routing reads nothing else.
 
-    device_memory: bool
-    """Reads and writes device (CUDA) memory directly; otherwise the engine stages via host."""
-    same_host_only: bool
+    Every transport moves host and device memory alike (TCP stages device memory through the
+    engine's pinned staging pool itself), so there is no device-memory capability to route on.
+    """
+
+    endpoint: str | None = None
+    """The ``SegmentDescriptor.endpoints`` key a peer must publish to be reached (None: none)."""
+    endpoint_label: str = ""
+    """How a refusal names that endpoint, e.g. ``"TCP endpoint"``."""
+    both_ends: bool = False
+    """This engine must publish ``endpoint`` too (both ends need the hardware, as for RDMA)."""
+    same_host_only: bool = False
     """Only reaches engines on this host."""
-    same_process_only: bool
+    same_process_only: bool = False
     """Only reaches engines in this process."""
+    shared_regions_only: bool = False
+    """Only reaches regions in shared memory (``RegionInfo.shareable``)."""

@@ -6,10 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvconnect.config import TransferConfig
-from kvconnect.errors import BrokenError, ConfigError, InvalidRequest
+from kvconnect.errors import BrokenError, ConfigError
 from kvconnect.transfer.protocol.wire import RdmaPath
-from kvconnect.transfer.routing import choose_transport
-from kvconnect.transfer.segment import RegionInfo, SegmentDescriptor
 from kvconnect.transfer.transports.rdma.plan import (
     MAX_RETRY_CNT,
     AddressVector,
@@ -106,26 +104,6 @@ def test_spreader_round_robins_and_skips_excluded_paths() -> None:
     picks = {spreader.pick([0, 1, 2], frozenset({1})) for _ in range(4)}
     assert picks == {0, 2}
     assert spreader.pick([0, 1], frozenset({0, 1})) is None
-
-
-def _descriptor(process: str, host: str, endpoints: dict[str, str]) -> SegmentDescriptor:
-    return SegmentDescriptor(
-        name=process, engine_id=process, process_id=process, host_id=host, endpoints=endpoints
-    )
-
-
-def test_routing_prefers_rdma_between_hosts_and_names_the_missing_side() -> None:
-    region = RegionInfo(1, 4096, "host", True, False)
-    me = _descriptor("a", "h1", {"tcp": "x:1", "rdma": "mlx5_0"})
-    peer = _descriptor("b", "h2", {"tcp": "y:1", "rdma": "mlx5_0,mlx5_1"})
-    plain = _descriptor("c", "h2", {"tcp": "z:1"})
-    assert choose_transport("auto", me, peer, region) == "rdma"
-    assert choose_transport("auto", me, plain, region) == "tcp"
-    assert choose_transport("rdma", me, peer, region) == "rdma"
-    with pytest.raises(InvalidRequest, match="c offers no RDMA NIC"):
-        choose_transport("rdma", me, plain, region)
-    with pytest.raises(InvalidRequest, match="this engine has no RDMA NIC"):
-        choose_transport("rdma", plain, peer, region)
 
 
 def test_rdma_config_is_validated() -> None:

@@ -1,4 +1,4 @@
-"""Pure logic: batch state machine, slicing, frame planning, transport routing."""
+"""Pure logic: batch state machine, slicing, frame planning."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvconnect.errors import AccessDenied, InvalidRequest, TransferError, TransferTimeout
+from kvconnect.errors import AccessDenied, TransferError, TransferTimeout
 from kvconnect.transfer import TransferOp, TransferRequest, TransferStatus
 from kvconnect.transfer.batch import (
+    BatchState,
     DeadlineWatch,
     Slice,
     TransferBatch,
@@ -22,8 +23,6 @@ from kvconnect.transfer.batch import (
 )
 from kvconnect.transfer.datapath.copying import group_slices
 from kvconnect.transfer.memory import MemoryRegistry
-from kvconnect.transfer.routing import choose_transport
-from kvconnect.transfer.segment import RegionInfo, SegmentDescriptor
 from kvconnect.transfer.transports.tcp import plan_frames
 
 REGISTRY = MemoryRegistry()
@@ -32,12 +31,13 @@ REGION = REGISTRY.register(bytearray(1 << 20))
 
 def _batch(
     count: int = 2, deadline: float = 60.0, slices: tuple[int, ...] = ()
-) -> tuple[TransferBatch, list[bool]]:
-    """A batch whose request i has slices[i] slices (default 1) of 10 bytes."""
+) -> tuple[BatchState, TransferBatch, list[bool]]:
+    """A batch (its state, its caller's handle) whose request i has slices[i] slices (default
+    1) of 10 bytes."""
     settled: list[bool] = []
     sizes = [10 * n for n in slices] or [10] * count
     requests = [TransferRequest(REGION, 0, "peer", 1, 0, n) for n in sizes]
-    batch = TransferBatch(
+    state = BatchState(
         TransferOp.READ,
         requests,
         time.monotonic() + deadline,
@@ -45,16 +45,16 @@ def _batch(
         lambda: settled.append(True),
         settle_grace=1.0,
     )
-    return batch, settled
+    return state, TransferBatch(state), settled
 
 
-def _piece(batch: TransferBatch, index: int) -> Slice:
-    return make_slices(batch, index, batch.requests[index], 10)[0]
+def _piece(state: BatchState, index: int) -> Slice:
+    return make_slices(state, index, state.requests[index], 10)[0]
 
 
 def test_request_completes_when_all_its_slices_do() -> None:
-    batch, settled = _batch(slices=(3,))
-    pieces = make_slices(batch, 0, batch.requests[0], 10)
+    state, batch, settled = _batch(slices=(3,))
+    pieces = make_slices(state, 0, batch.requests[0], 10)
     assert len(pieces) == 3
     complete_slices(pieces[:2])
     assert batch.statuses == (TransferStatus.PENDING,)
@@ -65,11 +65,11 @@ def test_request_completes_when_all_its_slices_do() -> None:
 
 
 def test_first_failure_is_final_and_later_slices_are_ignored() -> None:
-    batch, settled = _batch(slices=(2, 1))
+    state, batch, settled = _batch(slices=(2, 1))
     error = AccessDenied("no")
-    batch._done([0], error)
-    batch._done([0], None)
-    batch._done([1], None)
+    state.complete([0], error)
+    state.complete([0], None)
+    state.complete([1], None)
     assert batch.wait(0) == (TransferStatus.FAILED, TransferStatus.COMPLETED)
     assert batch.errors[0] is error
     with pytest.raises(TransferError, match="1 of 2") as info:
@@ -79,8 +79,8 @@ def test_first_failure_is_final_and_later_slices_are_ignored() -> None:
 
 
 def test_deadline_turns_pending_into_timeout_and_aborts_pinned_access() -> None:
-    batch, settled = _batch(1, deadline=0.05)
-    piece = _piece(batch, 0)
+    state, batch, settled = _batch(1, deadline=0.05)
+    piece = _piece(state, 0)
     aborted: list[bool] = []
 
     def abort() -> None:
@@ -102,15 +102,15 @@ def test_deadline_turns_pending_into_timeout_and_aborts_pinned_access() -> None:
 
 
 def test_wait_with_short_timeout_returns_pending() -> None:
-    batch, _ = _batch(1)
+    _, batch, _ = _batch(1)
     assert batch.wait(0.01) == (TransferStatus.PENDING,)
     batch.cancel()
     assert batch.wait() == (TransferStatus.CANCELED,)
 
 
 def test_settling_waits_for_pins_even_after_failure() -> None:
-    batch, settled = _batch(slices=(2,))
-    piece = _piece(batch, 0)
+    state, batch, settled = _batch(slices=(2,))
+    piece = _piece(state, 0)
     assert pin_slices([piece]) == [piece]
     piece.done(AccessDenied("x"))
     assert batch.statuses == (TransferStatus.PENDING,)  # final, but memory still in use
@@ -126,8 +126,8 @@ def test_deadline_watch_expires_unwatched_batches() -> None:
     watch = DeadlineWatch()
     watch.start()
     try:
-        batch, settled = _batch(1, deadline=0.05)
-        watch.add(batch)
+        state, batch, settled = _batch(1, deadline=0.05)
+        watch.add(state)
         end = time.monotonic() + 5
         while not batch.done() and time.monotonic() < end:
             time.sleep(0.01)
@@ -146,7 +146,7 @@ def test_slices_cover_requests_and_frames_respect_limits(
     lengths: list[int], slice_bytes: int, max_entries: int
 ) -> None:
     requests = [TransferRequest(REGION, 7, "peer", 1, 11, n) for n in lengths]
-    batch = TransferBatch(
+    state = BatchState(
         TransferOp.WRITE,
         requests,
         time.monotonic() + 60,
@@ -156,8 +156,8 @@ def test_slices_cover_requests_and_frames_respect_limits(
     )
     slices = []
     for index, request in enumerate(requests):
-        pieces = make_slices(batch, index, request, slice_bytes)
-        assert len(pieces) == batch._remaining[index]
+        pieces = make_slices(state, index, request, slice_bytes)
+        assert len(pieces) == state._remaining[index]
         assert sum(p.length for p in pieces) == request.length
         assert all(0 < p.length <= slice_bytes for p in pieces)
         # contiguous, same displacement locally and remotely
@@ -175,61 +175,9 @@ def test_slices_cover_requests_and_frames_respect_limits(
     assert [p for g in groups for p in g] == slices
 
 
-def _segment(host: str, process: str, endpoints: dict[str, str]) -> SegmentDescriptor:
-    return SegmentDescriptor(
-        name=f"{host}-{process}",
-        engine_id=f"{host}{process}",
-        process_id=process,
-        host_id=host,
-        endpoints=endpoints,
-    )
-
-
-SHARED = RegionInfo(1, 100, "host", True, True)
-PRIVATE = RegionInfo(2, 100, "host", True, False)
-ME = _segment("h1", "p1", {"tcp": "a:1", "shm": "@a"})
-SAME_PROCESS = _segment("h1", "p1", {"tcp": "a:2", "shm": "@b"})
-SAME_HOST = _segment("h1", "p2", {"tcp": "a:3", "shm": "@c"})
-NO_SHM = _segment("h1", "p3", {"tcp": "a:4"})
-OTHER_HOST = _segment("h2", "p9", {"tcp": "b:1", "shm": "@d"})
-
-
-@pytest.mark.parametrize(
-    ("mode", "peer", "region", "expected"),
-    [
-        ("auto", SAME_PROCESS, PRIVATE, "local"),
-        ("auto", SAME_HOST, SHARED, "shm"),
-        ("auto", SAME_HOST, PRIVATE, "tcp"),
-        ("auto", NO_SHM, SHARED, "tcp"),
-        ("auto", OTHER_HOST, SHARED, "tcp"),
-        ("tcp", SAME_PROCESS, SHARED, "tcp"),
-        ("shm", SAME_PROCESS, SHARED, "shm"),
-        ("local", SAME_PROCESS, PRIVATE, "local"),
-    ],
-)
-def test_routing(mode: str, peer: SegmentDescriptor, region: RegionInfo, expected: str) -> None:
-    assert choose_transport(mode, ME, peer, region) == expected  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("mode", "peer", "region", "reason"),
-    [
-        ("local", SAME_HOST, SHARED, "another process"),
-        ("shm", OTHER_HOST, SHARED, "another host"),
-        ("shm", NO_SHM, SHARED, "no shared-memory endpoint"),
-        ("shm", SAME_HOST, PRIVATE, "allocate it with engine.allocate"),
-    ],
-)
-def test_forced_routing_that_cannot_work_says_why(
-    mode: str, peer: SegmentDescriptor, region: RegionInfo, reason: str
-) -> None:
-    with pytest.raises(InvalidRequest, match=reason):
-        choose_transport(mode, ME, peer, region)  # type: ignore[arg-type]
-
-
 def test_a_final_but_pinned_request_is_reported_pending() -> None:
-    batch, _ = _batch(slices=(2,))
-    piece = _piece(batch, 0)
+    state, batch, _ = _batch(slices=(2,))
+    piece = _piece(state, 0)
     assert pin_slices([piece]) == [piece]
     piece.done(AccessDenied("x"))
     assert batch.wait(0.01) == (TransferStatus.PENDING,), "memory is still in use"
@@ -250,10 +198,11 @@ def test_a_batch_is_done_only_once_the_engine_let_go_of_its_regions() -> None:
         order.append("released")
 
     requests = [TransferRequest(REGION, 0, "peer", 1, 0, 10)]
-    batch = TransferBatch(
+    state = BatchState(
         TransferOp.READ, requests, time.monotonic() + 60, 10, on_settled, settle_grace=1.0
     )
-    finisher = threading.Thread(target=make_slices(batch, 0, requests[0], 10)[0].done)
+    batch = TransferBatch(state)
+    finisher = threading.Thread(target=make_slices(state, 0, requests[0], 10)[0].done)
     finisher.start()
     assert releasing.wait(10)
     assert batch.wait(0.2) == (TransferStatus.COMPLETED,)  # final, but not released yet

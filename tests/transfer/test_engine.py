@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
@@ -288,16 +289,16 @@ class _HeldStart:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: bool = False) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
-        original = TransferEngine._start_rdma
+        original = TransferEngine._build_transports
 
-        def held(engine: TransferEngine) -> None:
+        def held(engine: TransferEngine, *args: Any) -> None:
             self.entered.set()
             assert self.release.wait(30)
             if fail:
                 raise OSError("the test failed this start")
-            original(engine)
+            original(engine, *args)
 
-        monkeypatch.setattr(TransferEngine, "_start_rdma", held)
+        monkeypatch.setattr(TransferEngine, "_build_transports", held)
 
 
 def test_calls_racing_start_wait_for_it(monkeypatch: pytest.MonkeyPatch) -> None:

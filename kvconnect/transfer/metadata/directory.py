@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvconnect.transfer.metadata import MetadataBackend
@@ -10,13 +11,25 @@ from kvconnect.transfer.segment import SegmentDescriptor
 
 
 class SegmentDirectory:
-    """The engine's cache of peer descriptors; concurrent lookups of one name share one call."""
+    """The engine's cache of peer descriptors; concurrent lookups of one name share one call.
 
-    def __init__(self, backend: MetadataBackend, timeout: float) -> None:
+    ``on_replaced(old)`` runs (on the looking-up thread, outside the lock) when a lookup finds
+    a segment served by another engine than the descriptor last known for that name (``old``):
+    the peer restarted, so what transports hold for ``old.engine_id`` is stale.
+    """
+
+    def __init__(
+        self,
+        backend: MetadataBackend,
+        timeout: float,
+        on_replaced: Callable[[SegmentDescriptor], None],
+    ) -> None:
         self._backend = backend
         self._timeout = timeout
+        self._on_replaced = on_replaced
         self._lock = threading.Lock()
         self._cache: dict[str, SegmentDescriptor] = {}
+        self._known: dict[str, SegmentDescriptor] = {}  # last looked-up, kept across forget()
         self._inflight: dict[str, Future[SegmentDescriptor]] = {}
 
     def cached(self, name: str) -> SegmentDescriptor | None:
@@ -46,10 +59,15 @@ class SegmentDirectory:
         with self._lock:
             del self._inflight[name]
             self._cache[name] = descriptor
+            previous = self._known.get(name)
+            self._known[name] = descriptor
+        if previous is not None and previous.engine_id != descriptor.engine_id:
+            self._on_replaced(previous)
         future.set_result(descriptor)
         return descriptor
 
     def forget(self, name: str) -> None:
-        """Drop the cached descriptor of ``name``."""
+        """Drop the cached descriptor of ``name`` (it changed, vanished or stopped answering):
+        the next :meth:`resolve` looks it up again."""
         with self._lock:
             self._cache.pop(name, None)

@@ -18,6 +18,7 @@ from kvconnect.transfer.datapath.copying import Copier, CopyWorkers
 from kvconnect.transfer.memory import MemoryKind, MemoryRegion, MemoryRegistry
 from kvconnect.transfer.segment import SegmentDescriptor
 from kvconnect.transfer.stats import Counters, TransportStats
+from kvconnect.transfer.transports.base import TransportContext, TransportEntry
 from kvconnect.transfer.types import Capabilities, TransferOp
 
 _engines: weakref.WeakValueDictionary[str, MemoryRegistry] = weakref.WeakValueDictionary()
@@ -45,7 +46,7 @@ class LocalTransport:
     """memcpy to and from engines in this process."""
 
     name = "local"
-    capabilities = Capabilities(device_memory=True, same_host_only=True, same_process_only=True)
+    capabilities = Capabilities(same_host_only=True, same_process_only=True)
 
     def __init__(self, copier: Copier, workers: CopyWorkers) -> None:
         self._copier = copier
@@ -102,3 +103,10 @@ class LocalTransport:
         complete_slices(copied)
         key = "bytes_read" if op is TransferOp.READ else "bytes_written"
         self._counters.add(ops=len(copied), **{key: sum(p.length for p in copied)})
+
+
+def _build(context: TransportContext) -> LocalTransport:
+    return LocalTransport(context.copier, context.workers)
+
+
+ENTRY = TransportEntry(LocalTransport.name, _build)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import mmap
 import os
@@ -29,6 +30,7 @@ from kvconnect.transfer.memory import SHM_HEADER, SHM_MAGIC, host_address, read_
 from kvconnect.transfer.protocol import wire
 from kvconnect.transfer.segment import SegmentDescriptor
 from kvconnect.transfer.stats import Counters, TransportStats
+from kvconnect.transfer.transports.base import TransportContext, TransportEntry
 from kvconnect.transfer.types import Capabilities, TransferOp
 
 _WATCH_INTERVAL = 1.0  # seconds between liveness checks of idle same-host peers
@@ -74,7 +76,12 @@ class ShmTransport:
     """Copies through shared memory mapped from same-host peers."""
 
     name = "shm"
-    capabilities = Capabilities(device_memory=True, same_host_only=True, same_process_only=False)
+    capabilities = Capabilities(
+        endpoint="shm",
+        endpoint_label="shared-memory endpoint",
+        same_host_only=True,
+        shared_regions_only=True,
+    )
 
     def __init__(
         self,
@@ -115,7 +122,9 @@ class ShmTransport:
             state.close()
 
     def stats(self) -> TransportStats:
-        return self._counters.snapshot()
+        with self._lock:
+            peers = len(self._peers)
+        return dataclasses.replace(self._counters.snapshot(), peers=peers)
 
     def close(self) -> None:
         self._stop.set()
@@ -342,3 +351,10 @@ class _ShmPeer:
         if not mapped.live(region_id):
             raise AccessDenied(f"region {region_id}: mapped memory is not the live region")
         return mapped
+
+
+def _build(context: TransportContext) -> ShmTransport:
+    return ShmTransport(context.config, context.copier, context.workers, context.on_lost)
+
+
+ENTRY = TransportEntry(ShmTransport.name, _build)

@@ -13,6 +13,7 @@ to be another engine fails the channel's queued work at once with PeerUnreachabl
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import socket
@@ -45,6 +46,7 @@ from kvconnect.transfer.protocol import wire
 from kvconnect.transfer.protocol.wire import FrameKind, Status
 from kvconnect.transfer.segment import SegmentDescriptor
 from kvconnect.transfer.stats import Counters, TransportStats
+from kvconnect.transfer.transports.base import TransportContext, TransportEntry
 from kvconnect.transfer.types import Capabilities, TransferOp
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ class TcpTransport:
     """Moves slices over TCP to any reachable peer."""
 
     name = "tcp"
-    capabilities = Capabilities(device_memory=False, same_host_only=False, same_process_only=False)
+    capabilities = Capabilities(endpoint="tcp", endpoint_label="TCP endpoint")
 
     def __init__(
         self,
@@ -126,7 +128,9 @@ class TcpTransport:
             channel.close(BrokenError(f"segment {channel.peer.name} was withdrawn"))
 
     def stats(self) -> TransportStats:
-        return self.counters.snapshot()
+        with self._lock:
+            peers = len(self._channels)
+        return dataclasses.replace(self.counters.snapshot(), peers=peers)
 
     def close(self) -> None:
         with self._lock:
@@ -561,3 +565,10 @@ def _scratch_views(length: int) -> list[memoryview]:
     """
     full, rest = divmod(length, _SCRATCH.nbytes)
     return [_SCRATCH] * full + ([_SCRATCH[:rest]] if rest else [])
+
+
+def _build(context: TransportContext) -> TcpTransport:
+    return TcpTransport(context.config, context.datapath, context.staging, context.on_lost)
+
+
+ENTRY = TransportEntry(TcpTransport.name, _build)

@@ -24,6 +24,7 @@ work requests has completed (flushed), so no RDMA lands in memory of a request r
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -47,7 +48,7 @@ from kvconnect.transfer.memory import MemoryKind, MemoryRegion, MemoryRegistry
 from kvconnect.transfer.protocol import wire
 from kvconnect.transfer.segment import SegmentDescriptor
 from kvconnect.transfer.stats import Counters, TransportStats
-from kvconnect.transfer.transports.base import Transport
+from kvconnect.transfer.transports.base import Transport, TransportContext, TransportEntry
 from kvconnect.transfer.transports.rdma import topology, verbs
 from kvconnect.transfer.transports.rdma.plan import chunks, connect_steps
 from kvconnect.transfer.transports.rdma.state import Link, Path, Registrations, Work
@@ -78,7 +79,7 @@ class RdmaTransport:
     """Moves slices with RDMA READ/WRITE; also answers peers' connect requests."""
 
     name = "rdma"
-    capabilities = Capabilities(device_memory=True, same_host_only=False, same_process_only=False)
+    capabilities = Capabilities(endpoint="rdma", endpoint_label="RDMA NIC", both_ends=True)
 
     def __init__(
         self,
@@ -152,7 +153,8 @@ class RdmaTransport:
         self._queue.put(None)
 
     def stats(self) -> TransportStats:
-        return self.counters.snapshot()
+        peers = len(self._links)  # owned by the poster thread: a racy but harmless read
+        return dataclasses.replace(self.counters.snapshot(), peers=peers)
 
     def close(self) -> None:
         """Fail queued work, flush posted work, stop threads, destroy QPs, MRs and NICs."""
@@ -183,6 +185,7 @@ class RdmaTransport:
             path.close()
         self._memory.close()
         self._close_nics()
+        self._registry.on_withdraw = None
 
     def _say_goodbye(self, peer: SegmentDescriptor) -> None:
         """Let the peer drop its ends of our QPs now (best effort: a peer that does not answer
@@ -645,3 +648,35 @@ def _peer_nics(peer: SegmentDescriptor) -> list[str]:
     if not names:
         raise BrokenError(f"segment {peer.name} offers no RDMA endpoint")
     return names
+
+
+def _build(context: TransportContext) -> RdmaTransport | None:
+    """The RDMA transport, when this host has RDMA (``auto``) or it is forced (``rdma``)."""
+    config = context.config
+    if config.transport not in ("auto", "rdma"):
+        return None
+    nics = available(config)
+    if not nics:
+        if config.transport == "rdma":
+            raise ConfigError("transport 'rdma' is forced but no RDMA device is usable")
+        return None
+    try:
+        rdma = RdmaTransport(
+            config,
+            context.registry,
+            context.engine_id,
+            context.built["tcp"],
+            context.on_lost,
+            nics,
+        )
+    except BrokenError as exc:  # e.g. every port down: auto runs on without RDMA
+        if config.transport == "rdma":
+            raise ConfigError(f"transport 'rdma' is forced but {exc}") from exc
+        log.warning("continuing without RDMA: %s", exc)
+        return None
+    context.registry.on_withdraw = rdma.withdraw
+    rdma.start()
+    return rdma
+
+
+ENTRY = TransportEntry(RdmaTransport.name, _build)

@@ -1,0 +1,98 @@
+"""The Listener on its own, in this process: frames from a raw, handshaken socket."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvconnect.config import TransferConfig
+from kvconnect.errors import AuthenticationError
+from kvconnect.testing.peer import pattern
+from kvconnect.transfer.datapath.iov import select_datapath
+from kvconnect.transfer.datapath.staging import StagingPool
+from kvconnect.transfer.memory import MemoryRegion, MemoryRegistry
+from kvconnect.transfer.protocol import wire
+from kvconnect.transfer.protocol.listener import Listener
+from kvconnect.transfer.protocol.wire import FrameKind, Status
+from kvconnect.transfer.segment import SegmentDescriptor
+
+ENGINE_ID = b"\x01" * 16
+SIZE = 64 << 10
+
+
+def no_staging() -> StagingPool:
+    raise AssertionError("host memory is served without staging")
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Listener, MemoryRegion, str]]:
+    config = TransferConfig()
+    config = config.replace(token=config.cluster_token())
+    registry = MemoryRegistry()
+    region = registry.register(np.zeros(SIZE, dtype=np.uint8))
+    region.view[:] = pattern(4, SIZE).data
+    listener = Listener(
+        config,
+        registry,
+        lambda: SegmentDescriptor("s", ENGINE_ID.hex(), "p", "h", {}),
+        ENGINE_ID,
+        select_datapath("auto"),
+        no_staging,
+    )
+    listener.start()
+    try:
+        yield listener, region, config.token or ""
+    finally:
+        listener.close()
+        registry.close()
+
+
+def _read_frame(region: int, offset: int, length: int, frame_id: int) -> bytes:
+    return wire.HEADER.pack(FrameKind.READ, 0, 1, 0, frame_id) + struct.pack(
+        "<QQQ", region, offset, length
+    )
+
+
+def test_a_read_frame_is_answered_with_exact_bytes_and_counted(
+    served: tuple[Listener, MemoryRegion, str],
+) -> None:
+    listener, region, token = served
+    sock, engine_id = wire.open_connection(listener.endpoints["tcp"], token, 5)
+    with sock:
+        assert engine_id == ENGINE_ID
+        sock.sendall(_read_frame(region.id, 100, 1000, 7))
+        header = wire.recv_exact(sock, wire.HEADER.size)
+        assert wire.HEADER.unpack(header) == (FrameKind.RESPONSE, Status.OK, 0, 0, 7)
+        assert wire.recv_exact(sock, 1000) == pattern(4, SIZE).data[100:1100]
+        sock.sendall(_read_frame(region.id, SIZE - 10, 20, 8))  # past the end: refused
+        header = wire.recv_exact(sock, wire.HEADER.size)
+        assert wire.HEADER.unpack(header)[1] == Status.OUT_OF_BOUNDS
+    stats = listener.stats()
+    assert (stats.frames, stats.bytes_served, stats.protocol_errors) == (2, 1000, 0)
+
+
+def test_an_oversized_frame_closes_only_that_connection(
+    served: tuple[Listener, MemoryRegion, str],
+) -> None:
+    listener, region, token = served
+    bad, _ = wire.open_connection(listener.endpoints["tcp"], token, 5)
+    with bad:
+        bad.sendall(_read_frame(region.id, 0, 1 << 40, 1))
+        assert bad.recv(1) == b"", "the listener hangs up"
+    good, _ = wire.open_connection(listener.endpoints["tcp"], token, 5)
+    with good:
+        good.sendall(_read_frame(region.id, 0, 10, 2))
+        assert wire.HEADER.unpack(wire.recv_exact(good, wire.HEADER.size))[1] == Status.OK
+        assert wire.recv_exact(good, 10) == pattern(4, SIZE).data[:10]
+    assert listener.stats().protocol_errors == 1
+
+
+def test_a_wrong_token_is_refused_and_counted(served: tuple[Listener, MemoryRegion, str]) -> None:
+    listener, _region, token = served
+    with pytest.raises(AuthenticationError):
+        wire.open_connection(listener.endpoints["tcp"], token + "-wrong", 5)
+    listener.close()  # joins the serving thread: it counts after answering the client
+    assert listener.stats().auth_failures == 1

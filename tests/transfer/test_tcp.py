@@ -1,0 +1,141 @@
+"""TcpTransport on its own: slices to a real listener (an engine in this process) over a real
+socket, without the engine's routing in between."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvconnect.errors import AccessDenied, PeerUnreachable
+from kvconnect.testing.peer import pattern
+from kvconnect.transfer import (
+    MemoryRegion,
+    SegmentDescriptor,
+    TransferEngine,
+    TransferOp,
+    TransferRequest,
+    TransferStatus,
+)
+from kvconnect.transfer.batch import BatchState, TransferBatch, make_slices
+from kvconnect.transfer.datapath.iov import select_datapath
+from kvconnect.transfer.datapath.staging import StagingPool
+from kvconnect.transfer.memory import MemoryRegistry
+from kvconnect.transfer.transports.tcp import TcpTransport
+
+MiB = 1 << 20
+SLICE = 256 << 10
+
+
+def no_staging() -> StagingPool:
+    raise AssertionError("host memory is sent without staging")
+
+
+def submit(
+    transport: TcpTransport,
+    peer: SegmentDescriptor,
+    op: TransferOp,
+    local: MemoryRegion,
+    region: int,
+    length: int = MiB,
+) -> TransferBatch:
+    """One request of ``length`` bytes cut into slices, straight to the transport."""
+    request = TransferRequest(local, 0, peer.name, region, 0, length)
+    state = BatchState(op, [request], time.monotonic() + 10, SLICE, lambda: None, settle_grace=1)
+    transport.submit(peer, op, make_slices(state, 0, request, SLICE))
+    return TransferBatch(state)
+
+
+@pytest.fixture
+def target() -> Iterator[tuple[TransferEngine, MemoryRegion]]:
+    with TransferEngine() as engine:
+        remote = engine.register(np.zeros(MiB, dtype=np.uint8))
+        remote.view[:] = pattern(5, MiB).data
+        yield engine, remote
+
+
+@pytest.fixture
+def local() -> Iterator[MemoryRegion]:
+    registry = MemoryRegistry()
+    try:
+        yield registry.register(np.zeros(MiB, dtype=np.uint8))
+    finally:
+        registry.close()
+
+
+def _transport(engine: TransferEngine, lost: list[SegmentDescriptor]) -> TcpTransport:
+    return TcpTransport(engine.config, select_datapath("auto"), no_staging, lost.append)
+
+
+def test_read_and_write_are_byte_exact_and_counted(
+    target: tuple[TransferEngine, MemoryRegion], local: MemoryRegion
+) -> None:
+    engine, remote = target
+    transport = _transport(engine, [])
+    try:
+        batch = submit(transport, engine.segment, TransferOp.READ, local, remote.id)
+        assert batch.wait(10) == (TransferStatus.COMPLETED,)
+        assert local.view == pattern(5, MiB).data
+        local.view[:] = pattern(6, MiB).data
+        batch = submit(transport, engine.segment, TransferOp.WRITE, local, remote.id)
+        assert batch.wait(10) == (TransferStatus.COMPLETED,)
+        assert remote.view == pattern(6, MiB).data
+        stats = transport.stats()
+        assert (stats.bytes_read, stats.bytes_written, stats.errors) == (MiB, MiB, 0)
+        assert stats.peers == 1
+    finally:
+        transport.close()
+    assert transport.stats().peers == 0
+
+
+def test_a_refused_region_fails_with_access_denied_and_the_channel_stays(
+    target: tuple[TransferEngine, MemoryRegion], local: MemoryRegion
+) -> None:
+    engine, remote = target
+    transport = _transport(engine, [])
+    try:
+        batch = submit(transport, engine.segment, TransferOp.READ, local, remote.id + 100)
+        assert batch.wait(10) == (TransferStatus.FAILED,)
+        assert isinstance(batch.errors[0], AccessDenied)
+        batch = submit(transport, engine.segment, TransferOp.READ, local, remote.id)
+        assert batch.wait(10) == (TransferStatus.COMPLETED,)
+        assert local.view == pattern(5, MiB).data
+    finally:
+        transport.close()
+
+
+def test_forget_drops_the_channel_and_a_later_submit_opens_a_new_one(
+    target: tuple[TransferEngine, MemoryRegion], local: MemoryRegion
+) -> None:
+    engine, remote = target
+    transport = _transport(engine, [])
+    try:
+        batch = submit(transport, engine.segment, TransferOp.READ, local, remote.id)
+        assert batch.wait(10) == (TransferStatus.COMPLETED,)
+        assert transport.stats().peers == 1
+        transport.forget(engine.segment.engine_id)
+        assert transport.stats().peers == 0
+        batch = submit(transport, engine.segment, TransferOp.READ, local, remote.id)
+        assert batch.wait(10) == (TransferStatus.COMPLETED,)
+        assert transport.stats().peers == 1
+    finally:
+        transport.close()
+
+
+def test_a_closed_peer_is_unreachable_and_reported_lost(local: MemoryRegion) -> None:
+    with TransferEngine() as engine:
+        remote = engine.register(np.zeros(MiB, dtype=np.uint8))
+        peer = engine.segment
+        config = engine.config
+    lost: list[SegmentDescriptor] = []
+    transport = TcpTransport(config, select_datapath("auto"), no_staging, lost.append)
+    try:
+        batch = submit(transport, peer, TransferOp.READ, local, remote.id)
+        assert batch.wait(10) == (TransferStatus.FAILED,)
+        assert isinstance(batch.errors[0], PeerUnreachable)
+        assert lost == [peer]
+        assert transport.stats().peers == 0
+    finally:
+        transport.close()
