@@ -12,11 +12,10 @@ import pytest
 import zmq
 
 from kvconnect.auth import curve_keys, secure_client
-from kvconnect.config import TransferConfig
 from kvconnect.testing.conformance import TARGET_BYTES
 from kvconnect.testing.etcd import etcd_available
 from kvconnect.testing.peer import PeerProcess, pattern
-from kvconnect.transfer import TransferEngine
+from kvconnect.transfer import TransferConfig, TransferEngine
 from kvconnect.transfer.datapath.cuda import cuda_device_count
 from kvconnect.transfer.datapath.iov import native_available
 

@@ -24,10 +24,10 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvconnect.config import StoreClientConfig
 from kvconnect.errors import StoreError
 from kvconnect.etcd import Etcd
 from kvconnect.store.client import StoreClient
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.messages import Code
 from kvconnect.store.rpc import find_leader
 from kvconnect.testing.cluster import Process, free_port

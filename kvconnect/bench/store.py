@@ -27,14 +27,16 @@ from typing import Any
 
 import numpy as np
 
+from kvconnect._config import cluster_token
 from kvconnect.bench import master_load
 from kvconnect.bench.baselines import find_mooncake_python
-from kvconnect.config import StoreClientConfig, StoreServerConfig, TransferConfig, cluster_token
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
+from kvconnect.store.config import StoreClientConfig, StoreServerConfig
 from kvconnect.store.messages import Code
 from kvconnect.store.rpc import RpcClient
 from kvconnect.testing.cluster import Cluster, Process, free_port
+from kvconnect.transfer import TransferConfig
 
 KiB, MiB = 1 << 10, 1 << 20
 # value size → (batch size, bytes-API ops per round, batch calls per round)

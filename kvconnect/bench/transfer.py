@@ -28,9 +28,14 @@ from kvconnect.bench.baselines import (
     SocketBaseline,
     find_mooncake_python,
 )
-from kvconnect.config import TransferConfig
 from kvconnect.testing.peer import PeerProcess, pattern
-from kvconnect.transfer import MemoryRegion, TransferEngine, TransferOp, TransferRequest
+from kvconnect.transfer import (
+    MemoryRegion,
+    TransferConfig,
+    TransferEngine,
+    TransferOp,
+    TransferRequest,
+)
 from kvconnect.transfer.datapath.iov import native_available
 
 KiB, MiB = 1 << 10, 1 << 20

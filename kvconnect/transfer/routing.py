@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvconnect.config import TransportName
 from kvconnect.errors import InvalidRequest
+from kvconnect.transfer.config import TransportName
 from kvconnect.transfer.segment import RegionInfo, SegmentDescriptor
 
 

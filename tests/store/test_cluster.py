@@ -15,16 +15,18 @@ import numpy as np
 import pytest
 import zmq
 
+from kvconnect._config import cluster_token
 from kvconnect.auth import curve_keys, secure_client
-from kvconnect.config import StoreClientConfig, TransferConfig, cluster_token
 from kvconnect.errors import CircuitOpen, InvalidRequest, MasterUnavailable
 from kvconnect.store import messages as m
 from kvconnect.store.client import BatchResult, StoreClient
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.messages import Code
 from kvconnect.store.rpc import RpcClient
 from kvconnect.testing.cluster import Cluster
 from kvconnect.testing.peer import pattern
 from kvconnect.testing.store_worker import expected, key_size
+from kvconnect.transfer import TransferConfig
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.integration
@@ -114,7 +116,7 @@ def test_values_from_one_byte_to_16_mib_across_servers_and_processes() -> None:
 _READ_BACK = """
 import json, sys
 import numpy as np
-from kvconnect.config import StoreClientConfig
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.client import StoreClient
 from kvconnect.store.messages import Code
 from kvconnect.testing.peer import pattern

@@ -14,14 +14,16 @@ import msgspec
 import pytest
 import zmq
 
-from kvconnect.config import MiB, StoreClientConfig, TransferConfig, cluster_token
+from kvconnect._config import MiB, cluster_token
 from kvconnect.errors import MasterUnavailable
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
 from kvconnect.store.commands import EXIT_CRASHED
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.rpc import RpcClient
 from kvconnect.testing.cluster import Cluster, Process, free_port
 from kvconnect.testing.peer import pattern
+from kvconnect.transfer import TransferConfig
 from tests.conftest import RawDealer, wait_for
 
 pytestmark = pytest.mark.integration

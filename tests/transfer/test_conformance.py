@@ -8,11 +8,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from kvconnect.config import TransferConfig
 from kvconnect.testing import conformance
 from kvconnect.testing.conformance import TARGET_BYTES, EngineTarget, Target
 from kvconnect.testing.peer import PeerProcess
-from kvconnect.transfer import MemoryRegion, TransferEngine
+from kvconnect.transfer import MemoryRegion, TransferConfig, TransferEngine
 from tests.conftest import DATAPATHS, ProcessTarget, native_mode
 
 TRANSPORTS = ["tcp", "shm", "local"]

@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import (
     AccessDenied,
     ClosedError,
@@ -25,6 +24,7 @@ from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import (
     EmbeddedMetadata,
     SegmentRegistry,
+    TransferConfig,
     TransferEngine,
     TransferOp,
     TransferRequest,

@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import (
     BrokenError,
     ClosedError,
@@ -26,6 +25,7 @@ from kvconnect.testing.etcd import EtcdServer, etcd_available
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import (
     SegmentDescriptor,
+    TransferConfig,
     TransferEngine,
     TransferOp,
     TransferRequest,

@@ -1,4 +1,4 @@
-"""The connector's pure pieces: leases, kv_transfer_params, block layouts, settings. These run
+"""The connector's pure pieces: leases, kv_transfer_params, block layouts. These run
 in every environment (no vLLM needed; torch for the tensor layouts)."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import pytest
 
 from kvconnect.errors import ConfigError
 from kvconnect.testing.vllm_servers import cpu_groups
-from kvconnect.vllm.config import parse_config
 from kvconnect.vllm.layout import (
     KVFormat,
     LayerLayout,
@@ -151,15 +150,6 @@ def test_compatibility_names_every_field_that_differs() -> None:
         assert problem.startswith(f"{field}: {value!r} at the peer"), problem
 
 
-def test_settings_from_extra_config_file_and_environment(tmp_path: object) -> None:
-    config = parse_config({"lease": 5, "pool": True}, environ={"KVCONNECT_VLLM_LEASE": "7"})
-    assert (config.lease, config.pool, config.read_timeout) == (5, True, 10.0)
-    with pytest.raises(ConfigError, match="valid"):
-        parse_config({"leese": 5}, environ={})
-    with pytest.raises(ConfigError, match="master"):
-        parse_config({"master": "http://x"}, environ={})
-
-
 class _Request:
     def __init__(self, rid: str, prompt: int, computed: int) -> None:
         self.request_id = rid
@@ -192,18 +182,6 @@ def test_saves_are_planned_once_and_preempted_saves_are_protected() -> None:
     plan = scheduler.build_plan({}, blocks.__getitem__, preempted=["r", "other"])
     assert plan.preempted == ("r",)
     assert scheduler.request_finished(request, [7, 8, 9], completed=True) == (True, None)
-
-
-def test_cpu_lists_parse_and_bad_ones_are_config_errors() -> None:
-    from kvconnect.config import VllmConnectorConfig, parse_cpu_list
-
-    assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
-    assert parse_cpu_list("5") == {5}
-    assert parse_cpu_list("") == frozenset()
-    assert VllmConnectorConfig(io_cpus="2-3").io_cpu_set == {2, 3}
-    for bad in ("3-1", "a", "-1", "1-x"):
-        with pytest.raises(ConfigError, match="bad CPU list"):
-            VllmConnectorConfig(io_cpus=bad)
 
 
 def _affinity_of_threads(io_cpus: frozenset[int], model_core: int) -> list[set[int]]:
