@@ -356,14 +356,15 @@ def test_a_stopped_prefill_delays_no_other_read_load_or_save() -> None:
     """A SIGSTOPped prefill accepts connections and answers nothing: reads from it hang until
     their deadline. More of them than a shared thread pool has threads must not delay a read
     from another prefill, nor the pool's saves and loads."""
-    config = configured(read_timeout=60.0, rpc_timeout=30.0, connect_timeout=30.0, pool=True)
+    settings = {"read_timeout": 60.0, "rpc_timeout": 30.0, "connect_timeout": 30.0, "pool": True}
     with (
         Cluster(servers=1, server_size=8 << 20) as cluster,
         PrefillPeer(seed=1) as stuck,
         PrefillPeer(seed=2) as healthy,
     ):
         caches = kv_caches(seed=None)
-        decode = ConnectorWorker(replace(config, master=cluster.master_endpoint), FORMAT, BLOCKS)
+        config = configured(**settings, master=cluster.master_endpoint)
+        decode = ConnectorWorker(config, FORMAT, BLOCKS)
         stopped = False
         try:
             decode.register(caches)
@@ -544,8 +545,7 @@ def test_pool_transfers_that_cannot_be_stopped_keep_their_blocks_until_they_sett
     which frees the blocks) before the transfer settled."""
     caplog.set_level(logging.ERROR, logger="kvconnect")
     with Cluster(servers=1, server_size=8 << 20) as cluster:
-        config = replace(
-            CONFIG,
+        config = configured(
             transport="auto",  # the store server is on this host: shared-memory copies
             pool=True,
             master=cluster.master_endpoint,
