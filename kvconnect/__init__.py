@@ -5,7 +5,6 @@ Importing kvconnect imports no torch, sglang or vllm; optional dependencies load
 
 import logging
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import (
     AccessDenied,
     AuthenticationError,
@@ -25,6 +24,7 @@ from kvconnect.errors import (
 from kvconnect.transfer import (
     MemoryRegion,
     TransferBatch,
+    TransferConfig,
     TransferEngine,
     TransferOp,
     TransferRequest,

@@ -17,14 +17,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from kvconnect.config import (
-    MasterConfig,
-    StoreClientConfig,
-    StoreServerConfig,
-    TransferConfig,
-    cluster_token,
-)
+from kvconnect._config import cluster_token
 from kvconnect.errors import ConfigError
+from kvconnect.store.config import MasterConfig, StoreClientConfig, StoreServerConfig
+from kvconnect.transfer import TransferConfig
 
 log = logging.getLogger("kvconnect")
 

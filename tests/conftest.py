@@ -10,10 +10,9 @@ import zmq
 
 from kvconnect.auth import curve_keys, secure_client
 from kvconnect.bench.etcd import etcd_available
-from kvconnect.config import TransferConfig
 from kvconnect.testing.conformance import TARGET_BYTES
 from kvconnect.testing.peer import PeerProcess
-from kvconnect.transfer import TransferEngine
+from kvconnect.transfer import TransferConfig, TransferEngine
 from kvconnect.transfer.datapath.cuda import cuda_device_count
 from tests.support.dealer import RawDealer
 from tests.support.hardware import rdma_present

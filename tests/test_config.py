@@ -1,18 +1,20 @@
+"""The configuration machinery (kvconnect._config), shown on the transfer section and on an
+engine-like section that embeds the store-client and transfer sections."""
+
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
-from kvconnect.config import TransferConfig
+from kvconnect._config import Composed, Route, embedded_default, layered
 from kvconnect.errors import ConfigError
-
-
-def test_defaults_are_loopback_and_auto() -> None:
-    config = TransferConfig()
-    assert config.listen_host == "127.0.0.1"
-    assert config.transport == "auto"
-    assert config.metadata == "p2p"
+from kvconnect.store.config import StoreClientConfig
+from kvconnect.transfer import TransferConfig
 
 
 def test_frozen() -> None:
@@ -25,34 +27,6 @@ def test_unknown_key_lists_valid_keys() -> None:
         ConfigError, match=r"unknown TransferConfig key.*bogus.*valid:.*tcp_streams"
     ):
         TransferConfig.from_mapping({"bogus": 1})
-
-
-@pytest.mark.parametrize(
-    ("data", "message"),
-    [
-        ({"transport": "udp"}, "transport must be one of"),
-        ({"tcp_streams": 0}, "tcp_streams must be > 0"),
-        ({"tcp_streams": "two"}, "tcp_streams must be an integer"),
-        ({"tcp_streams": True}, "must be a number"),
-        ({"shm": "maybe"}, "shm must be a boolean"),
-        ({"listen_port": 70000}, "listen_port"),
-        ({"listen_host": "0.0.0.0"}, "advertise_host"),
-        ({"slice_bytes": 1 << 30}, "slice_bytes must not exceed"),
-        ({"max_frame_entries": 5000}, "iovec"),
-        ({"name": 5}, "name must be a string"),
-        ({"metadata": "zk://h:1"}, "metadata must be p2p, embedded or an etcd://"),
-        ({"metadata": "etcd://h"}, "bad etcd endpoint"),
-        ({"metadata_ttl": 0}, "metadata_ttl must be > 0"),
-    ],
-)
-def test_invalid_values_are_rejected(data: dict[str, object], message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        TransferConfig.from_mapping(data)
-
-
-def test_metadata_accepts_etcd_urls() -> None:
-    env = {"KVCONNECT_TRANSFER_METADATA": "etcd://10.0.0.1:2379,10.0.0.2:2379"}
-    assert TransferConfig.from_env(env).metadata == env["KVCONNECT_TRANSFER_METADATA"]
 
 
 def test_from_env_reads_prefixed_variables_and_shared_token() -> None:
@@ -81,11 +55,62 @@ def test_from_env_overrides_win_and_unknown_variables_fail() -> None:
         TransferConfig.from_env({"KVCONNECT_TRANSFER_NOPE": "1"})
 
 
-def test_empty_token_is_an_error_but_an_empty_variable_means_unset() -> None:
-    with pytest.raises(ConfigError, match="token"):
-        TransferConfig(token="")
-    assert TransferConfig.from_env({"KVCONNECT_TOKEN": ""}).token is None
+_ROUTES = {
+    "master": Route("store", "master", "tcp://engine:1"),
+    "streams": Route("transfer", "tcp_streams", 3),
+}
 
 
-def test_token_is_not_in_repr() -> None:
-    assert "hunter2" not in repr(TransferConfig(token="hunter2"))
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Engine(Composed):
+    _ENV_PREFIX: ClassVar[str] = "KVCONNECT_ENGINE_"
+    _ROUTES: ClassVar[Mapping[str, Route]] = _ROUTES
+
+    store: StoreClientConfig = dataclasses.field(
+        default_factory=embedded_default(StoreClientConfig, _ROUTES, "store")
+    )
+    transfer: TransferConfig = dataclasses.field(
+        default_factory=embedded_default(TransferConfig, _ROUTES, "transfer")
+    )
+    config_file: str = ""
+    lease: float = 1.0
+
+
+def test_an_embedding_section_routes_flat_keys_and_takes_nested_ones() -> None:
+    assert _Engine.from_mapping({}) == _Engine()
+    assert (_Engine().store.master, _Engine().transfer.tcp_streams) == ("tcp://engine:1", 3)
+    config = _Engine.from_mapping({"streams": 5, "store": {"replicas": 2}, "lease": 2})
+    assert (config.transfer.tcp_streams, config.store.replicas, config.lease) == (5, 2, 2.0)
+    assert _Engine.valid_keys() == {"store", "transfer", "config_file", "lease"} | set(_ROUTES)
+    assert _Engine.env_keys() == {"config_file", "lease", "master", "streams"}
+
+
+def test_layers_merge_field_by_field_over_the_sections_own_variables(tmp_path: Path) -> None:
+    settings = tmp_path / "engine.json"
+    settings.write_text(json.dumps({"store": {"replicas": 2, "io_timeout": 3}, "lease": 4}))
+    environ = {
+        "KVCONNECT_ENGINE_CONFIG_FILE": str(settings),
+        "KVCONNECT_ENGINE_MASTER": "tcp://env:1",
+        "KVCONNECT_CLIENT_NEGATIVE_TTL": "7",
+        "KVCONNECT_CLIENT_MASTER": "tcp://ignored:1",  # below the engine's default
+        "KVCONNECT_TRANSFER_SHM": "false",
+    }
+    config = layered(_Engine, {"store": {"replicas": 3}}, environ)
+    assert (config.store.replicas, config.store.io_timeout, config.lease) == (3, 3.0, 4.0)
+    assert (config.store.master, config.store.negative_ttl) == ("tcp://env:1", 7.0)
+    assert (config.transfer.shm, config.transfer.tcp_streams) == (False, 3)
+
+
+def test_an_embedding_section_refuses_what_it_cannot_place() -> None:
+    with pytest.raises(ConfigError, match=r"unknown _Engine key\(s\) bogus; valid: config_file"):
+        _Engine.from_mapping({"bogus": 1})
+    with pytest.raises(ConfigError, match=r"section 'store': unknown StoreClientConfig key"):
+        _Engine.from_mapping({"store": {"bogus": 1}})
+    with pytest.raises(ConfigError, match=r"set streams or transfer\.tcp_streams, not both"):
+        _Engine.from_mapping({"streams": 1, "transfer": {"tcp_streams": 2}})
+    with pytest.raises(ConfigError, match="transfer must be a mapping of TransferConfig keys"):
+        _Engine.from_mapping({"transfer": "tcp"})
+    with pytest.raises(ConfigError, match=r"\(streams sets tcp_streams\): tcp_streams must be > 0"):
+        _Engine.from_mapping({"streams": 0})
+    with pytest.raises(ConfigError, match="unknown environment variable KVCONNECT_ENGINE_STORE"):
+        _Engine.from_layers(environ={"KVCONNECT_ENGINE_STORE": "{}"})

@@ -7,14 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from kvconnect.config import (
-    HiCacheConfig,
-    MasterConfig,
-    StoreClientConfig,
-    StoreServerConfig,
-    TransferConfig,
-    VllmConnectorConfig,
-)
+from kvconnect._config import embedded_sections
+from kvconnect.sglang.config import HiCacheConfig
+from kvconnect.store.config import MasterConfig, StoreClientConfig, StoreServerConfig
+from kvconnect.transfer import TransferConfig
+from kvconnect.vllm.config import VllmConnectorConfig
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -38,9 +35,14 @@ def test_configuration_reference_lists_every_field_with_its_default(cls: type) -
         for line in section.splitlines()
         if line.startswith("| `")
     }
-    for field in dataclasses.fields(cls):
-        assert field.name in rows, f"{cls.__name__}.{field.name} is missing from the docs"
-        assert f"{cls._ENV_PREFIX}{field.name.upper()}" in section
-        default = field.default
+    embedded = embedded_sections(cls)
+    for name, section_cls in embedded.items():
+        assert rows.get(name) == "—", f"{cls.__name__}.{name} is missing from the docs"
+        assert f"`{section_cls.__name__}`" in section
+    flat = [(f.name, f.default) for f in dataclasses.fields(cls) if f.name not in embedded]
+    flat += [(key, route.default) for key, route in getattr(cls, "_ROUTES", {}).items()]
+    for name, default in flat:
+        assert name in rows, f"{cls.__name__}.{name} is missing from the docs"
+        assert f"{cls._ENV_PREFIX}{name.upper()}" in section
         shown = str(default).lower() if isinstance(default, bool) else str(default)
-        assert rows[field.name] == shown, f"{field.name}: docs say {rows[field.name]}, code {shown}"
+        assert rows[name] == shown, f"{name}: docs say {rows[name]}, code {shown}"

@@ -29,7 +29,7 @@ def test_sglang_settings_in_the_examples_parse(script: Path) -> None:
     settings = [json.loads(a or b) for a, b in configs]
     assert settings, f"{script.name} passes no kvconnect settings"
     for extra in settings:
-        assert parse_config(extra, {}).master.startswith(("tcp://", "etcd://"))
+        assert parse_config(extra, {}).store.master.startswith(("tcp://", "etcd://"))
 
 
 def test_vllm_settings_in_the_examples_parse() -> None:
@@ -45,5 +45,5 @@ def test_vllm_settings_in_the_examples_parse() -> None:
     assert len(settings) == 4
     configs = [parse_vllm_config(extra, {}) for extra in settings]
     assert [c.pool for c in configs] == [False, True, False, True]
-    assert configs[3].master == "etcd://10.0.0.5:2379"
+    assert configs[3].store.master == "etcd://10.0.0.5:2379"
     assert configs[2].host == "10.0.0.7"

@@ -30,6 +30,7 @@ def test_public_names_snapshot() -> None:
         "SegmentDescriptor",
         "SegmentRegistry",
         "TransferBatch",
+        "TransferConfig",
         "TransferEngine",
         "TransferOp",
         "TransferRequest",

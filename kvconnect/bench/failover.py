@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvconnect.bench.etcd import EtcdServer
-from kvconnect.config import StoreClientConfig
 from kvconnect.errors import StoreError
 from kvconnect.etcd import Etcd
 from kvconnect.store.client import StoreClient
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Process, free_port
 from kvconnect.store.messages import Code
 from kvconnect.store.rpc import find_leader

@@ -9,7 +9,7 @@ import random
 import statistics
 import time
 
-from kvconnect.config import cluster_token
+from kvconnect._config import cluster_token
 from kvconnect.store import messages as m
 from kvconnect.store.rpc import RpcClient
 

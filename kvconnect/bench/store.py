@@ -27,15 +27,17 @@ from typing import Any
 
 import numpy as np
 
+from kvconnect._config import cluster_token
 from kvconnect.bench import master_load
 from kvconnect.bench.baselines.mooncake import find_mooncake_python
 from kvconnect.bench.baselines.mooncake_store import MooncakeStoreBaseline
-from kvconnect.config import StoreClientConfig, StoreServerConfig, TransferConfig, cluster_token
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
+from kvconnect.store.config import StoreClientConfig, StoreServerConfig
 from kvconnect.store.launch import Cluster, Process, free_port
 from kvconnect.store.messages import Code
 from kvconnect.store.rpc import RpcClient
+from kvconnect.transfer import TransferConfig
 
 KiB, MiB = 1 << 10, 1 << 20
 # value size → (batch size, bytes-API ops per round, batch calls per round)

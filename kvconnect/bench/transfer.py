@@ -25,9 +25,14 @@ from kvconnect.bench.baselines import Baseline
 from kvconnect.bench.baselines.memcpy import MemcpyBaseline
 from kvconnect.bench.baselines.mooncake import MooncakeBaseline, find_mooncake_python
 from kvconnect.bench.baselines.socket_pair import SocketBaseline
-from kvconnect.config import TransferConfig
 from kvconnect.testing.peer import PeerProcess, pattern
-from kvconnect.transfer import MemoryRegion, TransferEngine, TransferOp, TransferRequest
+from kvconnect.transfer import (
+    MemoryRegion,
+    TransferConfig,
+    TransferEngine,
+    TransferOp,
+    TransferRequest,
+)
 from kvconnect.transfer.datapath.iov import native_available
 
 KiB, MiB = 1 << 10, 1 << 20

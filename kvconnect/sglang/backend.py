@@ -39,15 +39,16 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from kvconnect.config import HiCacheConfig, StoreClientConfig, StoreServerConfig, TransferConfig
 from kvconnect.errors import ConfigError, StoreError
-from kvconnect.sglang.config import parse_config
+from kvconnect.sglang.config import HiCacheConfig, parse_config
 from kvconnect.sglang.keys import PageFormat, PageKeys, page_keys
 from kvconnect.sglang.withheld import WithheldSlots
 from kvconnect.store.client import BatchResult, StoreClient
+from kvconnect.store.config import StoreServerConfig
 from kvconnect.store.messages import Code
 from kvconnect.store.resilience import BreakerState
 from kvconnect.store.server import StoreServer
+from kvconnect.transfer import TransferConfig
 from kvconnect.transfer.memory import MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -106,17 +107,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         self._memory: _PoolMemory | None = None
         self._withheld: WithheldSlots | None = None
         self._server = self._start_local_store()
-        self._client = StoreClient(
-            StoreClientConfig(
-                master=self.config.master,
-                rpc_timeout=self.config.rpc_timeout,
-                io_timeout=self.config.read_timeout,
-                breaker_failures=self.config.breaker_failures,
-                breaker_cooldown=self.config.breaker_cooldown,
-                negative_ttl=self.config.negative_ttl,
-            ),
-            self._transfer_config(transport=self.config.transport),
-        )
+        self._client = StoreClient(self.config.store, self._with_token(self.config.transfer))
         try:
             self._client.start()
             if host_pool is not None and not isinstance(host_pool, dict):
@@ -147,7 +138,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
             "kvconnect HiCache backend: %s, keys %s*, store %s",
             type(mem_pool_host).__name__,
             self._keys.prefix,
-            self.config.master,
+            self.config.store.master,
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -370,13 +361,10 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
             raise ConfigError("the host KV pool is not registered yet")
         return self._keys
 
-    def _transfer_config(self, **settings: Any) -> TransferConfig:
-        """This backend's transfer-engine settings: ``KVCONNECT_TRANSFER_*``, then its own
-        (interface, cluster token, ``settings``)."""
+    def _with_token(self, config: TransferConfig) -> TransferConfig:
+        """``config`` with this backend's cluster token (None: insecure)."""
         token = self.config.cluster_token()
-        return TransferConfig.from_env(
-            listen_host=self.config.listen_host, token=token, insecure=token is None, **settings
-        )
+        return config.replace(token=token, insecure=token is None)
 
     def _start_local_store(self) -> StoreServer | None:
         """This rank's share of the host's ``local_store_size`` as an embedded store server."""
@@ -384,8 +372,10 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
             return None
         share = self.config.local_store_size // _ranks_on_host()
         server = StoreServer(
-            StoreServerConfig(master=self.config.master, size=share),
-            self._transfer_config(),
+            StoreServerConfig(master=self.config.store.master, size=share),
+            # Not the client's section: the server's engine serves every client, so the
+            # transport forced for this backend's reads must not switch RDMA off for them.
+            self._with_token(TransferConfig.from_env(listen_host=self.config.transfer.listen_host)),
         )
         server.start()
         return server
@@ -400,7 +390,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
             log.warning(
                 "kvconnect store unavailable: running local-only (no L3) until it answers; "
                 "probing every %.1fs",
-                self.config.breaker_cooldown,
+                self.config.store.breaker_cooldown,
             )
 
     def _store_trouble(self, what: _Trouble, exc: Exception) -> None:

@@ -33,7 +33,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvconnect.config import StoreClientConfig, TransferConfig
 from kvconnect.errors import (
     CircuitOpen,
     InvalidRequest,
@@ -45,10 +44,11 @@ from kvconnect.lifecycle import Lifecycle
 from kvconnect.store import batching as b
 from kvconnect.store import messages as m
 from kvconnect.store.batching import BatchResult, Regions
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.messages import Code, check_key
 from kvconnect.store.resilience import CircuitBreaker, NegativeCache
 from kvconnect.store.rpc import RpcClient
-from kvconnect.transfer import TransferOp, TransferRequest, TransferStatus
+from kvconnect.transfer import TransferConfig, TransferOp, TransferRequest, TransferStatus
 from kvconnect.transfer.batch import TransferBatch
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion

@@ -7,11 +7,12 @@ import signal
 import threading
 from collections.abc import Callable
 
-from kvconnect.config import MasterConfig, StoreServerConfig, TransferConfig
 from kvconnect.store import messages as m
+from kvconnect.store.config import MasterConfig, StoreServerConfig
 from kvconnect.store.master.service import MasterService
 from kvconnect.store.rpc import RpcClient
 from kvconnect.store.server import StoreServer
+from kvconnect.transfer import TransferConfig
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from kvconnect.config import StoreClientConfig
 from kvconnect.store.client import StoreClient
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Process, free_port
 from kvconnect.transfer.memory import MemoryRegion
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import IO
 
-from kvconnect.config import cluster_token
+from kvconnect._config import cluster_token
 from kvconnect.store import messages as m
 from kvconnect.store.rpc import RpcClient
 

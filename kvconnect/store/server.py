@@ -28,12 +28,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from kvconnect.config import StoreServerConfig, TransferConfig
 from kvconnect.errors import KVConnectError, StoreError
 from kvconnect.lifecycle import Lifecycle
 from kvconnect.store import messages as m
+from kvconnect.store.config import StoreServerConfig
 from kvconnect.store.held import HeldObjects
 from kvconnect.store.rpc import RpcClient
+from kvconnect.transfer import TransferConfig
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
 

@@ -29,9 +29,8 @@ from typing import Any, Self
 
 import numpy as np
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import KVConnectError
-from kvconnect.transfer import TransferOp, TransferRequest
+from kvconnect.transfer import TransferConfig, TransferOp, TransferRequest
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
 

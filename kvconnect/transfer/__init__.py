@@ -9,6 +9,7 @@ Typical use::
 """
 
 from kvconnect.transfer.batch import TransferBatch
+from kvconnect.transfer.config import TransferConfig
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryKind, MemoryRegion
 from kvconnect.transfer.metadata import (
@@ -35,6 +36,7 @@ __all__ = [
     "SegmentDescriptor",
     "SegmentRegistry",
     "TransferBatch",
+    "TransferConfig",
     "TransferEngine",
     "TransferOp",
     "TransferRequest",

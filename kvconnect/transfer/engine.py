@@ -20,7 +20,6 @@ import warnings
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import (
     AccessDenied,
     ClosedError,
@@ -31,6 +30,7 @@ from kvconnect.errors import (
 )
 from kvconnect.lifecycle import Lifecycle
 from kvconnect.transfer.batch import BatchState, DeadlineWatch, Slice, TransferBatch, make_slices
+from kvconnect.transfer.config import TransferConfig
 from kvconnect.transfer.datapath.copying import Copier, CopyWorkers
 from kvconnect.transfer.datapath.cuda import DeviceCopier, default_copier
 from kvconnect.transfer.datapath.iov import DataPath, select_datapath

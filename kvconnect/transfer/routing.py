@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvconnect.config import TransportName
 from kvconnect.errors import InvalidRequest
+from kvconnect.transfer.config import TransportName
 from kvconnect.transfer.segment import RegionInfo, SegmentDescriptor
 from kvconnect.transfer.types import Capabilities
 

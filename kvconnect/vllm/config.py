@@ -1,20 +1,149 @@
 """The connector's settings, parsed once, from vLLM's ``kv_connector_extra_config``.
 
 Precedence, highest first: the extra-config, then the JSON file it (or the environment) names
-as ``config_file``, then ``KVCONNECT_VLLM_*`` environment variables. Unknown keys are errors
-that list the valid ones.
+as ``config_file``, then ``KVCONNECT_VLLM_*`` environment variables (and, for the embedded
+sections, ``KVCONNECT_CLIENT_*`` and ``KVCONNECT_TRANSFER_*`` below those). Unknown keys are
+errors that list the valid ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from kvconnect.config import VllmConnectorConfig, engine_config
+from kvconnect._config import (
+    Composed,
+    Route,
+    check_positive,
+    cluster_token,
+    embedded_default,
+    layered,
+)
+from kvconnect.errors import ConfigError
+from kvconnect.store.config import StoreClientConfig
+from kvconnect.transfer.config import TransferConfig
+
+_ROUTES = {
+    "host": Route("transfer", "listen_host", "127.0.0.1"),
+    "transport": Route("transfer", "transport", "auto"),
+    "connect_timeout": Route("transfer", "connect_timeout", 2.0),
+    "master": Route("store", "master", "tcp://127.0.0.1:50051"),
+    "pool_rpc_timeout": Route("store", "rpc_timeout", 0.5),
+}
+"""The flat keys of the connector that set fields of its embedded sections.
+
+``host`` is the address of this engine that peers reach: the prefill side channel binds it
+and the transfer engines listen on it; ``transport`` the transfer transport between engines
+and to the store (``auto``: shm on one host); ``connect_timeout`` the timeout of the transfer
+engines' connections to a peer (connect + handshake); ``master`` the store master for the
+pool (``tcp://host:port`` or ``etcd://host:port[,…]``); ``pool_rpc_timeout`` the timeout of
+one call to the store master (a lookup never waits longer)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmConnectorConfig(Composed):
+    """Configuration of the vLLM KV connector (``kvconnect.vllm``), from
+    ``kv_connector_extra_config``; one per vLLM engine (scheduler and workers read the same).
+    Embeds the pool's store-client section and the transfer engines' section; the flat keys
+    of ``_ROUTES`` set fields of those."""
+
+    _ENV_PREFIX: ClassVar[str] = "KVCONNECT_VLLM_"
+    _ROUTES: ClassVar[Mapping[str, Route]] = _ROUTES
+
+    store: StoreClientConfig = field(
+        default_factory=embedded_default(StoreClientConfig, _ROUTES, "store")
+    )
+    """The pool's store client (every :class:`StoreClientConfig` key, e.g. ``replicas``)."""
+    transfer: TransferConfig = field(
+        default_factory=embedded_default(TransferConfig, _ROUTES, "transfer")
+    )
+    """The transfer engines (the workers', and the scheduler's for the pool); their token is
+    this section's (below)."""
+    config_file: str = ""
+    """A JSON file with more of these settings (below the extra-config, above the
+    environment)."""
+    side_channel_port: int = 0
+    """Port of the prefill side channel (handshakes, lease renewals, read confirmations);
+    0 picks a free one (decode learns it from kv_transfer_params). Data-parallel rank ``i``
+    uses ``port + i`` when set."""
+    lease: float = 30.0
+    """Seconds prefill keeps a finished request's blocks for decode; decode renews the lease
+    while it waits, and prefill frees the blocks on its own once it lapses."""
+    read_timeout: float = 10.0
+    """Deadline of decode's read of one request's KV (then the load has failed)."""
+    rpc_timeout: float = 2.0
+    """Timeout of one side-channel call."""
+    enforce_compat: bool = True
+    """Refuse to read KV whose layout, dtype or model differ from this engine's."""
+    pool: bool = False
+    """Share prefix blocks through the kvconnect store (look up, load, save)."""
+    namespace: str = ""
+    """Prefix of every pool key: separate caches that share one store."""
+    pool_read_timeout: float = 2.0
+    """Deadline of one pool load; blocks not in by then are recomputed."""
+    pool_write_timeout: float = 10.0
+    """Deadline of one pool save (saves never hold up the forward pass)."""
+    io_cpus: str = ""
+    """CPUs for kvconnect's threads in this engine (transfers, side channel, pool), e.g.
+    ``"30-31"``; empty: they inherit the CPUs of the thread that starts them (on vLLM's CPU
+    workers, the cores vLLM bound this instance's model thread to)."""
+    token_file: str = ""
+    """File holding the cluster token that authenticates the side channel, the transfer
+    engines and the pool (else ``KVCONNECT_TOKEN``, ``KVCONNECT_TOKEN_FILE``, the default
+    token file); prefill and decode must share it."""
+    insecure: bool = False
+    """With no token configured, run unauthenticated instead of generating one."""
+
+    def __post_init__(self) -> None:
+        check_positive(self, "lease", "read_timeout", "rpc_timeout")
+        check_positive(self, "pool_read_timeout", "pool_write_timeout")
+        if not 0 <= self.side_channel_port < 65536:
+            raise ConfigError(f"side_channel_port must be 0..65535, got {self.side_channel_port}")
+        if not self.store.master.startswith(("tcp://", "etcd://")):
+            raise ConfigError(
+                f"master must be tcp://host:port or etcd://…, got {self.store.master!r}"
+            )
+        parse_cpu_list(self.io_cpus)
+
+    @property
+    def host(self) -> str:
+        """The address peers reach this engine at (``transfer.listen_host``)."""
+        return self.transfer.listen_host
+
+    def cluster_token(self) -> str | None:
+        """The token this connector authenticates with (see :func:`cluster_token`)."""
+        return cluster_token(None, self.token_file, self.insecure)
+
+    def transfer_config(self, token: str | None) -> TransferConfig:
+        """The transfer engines' section with the cluster ``token`` (None: insecure)."""
+        return self.transfer.replace(token=token, insecure=token is None)
+
+    @property
+    def io_cpu_set(self) -> frozenset[int]:
+        """``io_cpus`` as a set (empty: inherit)."""
+        return parse_cpu_list(self.io_cpus)
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """``"0-3,8,10-11"`` → ``{0, 1, 2, 3, 8, 10, 11}`` (Linux's CPU-list format)."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part.strip():
+            continue
+        first, _, last = part.strip().partition("-")
+        try:
+            low, high = int(first), int(last or first)
+        except ValueError:
+            low = high = -1
+        if low < 0 or high < low:
+            raise ConfigError(f"bad CPU list {text!r}: {part!r} is not N or N-M")
+        cpus.update(range(low, high + 1))
+    return frozenset(cpus)
 
 
 def parse_config(
     extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
 ) -> VllmConnectorConfig:
     """The connector's configuration; raises ConfigError for unknown keys or bad values."""
-    return engine_config(VllmConnectorConfig, dict(extra or {}), environ)
+    return layered(VllmConnectorConfig, dict(extra or {}), environ)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvconnect.config import StoreClientConfig, TransferConfig, VllmConnectorConfig
 from kvconnect.store.client import StoreClient
 from kvconnect.vllm.affinity import threads_on
+from kvconnect.vllm.config import VllmConnectorConfig
 from kvconnect.vllm.layout import RankLayout
 from kvconnect.vllm.pd import LeaseKeeper, PrefillService
 from kvconnect.vllm.pool import StorePoolIndex, pool_keys
@@ -80,15 +80,7 @@ def _build_scheduler(
             services.keeper = LeaseKeeper(services.client, config.lease)
             services.keeper.start()
         if config.pool:
-            services.store = StoreClient(
-                StoreClientConfig(master=config.master, rpc_timeout=config.pool_rpc_timeout),
-                TransferConfig(
-                    listen_host=config.host,
-                    transport=config.transport,
-                    token=token,
-                    insecure=token is None,
-                ),
-            )
+            services.store = StoreClient(config.store, config.transfer_config(token))
             services.store.start()
             services.pool = StorePoolIndex(services.store)
     except BaseException:

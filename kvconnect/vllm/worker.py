@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvconnect.config import StoreClientConfig, TransferConfig, VllmConnectorConfig
 from kvconnect.errors import ConfigError, KVConnectError
 from kvconnect.store.client import StoreClient
 from kvconnect.store.messages import Code
@@ -33,6 +32,7 @@ from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
 from kvconnect.vllm import messages as msg
 from kvconnect.vllm.affinity import threads_on
+from kvconnect.vllm.config import VllmConnectorConfig
 from kvconnect.vllm.kvcache import register_kv_caches
 from kvconnect.vllm.lanes import Lanes
 from kvconnect.vllm.layout import (
@@ -134,15 +134,7 @@ class ConnectorWorker:
         self.format = fmt
         self._num_blocks = num_blocks
         token = config.cluster_token()
-        self.engine = TransferEngine(
-            TransferConfig.from_env(  # KVCONNECT_TRANSFER_* tune the rest
-                listen_host=config.host,
-                transport=config.transport,
-                connect_timeout=config.connect_timeout,
-                token=token,
-                insecure=token is None,
-            )
-        )
+        self.engine = TransferEngine(config.transfer_config(token))
         self._client = SideChannelClient(config.rpc_timeout, token=token)
         self._store: StoreClient | None = None
         self._pool_keys: PoolKeys | None = None
@@ -195,10 +187,7 @@ class ConnectorWorker:
             layers=len(layers),
             chunks=layers[0].chunks if layers else 1,
         )
-        store = StoreClient(
-            StoreClientConfig(master=cfg.master, rpc_timeout=cfg.pool_rpc_timeout),
-            engine=self.engine,
-        )
+        store = StoreClient(cfg.store, engine=self.engine)
         store.start()
         self._store = store
 

@@ -8,10 +8,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from kvconnect.config import TransferConfig
 from kvconnect.testing.conformance import TARGET_BYTES, Target
 from kvconnect.testing.peer import PeerProcess
-from kvconnect.transfer import MemoryRegion, TransferEngine
+from kvconnect.transfer import MemoryRegion, TransferConfig, TransferEngine
 from tests.support.conformance import CHECKS, ProcessTarget
 
 pytestmark = [pytest.mark.rdma, pytest.mark.integration]

@@ -7,10 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import ConfigError
 from kvconnect.testing.peer import PeerProcess, pattern
-from kvconnect.transfer import TransferEngine
+from kvconnect.transfer import TransferConfig, TransferEngine
 from tests.support.hardware import rdma_present
 
 MiB = 1 << 20

@@ -13,10 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import AccessDenied, ConfigError, KVConnectError
 from kvconnect.testing.peer import PeerProcess, pattern
-from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
+from kvconnect.transfer import (
+    TransferConfig,
+    TransferEngine,
+    TransferOp,
+    TransferRequest,
+    TransferStatus,
+)
 
 pytestmark = [pytest.mark.rdma, pytest.mark.integration]
 

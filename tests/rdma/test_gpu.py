@@ -10,9 +10,8 @@ import hashlib
 
 import pytest
 
-from kvconnect.config import TransferConfig
 from kvconnect.testing.peer import PeerProcess, pattern
-from kvconnect.transfer import TransferEngine
+from kvconnect.transfer import TransferConfig, TransferEngine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.rdma, pytest.mark.integration]
 

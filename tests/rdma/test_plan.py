@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import BrokenError, ConfigError
+from kvconnect.transfer import TransferConfig
 from kvconnect.transfer.protocol.wire import RdmaPath
 from kvconnect.transfer.transports.rdma.plan import (
     MAX_RETRY_CNT,

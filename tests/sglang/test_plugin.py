@@ -15,8 +15,10 @@ from sglang.srt.plugins import load_plugins
 from sglang.srt.server_args import prepare_server_args
 
 from kvconnect.errors import ConfigError
+from kvconnect.sglang import backend as backend_module
 from kvconnect.sglang import plugin
 from kvconnect.sglang.backend import KVConnectStore
+from kvconnect.store.client import StoreClient
 from kvconnect.store.launch import Cluster
 from tests.sglang import harness as h
 
@@ -121,6 +123,28 @@ def test_other_sglang_versions_are_refused_with_a_way_out(monkeypatch: pytest.Mo
     monkeypatch.setattr(importlib.metadata, "version", lambda _name: "0.6.0")
     with pytest.raises(RuntimeError, match=r"supports SGLang 0\.5\.23, found 0\.6\.0.*dynamic"):
         plugin.register()
+
+
+def test_store_and_transfer_sections_reach_the_client_and_its_engine(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clients: list[StoreClient] = []
+
+    class Recorded(StoreClient):
+        def start(self) -> None:
+            clients.append(self)
+            super().start()
+
+    monkeypatch.setattr(backend_module, "StoreClient", Recorded)
+    sections = {"store": {"replicas": 2}, "transfer": {"tcp_streams": 3}, "read_timeout": 1.5}
+    backend = KVConnectStore(_storage(cluster, 0, False, **sections))
+    try:
+        (client,) = clients
+        assert (client.config.replicas, client.config.io_timeout) == (2, 1.5)
+        assert client.config.master == cluster.master_endpoint
+        assert client.engine.config.tcp_streams == 3
+    finally:
+        backend.close()
 
 
 def _storage(cluster: Cluster, rank: int, mla: bool, **extra: Any) -> HiCacheStorageConfig:

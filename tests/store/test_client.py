@@ -13,14 +13,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvconnect.config import StoreClientConfig, TransferConfig
 from kvconnect.errors import InvalidRequest, StoreError
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Cluster, Process
 from kvconnect.store.messages import Code
 from kvconnect.store.resilience import BreakerState
 from kvconnect.testing.peer import pattern
+from kvconnect.transfer import TransferConfig
 from kvconnect.transfer.batch import Slice
 from kvconnect.transfer.datapath.copying import Copier
 from kvconnect.transfer.memory import MemoryRegion

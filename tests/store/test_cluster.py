@@ -15,15 +15,17 @@ import numpy as np
 import pytest
 import zmq
 
+from kvconnect._config import cluster_token
 from kvconnect.auth import curve_keys, secure_client
-from kvconnect.config import StoreClientConfig, TransferConfig, cluster_token
 from kvconnect.errors import CircuitOpen, InvalidRequest, MasterUnavailable
 from kvconnect.store import messages as m
 from kvconnect.store.client import BatchResult, StoreClient
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Cluster
 from kvconnect.store.messages import Code
 from kvconnect.store.rpc import RpcClient
 from kvconnect.testing.peer import pattern
+from kvconnect.transfer import TransferConfig
 from tests.support.child import child_env
 from tests.support.store_worker import expected, key_size
 from tests.support.waiting import wait_for
@@ -116,7 +118,7 @@ def test_values_from_one_byte_to_16_mib_across_servers_and_processes() -> None:
 _READ_BACK = """
 import json, sys
 import numpy as np
-from kvconnect.config import StoreClientConfig
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.client import StoreClient
 from kvconnect.store.messages import Code
 from kvconnect.testing.peer import pattern

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvconnect.config import StoreClientConfig, TransferConfig
 from kvconnect.store.client import StoreClient
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Cluster
 from kvconnect.store.messages import Code
+from kvconnect.transfer import TransferConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 MiB = 1 << 20

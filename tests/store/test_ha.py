@@ -15,13 +15,14 @@ from datetime import datetime
 import numpy as np
 import pytest
 
+from kvconnect._config import cluster_token
 from kvconnect.bench.etcd import EtcdServer, etcd_available
 from kvconnect.bench.failover import busy_processes
-from kvconnect.config import StoreClientConfig, cluster_token
 from kvconnect.errors import StoreError
 from kvconnect.etcd import Etcd
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Process, free_port
 from kvconnect.store.messages import Code
 from kvconnect.store.rpc import RpcClient, find_leader

@@ -14,14 +14,16 @@ import msgspec
 import pytest
 import zmq
 
-from kvconnect.config import MiB, StoreClientConfig, TransferConfig, cluster_token
+from kvconnect._config import MiB, cluster_token
 from kvconnect.errors import MasterUnavailable
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
 from kvconnect.store.commands import EXIT_CRASHED
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Cluster, Process, free_port
 from kvconnect.store.rpc import RpcClient
 from kvconnect.testing.peer import pattern
+from kvconnect.transfer import TransferConfig
 from tests.support.dealer import RawDealer
 from tests.support.waiting import wait_for
 

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from kvconnect.cli import build_parser, section_config
-from kvconnect.config import MasterConfig, StoreClientConfig, StoreServerConfig, TransferConfig
 from kvconnect.errors import ConfigError
 from kvconnect.store.client import StoreClient
+from kvconnect.store.config import MasterConfig, StoreClientConfig, StoreServerConfig
 from kvconnect.store.launch import Cluster, free_port
 from kvconnect.store.messages import Code
 from kvconnect.testing.peer import pattern
+from kvconnect.transfer import TransferConfig
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration

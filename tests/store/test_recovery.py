@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvconnect.config import MasterConfig
+from kvconnect.store.config import MasterConfig
 from kvconnect.store.held import HeldObjects
 from kvconnect.store.master.objects import State
 from kvconnect.store.master.state import MasterState

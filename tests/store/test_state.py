@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvconnect.config import MasterConfig
+from kvconnect.store.config import MasterConfig
 from kvconnect.store.master.state import MasterState
 from kvconnect.store.messages import Code, PutItem, SegmentSpec
 

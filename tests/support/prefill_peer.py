@@ -25,9 +25,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvconnect.config import VllmConnectorConfig, cluster_token
+from kvconnect._config import cluster_token
 from kvconnect.testing.peer import ChildProcess
 from kvconnect.vllm import messages as msg
+from kvconnect.vllm.config import VllmConnectorConfig
 from kvconnect.vllm.params import RemotePrefill
 from kvconnect.vllm.pd import PrefillService
 from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
@@ -116,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--lease", type=float, default=30.0)
     args = parser.parse_args(argv)
     caches = kv_caches(args.seed)
-    worker = ConnectorWorker(VllmConnectorConfig(transport="tcp"), FORMAT, BLOCKS)
+    worker = ConnectorWorker(VllmConnectorConfig.from_mapping({"transport": "tcp"}), FORMAT, BLOCKS)
     engine_id = f"prefill-{os.getpid()}"  # decode knows prefill engines by their id
     service = _CountingService(engine_id, args.lease)
     try:

@@ -19,11 +19,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvconnect.config import StoreClientConfig, TransferConfig
 from kvconnect.errors import StoreError
 from kvconnect.store.client import StoreClient
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.messages import Code
 from kvconnect.testing.peer import pattern
+from kvconnect.transfer import TransferConfig
 
 
 def key_seed(key: str) -> int:

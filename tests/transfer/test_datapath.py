@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from kvconnect.config import NativeMode
 from kvconnect.errors import ConfigError
+from kvconnect.transfer.config import NativeMode
 from kvconnect.transfer.datapath.iov import (
     DataPath,
     NativeDataPath,

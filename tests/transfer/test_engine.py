@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import (
     AccessDenied,
     ClosedError,
@@ -26,6 +25,7 @@ from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import (
     EmbeddedMetadata,
     SegmentRegistry,
+    TransferConfig,
     TransferEngine,
     TransferOp,
     TransferRequest,

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from kvconnect.bench.etcd import EtcdServer, etcd_available
-from kvconnect.config import TransferConfig
 from kvconnect.errors import (
     BrokenError,
     ClosedError,
@@ -26,6 +25,7 @@ from kvconnect.store.launch import free_port
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import (
     SegmentDescriptor,
+    TransferConfig,
     TransferEngine,
     TransferOp,
     TransferRequest,

@@ -12,7 +12,6 @@ import time
 import numpy as np
 import pytest
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import (
     AuthenticationError,
     BrokenError,
@@ -21,7 +20,13 @@ from kvconnect.errors import (
     RegionBusy,
 )
 from kvconnect.testing.peer import PeerProcess, pattern
-from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
+from kvconnect.transfer import (
+    TransferConfig,
+    TransferEngine,
+    TransferOp,
+    TransferRequest,
+    TransferStatus,
+)
 from kvconnect.transfer.protocol import wire
 from tests.support.leaks import kvconnect_threads
 from tests.support.waiting import wait_for

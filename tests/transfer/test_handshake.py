@@ -16,10 +16,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import PeerUnreachable
 from kvconnect.testing.peer import PeerProcess, pattern
-from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
+from kvconnect.transfer import (
+    TransferConfig,
+    TransferEngine,
+    TransferOp,
+    TransferRequest,
+    TransferStatus,
+)
 from kvconnect.transfer.metadata import P2PMetadata
 from kvconnect.transfer.protocol import wire
 from tests.support.waiting import wait_for

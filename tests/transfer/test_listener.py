@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import AuthenticationError
 from kvconnect.testing.peer import pattern
+from kvconnect.transfer import TransferConfig
 from kvconnect.transfer.datapath.iov import select_datapath
 from kvconnect.transfer.datapath.staging import StagingPool
 from kvconnect.transfer.memory import MemoryRegion, MemoryRegistry

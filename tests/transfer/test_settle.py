@@ -17,10 +17,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import RegionBusy
 from kvconnect.testing.peer import PeerProcess, pattern
-from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
+from kvconnect.transfer import (
+    TransferConfig,
+    TransferEngine,
+    TransferOp,
+    TransferRequest,
+    TransferStatus,
+)
 from kvconnect.transfer.batch import TransferBatch
 from kvconnect.transfer.datapath.copying import _COPY_CHUNK as COPY_CHUNK
 from kvconnect.transfer.datapath.iov import PythonDataPath

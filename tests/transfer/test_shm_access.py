@@ -12,10 +12,15 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import AccessDenied, AuthenticationError
 from kvconnect.testing.peer import PeerProcess, pattern
-from kvconnect.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
+from kvconnect.transfer import (
+    TransferConfig,
+    TransferEngine,
+    TransferOp,
+    TransferRequest,
+    TransferStatus,
+)
 from kvconnect.transfer.memory import SHM_HEADER
 from kvconnect.transfer.metadata import P2PMetadata
 from kvconnect.transfer.protocol import wire

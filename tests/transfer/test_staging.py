@@ -8,9 +8,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from kvconnect.config import TransferConfig
 from kvconnect.testing.peer import PeerProcess, pattern
-from kvconnect.transfer import MemoryKind, TransferEngine
+from kvconnect.transfer import MemoryKind, TransferConfig, TransferEngine
 from tests.support.fakes import FakeCudaArray, HostCopier
 
 MiB = 1 << 20

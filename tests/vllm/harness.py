@@ -30,7 +30,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvconnect.config import VllmConnectorConfig
+from kvconnect.vllm.config import VllmConnectorConfig
 from kvconnect.vllm.connector import KVConnectHandshake, KVConnectMetadata
 from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
 
@@ -130,7 +130,11 @@ def kv_worker(
     ``make_scheduler``'s workers would have."""
     caches = kv_caches(num_blocks, seed, layout)
     worker = ConnectorWorker(
-        VllmConnectorConfig(transport="tcp", read_timeout=5.0, rpc_timeout=2.0), fmt, num_blocks
+        VllmConnectorConfig.from_mapping(
+            {"transport": "tcp", "read_timeout": 5.0, "rpc_timeout": 2.0}
+        ),
+        fmt,
+        num_blocks,
     )
     try:
         worker.register(caches)

@@ -14,8 +14,8 @@ import msgspec
 import pytest
 from vllm.v1.request import RequestStatus
 
-from kvconnect.config import StoreClientConfig
 from kvconnect.store.client import StoreClient
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Cluster
 from kvconnect.vllm import messages as msg
 from kvconnect.vllm.connector import KVConnectHandshake

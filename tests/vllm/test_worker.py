@@ -16,11 +16,13 @@ from typing import Any
 
 import pytest
 
-from kvconnect.config import StoreClientConfig, TransferConfig, VllmConnectorConfig
 from kvconnect.store.client import StoreClient
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Cluster
-from kvconnect.transfer import TransferOp
+from kvconnect.transfer import TransferConfig, TransferOp
 from kvconnect.transfer.datapath.copying import Copier
+from kvconnect.vllm import worker as worker_module
+from kvconnect.vllm.config import VllmConnectorConfig, parse_config
 from kvconnect.vllm.params import RemotePrefill
 from kvconnect.vllm.pd import LeaseKeeper, PrefillService
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
@@ -34,7 +36,13 @@ from tests.support.waiting import wait_for
 torch = pytest.importorskip("torch")
 
 TOKEN = os.environ["KVCONNECT_TOKEN"]  # set by tests/conftest.py
-CONFIG = VllmConnectorConfig(transport="tcp", read_timeout=5.0, rpc_timeout=1.0)
+SETTINGS = {"transport": "tcp", "read_timeout": 5.0, "rpc_timeout": 1.0}
+CONFIG = VllmConnectorConfig.from_mapping(SETTINGS)
+
+
+def configured(**settings: Any) -> VllmConnectorConfig:
+    """``CONFIG`` with ``settings`` (kv_connector_extra_config keys) on top."""
+    return VllmConnectorConfig.from_mapping({**SETTINGS, **settings})
 
 
 def block(cache: Any, index: int, layout: str = "kv_first") -> Any:
@@ -163,7 +171,7 @@ def test_unreachable_prefill_fails_within_the_timeouts(decode: Any) -> None:
 @pytest.mark.parametrize("layout", ["kv_first", "blocks_first"])
 def test_pool_blocks_round_trip_between_engines(layout: str) -> None:
     with Cluster(servers=1, server_size=8 << 20) as cluster:
-        config = replace(CONFIG, pool=True, master=cluster.master_endpoint)
+        config = configured(pool=True, master=cluster.master_endpoint)
         writer, reader = (
             ConnectorWorker(config, FORMAT, BLOCKS),
             ConnectorWorker(config, FORMAT, BLOCKS),
@@ -195,7 +203,7 @@ def test_a_pool_hit_is_only_blocks_whole_on_every_rank() -> None:
     with it under vLLM's default ``kv_load_failure_policy=fail``."""
     hashes = ("h1", "h2", "h3")
     with Cluster(servers=1, server_size=8 << 20) as cluster:
-        config = replace(CONFIG, pool=True, master=cluster.master_endpoint)
+        config = configured(pool=True, master=cluster.master_endpoint)
         ranks = [
             ConnectorWorker(config, replace(FORMAT, tp_rank=rank, tp_size=2), BLOCKS)
             for rank in (0, 1)
@@ -265,13 +273,44 @@ def test_worker_engines_take_transfer_settings_from_the_environment(
 ) -> None:
     monkeypatch.delenv("KVCONNECT_TRANSFER_TCP_STREAMS", raising=False)
     for expected in (TransferConfig().tcp_streams, 3):
-        worker = ConnectorWorker(CONFIG, FORMAT, BLOCKS)
+        worker = ConnectorWorker(parse_config(SETTINGS), FORMAT, BLOCKS)
         try:
             assert worker.engine.config.tcp_streams == expected
-            assert worker.engine.config.connect_timeout == CONFIG.connect_timeout
+            assert worker.engine.config.connect_timeout == CONFIG.transfer.connect_timeout
         finally:
             worker.close()
         monkeypatch.setenv("KVCONNECT_TRANSFER_TCP_STREAMS", "3")
+
+
+def test_store_and_transfer_sections_reach_the_pool_client_and_the_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clients: list[StoreClient] = []
+
+    class Recorded(StoreClient):
+        def start(self) -> None:
+            clients.append(self)
+            super().start()
+
+    monkeypatch.setattr(worker_module, "StoreClient", Recorded)
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        extra = {
+            **SETTINGS,
+            "pool": True,
+            "master": cluster.master_endpoint,
+            "store": {"replicas": 2},
+            "transfer": {"tcp_streams": 3},
+        }
+        worker = ConnectorWorker(parse_config(extra, environ={}), FORMAT, BLOCKS)
+        try:
+            worker.register(kv_caches(seed=None))
+            (client,) = clients
+            assert (client.config.replicas, client.config.master) == (2, cluster.master_endpoint)
+            assert client.config.rpc_timeout == 0.5, "the connector's pool_rpc_timeout default"
+            assert worker.engine.config.tcp_streams == 3
+            assert client.engine is worker.engine
+        finally:
+            worker.close()
 
 
 def _kvconnect_threads() -> dict[int, str]:
@@ -317,14 +356,15 @@ def test_a_stopped_prefill_delays_no_other_read_load_or_save() -> None:
     """A SIGSTOPped prefill accepts connections and answers nothing: reads from it hang until
     their deadline. More of them than a shared thread pool has threads must not delay a read
     from another prefill, nor the pool's saves and loads."""
-    config = replace(CONFIG, read_timeout=60.0, rpc_timeout=30.0, connect_timeout=30.0, pool=True)
+    settings = {"read_timeout": 60.0, "rpc_timeout": 30.0, "connect_timeout": 30.0, "pool": True}
     with (
         Cluster(servers=1, server_size=8 << 20) as cluster,
         PrefillPeer(seed=1) as stuck,
         PrefillPeer(seed=2) as healthy,
     ):
         caches = kv_caches(seed=None)
-        decode = ConnectorWorker(replace(config, master=cluster.master_endpoint), FORMAT, BLOCKS)
+        config = configured(**settings, master=cluster.master_endpoint)
+        decode = ConnectorWorker(config, FORMAT, BLOCKS)
         stopped = False
         try:
             decode.register(caches)
@@ -473,7 +513,7 @@ def test_a_read_that_cannot_be_stopped_keeps_its_blocks_until_it_settles(
     only once the transfer lets go."""
     caplog.set_level(logging.ERROR, logger="kvconnect")
     _, service, _ = prefill
-    config = replace(CONFIG, transport="auto", read_timeout=0.5)  # same process: local copies
+    config = configured(transport="auto", read_timeout=0.5)  # same process: local copies
     decode = ConnectorWorker(config, FORMAT, BLOCKS)
     try:
         decode.register(kv_caches(seed=None))
@@ -505,8 +545,7 @@ def test_pool_transfers_that_cannot_be_stopped_keep_their_blocks_until_they_sett
     which frees the blocks) before the transfer settled."""
     caplog.set_level(logging.ERROR, logger="kvconnect")
     with Cluster(servers=1, server_size=8 << 20) as cluster:
-        config = replace(
-            CONFIG,
+        config = configured(
             transport="auto",  # the store server is on this host: shared-memory copies
             pool=True,
             master=cluster.master_endpoint,

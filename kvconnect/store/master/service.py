@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvconnect.config import MasterConfig
 from kvconnect.store import messages as m
+from kvconnect.store.config import MasterConfig
 from kvconnect.store.master.ha import Leadership
 from kvconnect.store.master.state import MasterState
 from kvconnect.store.rpc import RpcServer

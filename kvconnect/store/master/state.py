@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvconnect.config import MasterConfig
+from kvconnect.store.config import MasterConfig
 from kvconnect.store.master.objects import ObjectTable, Pending, Replica, State
 from kvconnect.store.master.segments import Segment, SegmentTable, Strategy
 from kvconnect.store.messages import (

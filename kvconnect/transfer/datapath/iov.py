@@ -17,8 +17,8 @@ import socket
 from collections.abc import Sequence
 from typing import Final, Protocol
 
-from kvconnect.config import NativeMode
 from kvconnect.errors import ConfigError
+from kvconnect.transfer.config import NativeMode
 
 _MAX_IOV: Final = 1000
 

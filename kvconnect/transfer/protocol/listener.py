@@ -20,8 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import AuthenticationError, KVConnectError, ProtocolError
+from kvconnect.transfer.config import TransferConfig
 from kvconnect.transfer.datapath.iov import DataPath
 from kvconnect.transfer.datapath.staging import StagedWindow, StagingPool, close_all, host_views
 from kvconnect.transfer.memory import MemoryRegion, MemoryRegistry

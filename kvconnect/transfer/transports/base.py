@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvconnect.config import TransferConfig
 from kvconnect.transfer.batch import Slice
+from kvconnect.transfer.config import TransferConfig
 from kvconnect.transfer.datapath.copying import Copier, CopyWorkers
 from kvconnect.transfer.datapath.iov import DataPath
 from kvconnect.transfer.datapath.staging import StagingPool

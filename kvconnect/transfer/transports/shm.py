@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import AccessDenied, BrokenError, KVConnectError, PeerUnreachable
 from kvconnect.transfer.batch import Slice, complete_slices, pin_slices, unpin_slices
+from kvconnect.transfer.config import TransferConfig
 from kvconnect.transfer.datapath.copying import Copier, CopyWorkers
 from kvconnect.transfer.memory import SHM_HEADER, SHM_MAGIC, host_address, read_shm_header
 from kvconnect.transfer.protocol import wire

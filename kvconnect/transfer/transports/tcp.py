@@ -23,7 +23,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import (
     AccessDenied,
     BrokenError,
@@ -40,6 +39,7 @@ from kvconnect.transfer.batch import (
     pin_slices,
     unpin_slices,
 )
+from kvconnect.transfer.config import TransferConfig
 from kvconnect.transfer.datapath.iov import DataPath
 from kvconnect.transfer.datapath.staging import StagedWindow, StagingPool, close_all, host_views
 from kvconnect.transfer.protocol import wire

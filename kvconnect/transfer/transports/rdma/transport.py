@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from kvconnect.config import TransferConfig
 from kvconnect.errors import (
     BrokenError,
     ClosedError,
@@ -44,6 +43,7 @@ from kvconnect.errors import (
     RegistrationError,
 )
 from kvconnect.transfer.batch import Slice, complete_slices, pin_slices, unpin_slices
+from kvconnect.transfer.config import TransferConfig
 from kvconnect.transfer.memory import MemoryKind, MemoryRegion, MemoryRegistry
 from kvconnect.transfer.protocol import wire
 from kvconnect.transfer.segment import SegmentDescriptor

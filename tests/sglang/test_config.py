@@ -1,4 +1,4 @@
-"""The backend's pure parts: page keys and configuration (no SGLang needed)."""
+"""The backend's configuration (no SGLang needed)."""
 
 from __future__ import annotations
 
@@ -8,57 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvconnect.errors import ConfigError
-from kvconnect.sglang.config import parse_config
-from kvconnect.sglang.keys import PageFormat, page_keys
-
-
-def _fmt(**changes: object) -> PageFormat:
-    base: dict[str, object] = {
-        "model": "Qwen/Qwen3-8B",
-        "layout": "page_first",
-        "dtype": "bfloat16",
-        "page_size": 64,
-        "mla": False,
-    }
-    return PageFormat(**{**base, **changes})  # type: ignore[arg-type]
-
-
-def test_mha_pages_are_two_objects_per_rank_and_mla_pages_one_shared() -> None:
-    rank0 = page_keys(_fmt(tp_rank=0, tp_size=2)).keys(["h1", "h2"])
-    rank1 = page_keys(_fmt(tp_rank=1, tp_size=2)).keys(["h1", "h2"])
-    assert len(rank0) == 4
-    assert rank0[0].endswith("/k")
-    assert rank0[1].endswith("/v")
-    assert not set(rank0) & set(rank1), "MHA ranks hold different heads: separate keys"
-    mla0 = page_keys(_fmt(mla=True, tp_rank=0, tp_size=2)).keys(["h1"])
-    mla1 = page_keys(_fmt(mla=True, tp_rank=1, tp_size=2)).keys(["h1"])
-    assert mla0 == mla1, "MLA pages are the same on every rank"
-    assert len(mla0) == 1
-
-
-@pytest.mark.parametrize(
-    "change",
-    [
-        {"layout": "page_first_direct"},
-        {"dtype": "float16"},
-        {"page_size": 32},
-        {"model": "other"},
-        {"tp_size": 4},
-        {"namespace": "tenant-b"},
-        {"pp_rank": 1, "pp_size": 2},
-        {"dcp_rank": 1, "dcp_size": 2},
-    ],
-)
-def test_anything_that_changes_the_bytes_changes_the_key(change: dict[str, object]) -> None:
-    assert page_keys(_fmt()).keys(["h"]) != page_keys(_fmt(**change)).keys(["h"])
-
-
-def test_leading_pages_needs_every_object_of_a_page() -> None:
-    mha = page_keys(_fmt())
-    assert mha.leading_pages([True, True, True, False, True, True]) == 1
-    assert mha.leading_pages([True, True] * 3) == 3
-    assert mha.leading_pages([False, True]) == 0
-    assert page_keys(_fmt(mla=True)).leading_pages([True, True, False]) == 2
+from kvconnect.sglang.config import HiCacheConfig, parse_config
 
 
 def test_precedence_is_extra_config_then_file_then_environment(tmp_path: Path) -> None:
@@ -76,11 +26,11 @@ def test_precedence_is_extra_config_then_file_then_environment(tmp_path: Path) -
         "interface_v1": 1,
     }
     config = parse_config(extra, environ)
-    assert config.master == "etcd://10.0.0.1:2379"
+    assert config.store.master == "etcd://10.0.0.1:2379"
     assert config.namespace == "inline"
-    assert config.read_timeout == 2.5
+    assert config.store.io_timeout == 2.5  # read_timeout
     assert config.write_timeout == 7.0
-    assert parse_config(None, {}).master == "tcp://127.0.0.1:50051"
+    assert parse_config(None, {}).store.master == "tcp://127.0.0.1:50051"
 
 
 def test_bad_settings_are_refused_clearly(tmp_path: Path) -> None:
@@ -111,7 +61,7 @@ def test_bad_settings_are_refused_clearly(tmp_path: Path) -> None:
 )
 def test_sglang_own_keys_are_accepted_and_left_to_sglang(key: str, value: object) -> None:
     config = parse_config({"master": "tcp://10.0.0.1:50051", key: value}, {})
-    assert config.master == "tcp://10.0.0.1:50051"
+    assert config.store.master == "tcp://10.0.0.1:50051"
     assert not hasattr(config, key)
 
 
@@ -122,3 +72,28 @@ def test_unknown_keys_list_kvconnect_and_sglang_keys() -> None:
     assert "prefetch_treshold" in message
     assert "read_timeout" in message  # kvconnect's settings
     assert "prefetch_threshold" in message  # and SGLang's own
+
+
+def test_store_and_transfer_sections_are_settable_from_the_extra_config() -> None:
+    extra = {
+        "read_timeout": 2.0,
+        "store": {"replicas": 2},
+        "transfer": {"tcp_streams": 3},
+        "backend_name": "kvconnect",
+    }
+    config = parse_config(extra, {"KVCONNECT_TRANSFER_TRANSPORT": "tcp"})
+    assert (config.store.replicas, config.store.io_timeout) == (2, 2.0)
+    assert config.transfer.tcp_streams == 3
+    assert config.transfer.transport == "auto", "the backend's transport wins over the variable"
+    defaults = parse_config(None, {})
+    assert defaults == HiCacheConfig()
+    assert (defaults.store.rpc_timeout, defaults.store.breaker_cooldown) == (0.5, 2.0)
+
+
+def test_unknown_nested_keys_are_refused_with_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match=r"unknown StoreClientConfig key.*replica;.*replicas"):
+        parse_config({"store": {"replica": 2}}, {})
+    with pytest.raises(ConfigError, match=r"set master or store\.master, not both"):
+        parse_config({"master": "tcp://a:1", "store": {"master": "tcp://b:1"}}, {})
+    with pytest.raises(ConfigError, match=r"read_timeout sets io_timeout.*io_timeout must be"):
+        parse_config({"read_timeout": 0}, {})

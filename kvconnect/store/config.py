@@ -1,0 +1,133 @@
+"""The store's sections of the configuration: the master, the store server and the embedded
+client (machinery in ``kvconnect._config``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from kvconnect._config import AUTH_ENV, MiB, Section, check_positive, check_token, cluster_token
+from kvconnect.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MasterConfig(Section):
+    """Configuration of the store master (``kvconnect master``)."""
+
+    _ENV_PREFIX: ClassVar[str] = "KVCONNECT_MASTER_"
+    _SHARED_ENV: ClassVar[dict[str, str]] = AUTH_ENV
+
+    listen: str = "tcp://127.0.0.1:50051"
+    """zmq endpoint the master answers on."""
+    ha: str = ""
+    """``etcd://host:port[,…]``: run as one of several masters, the elected one leads."""
+    ha_ttl: int = 2
+    """Seconds of the leader's etcd lease: a dead leader is replaced within about this long."""
+    advertise: str = ""
+    """Endpoint clients should dial (published in etcd); default: the bound endpoint."""
+    metrics_port: int = 0
+    """Prometheus metrics HTTP port on 127.0.0.1 (0: no metrics server)."""
+    allocation: Literal["local_first", "random", "free_ratio"] = "local_first"
+    """Placement strategy of new objects (docs/store.md)."""
+    alignment: int = 64
+    """Allocation granularity in bytes."""
+    lease_ttl: float = 10.0
+    """Seconds a read lease protects an object from eviction and removal."""
+    put_timeout: float = 30.0
+    """A put not completed within this many seconds is discarded."""
+    quarantine: float = 60.0
+    """Seconds the space of a discarded put stays unused (a late writer cannot hit new data)."""
+    heartbeat_ttl: float = 10.0
+    """A store server silent for this long loses its segments."""
+    high_watermark: float = 0.95
+    """Eviction starts above this fraction of capacity in use."""
+    evict_fraction: float = 0.05
+    """Eviction frees this fraction of capacity each time it starts."""
+    eviction_step: int = 32
+    """Objects evicted per step between requests (bounds the latency eviction adds)."""
+    max_message_bytes: int = 128 * MiB
+    """Largest request the master accepts; a peer sending more is disconnected."""
+    token: str | None = field(default=None, repr=False)
+    """Cluster token every RPC must be authenticated with (CURVE keys derived from it)."""
+    token_file: str = ""
+    """File holding the cluster token (first line); read when ``token`` is unset."""
+    insecure: bool = False
+    """Answer unauthenticated RPCs when no token is configured (anyone who reaches the port
+    can mount, remove and read the topology); otherwise a token is always used."""
+
+    def cluster_token(self) -> str | None:
+        """The token RPCs are authenticated with (see :func:`cluster_token`)."""
+        return cluster_token(self.token, self.token_file, self.insecure)
+
+    def __post_init__(self) -> None:
+        check_positive(self, "alignment", "lease_ttl", "put_timeout", "heartbeat_ttl", "ha_ttl")
+        if self.ha and not self.ha.startswith("etcd://"):
+            raise ConfigError(f"ha must be an etcd://host:port URL, got {self.ha!r}")
+        check_positive(self, "evict_fraction", "eviction_step")
+        if not 0 < self.high_watermark <= 1:
+            raise ConfigError(f"high_watermark must be in (0, 1], got {self.high_watermark}")
+        if self.alignment & (self.alignment - 1):
+            raise ConfigError(f"alignment must be a power of two, got {self.alignment}")
+        if self.quarantine < 0:
+            raise ConfigError(f"quarantine must be >= 0, got {self.quarantine}")
+        check_positive(self, "max_message_bytes")
+        check_token(self.token)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreServerConfig(Section):
+    """Configuration of a store server (``kvconnect store``)."""
+
+    _ENV_PREFIX: ClassVar[str] = "KVCONNECT_STORE_"
+
+    master: str = "tcp://127.0.0.1:50051"
+    """zmq endpoint of the master."""
+    size: int = 1 << 30
+    """Bytes of memory this server offers (allocated and pre-faulted at start)."""
+    hugepages: bool = False
+    """Back the memory with huge pages (needs vm.nr_hugepages)."""
+    server_id: str = ""
+    """Identity at the master; default: host name, pid and a random suffix."""
+    heartbeat_interval: float = 0.5
+    """Seconds between heartbeats. Each also acknowledges the master's journal, and released
+    space is reused only once acknowledged, so this bounds how soon evicted space returns."""
+    rpc_timeout: float = 2.0
+    """Timeout of one call to the master."""
+    metrics_port: int = 0
+    """Prometheus metrics HTTP port on 127.0.0.1 (0: no metrics server)."""
+
+    def __post_init__(self) -> None:
+        check_positive(self, "size", "heartbeat_interval", "rpc_timeout")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreClientConfig(Section):
+    """Configuration of the embedded store client (``StoreClient``)."""
+
+    _ENV_PREFIX: ClassVar[str] = "KVCONNECT_CLIENT_"
+
+    master: str = "tcp://127.0.0.1:50051"
+    """zmq endpoint of the master."""
+    rpc_timeout: float = 1.0
+    """Timeout of one call to the master."""
+    io_timeout: float = 5.0
+    """Default deadline of a batch's data transfers."""
+    replicas: int = 1
+    """Copies of each object written (on distinct segments, best effort)."""
+    breaker_failures: int = 3
+    """Consecutive failures that open the circuit breaker."""
+    breaker_cooldown: float = 5.0
+    """Seconds the breaker stays open before one probe call."""
+    negative_ttl: float = 10.0
+    """Seconds a key whose read failed is reported as absent."""
+    negative_entries: int = 100_000
+    """Most keys remembered by the negative cache."""
+
+    def __post_init__(self) -> None:
+        check_positive(self, "rpc_timeout", "io_timeout", "replicas", "breaker_failures")
+        check_positive(self, "breaker_cooldown", "negative_entries")
+        if self.negative_ttl < 0:
+            raise ConfigError(f"negative_ttl must be >= 0, got {self.negative_ttl}")
+
+
+__all__ = ["MasterConfig", "StoreClientConfig", "StoreServerConfig"]
