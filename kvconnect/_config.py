@@ -19,6 +19,7 @@ CurveZMQ keys for the control planes and imports zmq, which the transfer layer m
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import json
 import logging
@@ -29,7 +30,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal, NamedTuple, Self, TypeVar
+from typing import Any, ClassVar, NamedTuple, Self, TypeVar
 
 from kvconnect.errors import ConfigError
 
@@ -38,6 +39,7 @@ MiB = 1024 * KiB
 
 _C = TypeVar("_C")
 _S = TypeVar("_S", bound="Section")
+_E = TypeVar("_E", bound=enum.Enum)
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +330,20 @@ def check_positive(obj: object, *names: str) -> None:
             raise ConfigError(f"{name} must be > 0, got {value!r}")
 
 
+def check_choice(obj: object, name: str, kind: type[enum.Enum]) -> None:
+    """Store attribute ``name`` of the frozen ``obj`` as a member of ``kind`` (a value given as
+    its string becomes the member); ConfigError listing the choices otherwise."""
+    object.__setattr__(obj, name, _choice(name, getattr(obj, name), kind))
+
+
+def _choice(name: str, value: Any, kind: type[_E]) -> _E:
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(str(member.value) for member in kind)
+        raise ConfigError(f"{name} must be one of {choices}; got {value!r}") from None
+
+
 def _env_section(cls: type[Section], env: Mapping[str, str]) -> dict[str, Any]:
     """The ``<prefix><KEY>`` variables of ``cls`` as a layer; an unknown one of its prefix
     raises ConfigError listing the valid ones."""
@@ -376,10 +392,8 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(name, value, inner[0])
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{name} must be one of {', '.join(map(str, args))}; got {value!r}")
-        return value
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return _choice(name, value, hint)
     if hint is bool:
         return _coerce_bool(name, value)
     if hint in (int, float):

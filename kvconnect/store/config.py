@@ -3,11 +3,29 @@ client (machinery in ``kvconnect._config``)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import ClassVar
 
-from kvconnect._config import AUTH_ENV, MiB, Section, check_positive, check_token, cluster_token
+from kvconnect._config import (
+    AUTH_ENV,
+    MiB,
+    Section,
+    check_choice,
+    check_positive,
+    check_token,
+    cluster_token,
+)
 from kvconnect.errors import ConfigError
+
+
+class Strategy(enum.StrEnum):
+    """Where new objects go (``MasterConfig.allocation``; docs/store.md and
+    :mod:`kvconnect.store.master.segments` describe each)."""
+
+    LOCAL_FIRST = "local_first"
+    RANDOM = "random"
+    FREE_RATIO = "free_ratio"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -27,7 +45,7 @@ class MasterConfig(Section):
     """Endpoint clients should dial (published in etcd); default: the bound endpoint."""
     metrics_port: int = 0
     """Prometheus metrics HTTP port on 127.0.0.1 (0: no metrics server)."""
-    allocation: Literal["local_first", "random", "free_ratio"] = "local_first"
+    allocation: Strategy = Strategy.LOCAL_FIRST
     """Placement strategy of new objects (docs/store.md)."""
     alignment: int = 64
     """Allocation granularity in bytes."""
@@ -60,6 +78,7 @@ class MasterConfig(Section):
         return cluster_token(self.token, self.token_file, self.insecure)
 
     def __post_init__(self) -> None:
+        check_choice(self, "allocation", Strategy)
         check_positive(self, "alignment", "lease_ttl", "put_timeout", "heartbeat_ttl", "ha_ttl")
         if self.ha and not self.ha.startswith("etcd://"):
             raise ConfigError(f"ha must be an etcd://host:port URL, got {self.ha!r}")
@@ -130,4 +149,4 @@ class StoreClientConfig(Section):
             raise ConfigError(f"negative_ttl must be >= 0, got {self.negative_ttl}")
 
 
-__all__ = ["MasterConfig", "StoreClientConfig", "StoreServerConfig"]
+__all__ = ["MasterConfig", "StoreClientConfig", "StoreServerConfig", "Strategy"]

@@ -3,15 +3,39 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import ClassVar
 
-from kvconnect._config import AUTH_ENV, MiB, Section, check_positive, check_token, cluster_token
+from kvconnect._config import (
+    AUTH_ENV,
+    MiB,
+    Section,
+    check_choice,
+    check_positive,
+    check_token,
+    cluster_token,
+)
 from kvconnect.errors import ConfigError
 from kvconnect.etcd import parse_url
 
-TransportName = Literal["auto", "local", "shm", "tcp", "rdma"]
-NativeMode = Literal["auto", "on", "off"]
+
+class TransportName(enum.StrEnum):
+    """``TransferConfig.transport``: ``auto`` routes per peer, any other forces that transport."""
+
+    AUTO = "auto"
+    LOCAL = "local"
+    SHM = "shm"
+    TCP = "tcp"
+    RDMA = "rdma"
+
+
+class NativeMode(enum.StrEnum):
+    """``TransferConfig.native``: the C data path if built (``auto``), required, or not used."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,7 +60,7 @@ class TransferConfig(Section):
     metadata_ttl: int = 5
     """Seconds of the etcd lease on this engine's descriptor (etcd metadata only): the
     descriptor of an engine that died without closing vanishes within about this long."""
-    transport: TransportName = "auto"
+    transport: TransportName = TransportName.AUTO
     """``auto`` picks local → shm → rdma → tcp per peer; any other value forces that transport."""
     shm: bool = True
     """Offer same-host shared-memory access to regions from :meth:`TransferEngine.allocate`."""
@@ -80,7 +104,7 @@ class TransferConfig(Section):
     insecure: bool = False
     """Run without a token when none is configured (anyone who reaches the listener may read
     and write registered memory); otherwise a token is always used."""
-    native: NativeMode = "auto"
+    native: NativeMode = NativeMode.AUTO
     """C extension for the data path: ``auto`` when built, ``on`` requires it, ``off`` never."""
     rdma_nics: str = ""
     """Comma-separated RDMA devices the engine may use (e.g. ``mlx5_0,mlx5_1``); empty: all."""
@@ -94,6 +118,8 @@ class TransferConfig(Section):
     """WRITEs up to this size go inline in the work request (no local DMA read); 0 disables."""
 
     def __post_init__(self) -> None:
+        check_choice(self, "transport", TransportName)
+        check_choice(self, "native", NativeMode)
         check_positive(
             self,
             "tcp_streams",

@@ -6,6 +6,7 @@ import pytest
 
 from kvconnect.errors import ConfigError
 from kvconnect.transfer import TransferConfig
+from kvconnect.transfer.config import NativeMode, TransportName
 
 
 def test_defaults_are_loopback_and_auto() -> None:
@@ -51,3 +52,13 @@ def test_empty_token_is_an_error_but_an_empty_variable_means_unset() -> None:
 
 def test_token_is_not_in_repr() -> None:
     assert "hunter2" not in repr(TransferConfig(token="hunter2"))
+
+
+def test_choices_are_enum_members_however_they_are_given() -> None:
+    env = TransferConfig.from_env({"KVCONNECT_TRANSFER_TRANSPORT": "tcp"})
+    direct = TransferConfig(transport="tcp", native="off")  # type: ignore[arg-type]
+    assert env.transport is TransportName.TCP
+    assert direct.transport is TransportName.TCP
+    assert direct.native is NativeMode.OFF
+    with pytest.raises(ConfigError, match="native must be one of auto, on, off; got 'maybe'"):
+        TransferConfig(native="maybe")  # type: ignore[arg-type]

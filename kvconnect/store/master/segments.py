@@ -26,7 +26,6 @@ returns by itself and nothing should be evicted for it.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import heapq
 import itertools
@@ -35,18 +34,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvconnect.store.config import Strategy
 from kvconnect.store.master.allocator import OffsetAllocator
 from kvconnect.store.master.objects import Replica
 from kvconnect.store.messages import Change, Changes, SegmentSpec
-
-
-class Strategy(enum.StrEnum):
-    """Where new objects go (``MasterConfig.allocation``; see the module docstring)."""
-
-    LOCAL_FIRST = "local_first"
-    RANDOM = "random"
-    FREE_RATIO = "free_ratio"
-
 
 _CHANGES_PER_REPLY = 16384  # journal changes sent in one heartbeat reply
 

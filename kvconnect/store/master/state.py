@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvconnect.store.config import MasterConfig
+from kvconnect.store.config import MasterConfig, Strategy
 from kvconnect.store.master.objects import ObjectTable, Pending, Replica, State
-from kvconnect.store.master.segments import Segment, SegmentTable, Strategy
+from kvconnect.store.master.segments import Segment, SegmentTable
 from kvconnect.store.messages import (
     Change,
     Changes,
@@ -46,8 +46,7 @@ class MasterState:
     def __init__(self, config: MasterConfig, seed: int | None = None) -> None:
         self.config = config
         self.objects = ObjectTable()
-        strategy = Strategy(config.allocation)  # the config checked it is one
-        self.segments = SegmentTable(strategy, config.alignment, seed)
+        self.segments = SegmentTable(config.allocation, config.alignment, seed)
         self._servers: dict[str, float] = {}
         self._next_expiry_scan = 0.0
         self._cleanup: list[int] = []  # slots that referenced a lost segment
