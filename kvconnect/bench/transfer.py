@@ -33,6 +33,7 @@ from kvconnect.transfer import (
     TransferOp,
     TransferRequest,
 )
+from kvconnect.transfer.config import NativeMode
 from kvconnect.transfer.datapath.iov import native_available
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -60,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", default=DEFAULT_CASES, help="block:count,… (K/M suffixes)")
     parser.add_argument("--runs", type=int, default=5, help="A/B rounds per case (median)")
     parser.add_argument("--batches", type=int, default=10, help="batches per run")
-    parser.add_argument("--native", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--native", type=NativeMode, choices=list(NativeMode), default="auto")
     parser.add_argument("--streams", type=int, help="TCP streams per peer (config default)")
     parser.add_argument("--slice-bytes", type=_parse_size, help="slice size (config default)")
     parser.add_argument(
