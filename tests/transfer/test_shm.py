@@ -4,7 +4,6 @@ that engine's fd socket) and copies, without the engine's routing in between."""
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -13,21 +12,16 @@ from kvconnect.errors import AccessDenied
 from kvconnect.testing.peer import pattern
 from kvconnect.transfer import (
     MemoryRegion,
-    SegmentDescriptor,
     TransferEngine,
     TransferOp,
-    TransferRequest,
     TransferStatus,
 )
-from kvconnect.transfer.batch import BatchState, TransferBatch, make_slices
 from kvconnect.transfer.datapath.copying import Copier, CopyWorkers
 from kvconnect.transfer.datapath.cuda import DeviceCopier
 from kvconnect.transfer.datapath.iov import select_datapath
 from kvconnect.transfer.memory import MemoryRegistry
 from kvconnect.transfer.transports.shm import ShmTransport
-
-MiB = 1 << 20
-SLICE = 256 << 10
+from tests.support.slices import SLICE, MiB, submit_request
 
 
 def no_device() -> DeviceCopier:
@@ -53,27 +47,13 @@ def shm_setup() -> Iterator[tuple[TransferEngine, MemoryRegion, MemoryRegion, Sh
             registry.close()
 
 
-def submit(
-    transport: ShmTransport,
-    peer: SegmentDescriptor,
-    op: TransferOp,
-    local: MemoryRegion,
-    region: int,
-    offset: int = 0,
-) -> TransferBatch:
-    request = TransferRequest(local, 0, peer.name, region, offset, MiB - offset)
-    state = BatchState(op, [request], time.monotonic() + 10, SLICE, lambda: None, settle_grace=1)
-    transport.submit(peer, op, make_slices(state, 0, request, SLICE))
-    return TransferBatch(state)
-
-
 def test_read_and_write_through_the_mapping_are_byte_exact() -> None:
     with shm_setup() as (engine, remote, local, transport):
-        batch = submit(transport, engine.segment, TransferOp.READ, local, remote.id)
+        batch = submit_request(transport, engine.segment, TransferOp.READ, local, remote.id)
         assert batch.wait(10) == (TransferStatus.COMPLETED,)
         assert local.view == pattern(7, MiB).data
         local.view[:] = pattern(8, MiB).data
-        batch = submit(transport, engine.segment, TransferOp.WRITE, local, remote.id)
+        batch = submit_request(transport, engine.segment, TransferOp.WRITE, local, remote.id)
         assert batch.wait(10) == (TransferStatus.COMPLETED,)
         assert remote.view == pattern(8, MiB).data
         stats = transport.stats()
@@ -87,7 +67,7 @@ def test_read_and_write_through_the_mapping_are_byte_exact() -> None:
 
 def test_an_unknown_region_is_refused() -> None:
     with shm_setup() as (engine, remote, local, transport):
-        batch = submit(transport, engine.segment, TransferOp.READ, local, remote.id + 100)
+        batch = submit_request(transport, engine.segment, TransferOp.READ, local, remote.id + 100)
         assert batch.wait(10) == (TransferStatus.FAILED,)
         assert isinstance(batch.errors[0], AccessDenied)
         assert local.view == bytes(MiB), "a refused read wrote nothing"
@@ -96,25 +76,29 @@ def test_an_unknown_region_is_refused() -> None:
 def test_an_unregistered_region_is_refused_through_an_existing_mapping() -> None:
     with shm_setup() as (engine, remote, local, transport):
         peer = engine.segment
-        assert submit(transport, peer, TransferOp.READ, local, remote.id).wait(10) == (
+        assert submit_request(transport, peer, TransferOp.READ, local, remote.id).wait(10) == (
             TransferStatus.COMPLETED,
         )
         engine.unregister(remote)
         local.view[:] = bytes(MiB)
-        batch = submit(transport, peer, TransferOp.READ, local, remote.id)  # the old descriptor
+        batch = submit_request(
+            transport, peer, TransferOp.READ, local, remote.id
+        )  # the old descriptor
         assert batch.wait(10) == (TransferStatus.FAILED,)
         assert isinstance(batch.errors[0], AccessDenied)
 
 
 def test_forget_unmaps_the_peer() -> None:
     with shm_setup() as (engine, remote, local, transport):
-        assert submit(transport, engine.segment, TransferOp.READ, local, remote.id).wait(10) == (
-            TransferStatus.COMPLETED,
-        )
+        assert submit_request(transport, engine.segment, TransferOp.READ, local, remote.id).wait(
+            10
+        ) == (TransferStatus.COMPLETED,)
         assert transport.stats().peers == 1
         transport.forget(engine.segment.engine_id)
         assert transport.stats().peers == 0
         local.view[:] = bytes(MiB)
-        batch = submit(transport, engine.segment, TransferOp.READ, local, remote.id, offset=4096)
+        batch = submit_request(
+            transport, engine.segment, TransferOp.READ, local, remote.id, offset=4096
+        )
         assert batch.wait(10) == (TransferStatus.COMPLETED,)
         assert local.view[: MiB - 4096] == pattern(7, MiB).data[4096:]

@@ -3,7 +3,6 @@ socket, without the engine's routing in between."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -16,36 +15,17 @@ from kvconnect.transfer import (
     SegmentDescriptor,
     TransferEngine,
     TransferOp,
-    TransferRequest,
     TransferStatus,
 )
-from kvconnect.transfer.batch import BatchState, TransferBatch, make_slices
 from kvconnect.transfer.datapath.iov import select_datapath
 from kvconnect.transfer.datapath.staging import StagingPool
 from kvconnect.transfer.memory import MemoryRegistry
 from kvconnect.transfer.transports.tcp import TcpTransport
-
-MiB = 1 << 20
-SLICE = 256 << 10
+from tests.support.slices import MiB, submit_request
 
 
 def no_staging() -> StagingPool:
     raise AssertionError("host memory is sent without staging")
-
-
-def submit(
-    transport: TcpTransport,
-    peer: SegmentDescriptor,
-    op: TransferOp,
-    local: MemoryRegion,
-    region: int,
-    length: int = MiB,
-) -> TransferBatch:
-    """One request of ``length`` bytes cut into slices, straight to the transport."""
-    request = TransferRequest(local, 0, peer.name, region, 0, length)
-    state = BatchState(op, [request], time.monotonic() + 10, SLICE, lambda: None, settle_grace=1)
-    transport.submit(peer, op, make_slices(state, 0, request, SLICE))
-    return TransferBatch(state)
 
 
 @pytest.fixture
@@ -75,11 +55,11 @@ def test_read_and_write_are_byte_exact_and_counted(
     engine, remote = target
     transport = _transport(engine, [])
     try:
-        batch = submit(transport, engine.segment, TransferOp.READ, local, remote.id)
+        batch = submit_request(transport, engine.segment, TransferOp.READ, local, remote.id)
         assert batch.wait(10) == (TransferStatus.COMPLETED,)
         assert local.view == pattern(5, MiB).data
         local.view[:] = pattern(6, MiB).data
-        batch = submit(transport, engine.segment, TransferOp.WRITE, local, remote.id)
+        batch = submit_request(transport, engine.segment, TransferOp.WRITE, local, remote.id)
         assert batch.wait(10) == (TransferStatus.COMPLETED,)
         assert remote.view == pattern(6, MiB).data
         stats = transport.stats()
@@ -96,10 +76,10 @@ def test_a_refused_region_fails_with_access_denied_and_the_channel_stays(
     engine, remote = target
     transport = _transport(engine, [])
     try:
-        batch = submit(transport, engine.segment, TransferOp.READ, local, remote.id + 100)
+        batch = submit_request(transport, engine.segment, TransferOp.READ, local, remote.id + 100)
         assert batch.wait(10) == (TransferStatus.FAILED,)
         assert isinstance(batch.errors[0], AccessDenied)
-        batch = submit(transport, engine.segment, TransferOp.READ, local, remote.id)
+        batch = submit_request(transport, engine.segment, TransferOp.READ, local, remote.id)
         assert batch.wait(10) == (TransferStatus.COMPLETED,)
         assert local.view == pattern(5, MiB).data
     finally:
@@ -112,12 +92,12 @@ def test_forget_drops_the_channel_and_a_later_submit_opens_a_new_one(
     engine, remote = target
     transport = _transport(engine, [])
     try:
-        batch = submit(transport, engine.segment, TransferOp.READ, local, remote.id)
+        batch = submit_request(transport, engine.segment, TransferOp.READ, local, remote.id)
         assert batch.wait(10) == (TransferStatus.COMPLETED,)
         assert transport.stats().peers == 1
         transport.forget(engine.segment.engine_id)
         assert transport.stats().peers == 0
-        batch = submit(transport, engine.segment, TransferOp.READ, local, remote.id)
+        batch = submit_request(transport, engine.segment, TransferOp.READ, local, remote.id)
         assert batch.wait(10) == (TransferStatus.COMPLETED,)
         assert transport.stats().peers == 1
     finally:
@@ -132,7 +112,7 @@ def test_a_closed_peer_is_unreachable_and_reported_lost(local: MemoryRegion) -> 
     lost: list[SegmentDescriptor] = []
     transport = TcpTransport(config, select_datapath("auto"), no_staging, lost.append)
     try:
-        batch = submit(transport, peer, TransferOp.READ, local, remote.id)
+        batch = submit_request(transport, peer, TransferOp.READ, local, remote.id)
         assert batch.wait(10) == (TransferStatus.FAILED,)
         assert isinstance(batch.errors[0], PeerUnreachable)
         assert lost == [peer]

@@ -15,6 +15,7 @@ drops the oldest of them), so unauthenticated clients can take neither the
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -328,8 +329,7 @@ class _Session:
         if size > wire.MAX_CONTROL_BYTES:
             raise ProtocolError(f"control message of {size} bytes")
         request = wire.decode_request(self._recv_bounded(size))
-        fds: list[int] = []
-        held: MemoryRegion | None = None
+        fd: int | None = None
         if isinstance(request, wire.GetSegment):
             reply: wire.ControlReply = wire.SegmentReply(
                 encode_descriptor(self.listener._describe())
@@ -342,31 +342,37 @@ class _Session:
                 else wire.ErrorReply(Status.BAD_REQUEST, "this engine has no RDMA transport")
             )
         else:
-            reply, held = self._region_fd(request.region_id)
-            if held is not None:
-                fds.append(held.shared_fd)
+            reply, fd = self._region_fd(request.region_id)
         payload = wire.encode_control(reply)
         data = wire.HEADER.pack(FrameKind.RESPONSE, 0, 0, len(payload), frame_id) + payload
         try:
-            if fds:
-                socket.send_fds(self.conn, [data], fds)
+            if fd is not None:
+                socket.send_fds(self.conn, [data], [fd])
             else:
                 self.conn.sendall(data)
         finally:
-            if held is not None:
-                self.listener._registry.release(held)
+            if fd is not None:
+                os.close(fd)
 
-    def _region_fd(self, region_id: int) -> tuple[wire.ControlReply, MemoryRegion | None]:
+    def _region_fd(self, region_id: int) -> tuple[wire.ControlReply, int | None]:
+        """The reply to a region fd request and a duplicate of the fd to send with it (the
+        caller closes it). The duplicate is taken under a hold of the region and the hold ends
+        at once: a slow send never keeps the owner from unregistering, and a peer that maps a
+        region unregistered meanwhile finds it withdrawn in the region's header."""
         if self.conn.family != socket.AF_UNIX:
             return wire.ErrorReply(Status.BAD_REQUEST, "fds only travel over the Unix socket"), None
         access, region = self.listener._registry.acquire(region_id, 0, 1, write=False)
         if region is None:
             self.listener.counters.add(refused=1)
             return wire.ErrorReply(Status(access), f"region {region_id}: {access.name}"), None
-        if not region.shareable:
+        try:
+            if not region.shareable:
+                return wire.ErrorReply(
+                    Status.BAD_REQUEST, f"region {region_id} is not shared"
+                ), None
+            return wire.RegionFdReply(region_id, region.length), os.dup(region.shared_fd)
+        finally:
             self.listener._registry.release(region)
-            return wire.ErrorReply(Status.BAD_REQUEST, f"region {region_id} is not shared"), None
-        return wire.RegionFdReply(region_id, region.length), region
 
 
 def _recv_header(conn: socket.socket, header: bytearray, config: TransferConfig) -> float | None:
