@@ -135,13 +135,18 @@ def test_mixed_clients_under_eviction_pressure_corrupt_nothing_and_leak_no_lease
     with Cluster(
         servers=2, server_size=8 * MiB, master_args=FAST, server_args=FAST_SERVER
     ) as cluster:
-        results = _workers(
-            cluster, 8, "--max-size", str(MiB), "--keys", "300", "--prefix", "p-", seconds=6.0
-        )
-        assert all(r["corrupt"] == 0 for r in results)
         client = _client(cluster)
+        # 12 of the 16 MiB filled first: the workers' first puts already evict, however slowly
+        # a loaded machine runs them
+        filler = [f"fill-{n}" for n in range(12)]
+        assert [client.put(key, bytes(MiB)) for key in filler] == [Code.OK] * 12
         try:
+            results = _workers(
+                cluster, 8, "--max-size", str(MiB), "--keys", "300", "--prefix", "p-", seconds=6.0
+            )
+            assert all(r["corrupt"] == 0 for r in results)
             assert client.stats().evictions > 0, "the workload must have filled the store"
+            client.batch_remove(filler)
             keys = [f"p-{n}" for n in range(300)]
             # lease_ttl 3: once the workers are gone every lease lapses within 3 s (the bound
             # is the TTL itself, tripled: a leaked lease never lapses)
