@@ -6,21 +6,17 @@ from types import TracebackType
 from typing import Self
 
 
-class Lifecycle:
-    """``with obj:`` starts it and closes it. Subclasses implement both (idempotent)."""
+class Closing:
+    """``with obj:`` closes it at the end (for objects that start when built, such as child
+    processes). Subclasses implement ``close`` (idempotent)."""
 
     __slots__ = ()
 
-    def start(self) -> None:
-        """Acquire threads, sockets and memory."""
-        raise NotImplementedError
-
     def close(self) -> None:
-        """Release everything ``start`` acquired."""
+        """Release everything the object holds."""
         raise NotImplementedError
 
     def __enter__(self) -> Self:
-        self.start()
         return self
 
     def __exit__(
@@ -30,3 +26,17 @@ class Lifecycle:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class Lifecycle(Closing):
+    """``with obj:`` starts it and closes it. Subclasses implement both (idempotent)."""
+
+    __slots__ = ()
+
+    def start(self) -> None:
+        """Acquire threads, sockets and memory."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self

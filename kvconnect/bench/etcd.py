@@ -8,8 +8,8 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from types import TracebackType
 
+from kvconnect.lifecycle import Closing
 from kvconnect.store.launch import free_port
 
 
@@ -18,7 +18,7 @@ def etcd_available() -> bool:
     return shutil.which("etcd") is not None
 
 
-class EtcdServer:
+class EtcdServer(Closing):
     """One etcd member with a temporary data dir; restartable on the same ports and data."""
 
     def __init__(self, host: str = "127.0.0.1", extra_hosts: tuple[str, ...] = ()) -> None:
@@ -107,14 +107,3 @@ class EtcdServer:
             except subprocess.TimeoutExpired:
                 self.kill()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __enter__(self) -> EtcdServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

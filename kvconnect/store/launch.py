@@ -19,10 +19,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from types import TracebackType
 from typing import IO
 
 from kvconnect._config import cluster_token
+from kvconnect.lifecycle import Closing
 from kvconnect.store import messages as m
 from kvconnect.store.rpc import RpcClient
 
@@ -116,7 +116,7 @@ class Process:
             self._stderr = None
 
 
-class Cluster:
+class Cluster(Closing):
     """One master and ``servers`` store servers, each in its own process."""
 
     def __init__(
@@ -171,14 +171,3 @@ class Cluster:
         for server in self.servers:
             server.stop()
         self.master.stop()
-
-    def __enter__(self) -> Cluster:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

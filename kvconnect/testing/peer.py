@@ -24,12 +24,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import numpy as np
 
 from kvconnect.errors import KVConnectError
+from kvconnect.lifecycle import Closing
 from kvconnect.transfer import TransferConfig, TransferOp, TransferRequest
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
@@ -40,7 +40,7 @@ def pattern(seed: int, length: int) -> np.ndarray:
     return np.frombuffer(np.random.default_rng(seed).bytes(length), dtype=np.uint8)
 
 
-class ChildProcess:
+class ChildProcess(Closing):
     """A child process driven over stdin/stdout with JSON lines: it prints one hello line,
     then answers one command per line until stdin closes (the protocol of this module's
     peer and of the test suite's prefill peer)."""
@@ -92,17 +92,6 @@ class ChildProcess:
             self.proc.kill()
             self.proc.wait(timeout=self._timeout)
         self.proc.stdout.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _what(self) -> str:
         return "peer"
