@@ -42,6 +42,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvconnect.errors import ConfigError, StoreError
 from kvconnect.sglang.config import HiCacheConfig, parse_config
 from kvconnect.sglang.keys import PageFormat, PageKeys, page_keys
+from kvconnect.sglang.metrics import BackendMetrics, moved_bytes
 from kvconnect.sglang.withheld import WithheldSlots
 from kvconnect.store.client import BatchResult, StoreClient
 from kvconnect.store.config import StoreServerConfig
@@ -55,7 +56,6 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_LAYOUTS = ("page_first", "page_first_direct")
 _WARN_EVERY = 10.0  # seconds between WARNING lines about the same kind of store trouble
-_MAX_SAMPLES = 10_000  # per-call samples kept for SGLang's metrics between two collections
 
 
 class _Trouble(enum.StrEnum):
@@ -75,9 +75,9 @@ class BackendStats:
 
     pages_read: int = 0
     pages_missed: int = 0  # asked for, not delivered (absent, late or failed)
-    pages_written: int = 0
+    pages_written: int = 0  # stored, including pages the store already held
     pages_write_failed: int = 0
-    bytes_read: int = 0
+    bytes_read: int = 0  # moved by the calls (pages already stored move none)
     bytes_written: int = 0
     read_seconds: float = 0.0
     write_seconds: float = 0.0
@@ -99,8 +99,8 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         self.storage_config = storage_config
         self.config: HiCacheConfig = parse_config(storage_config.extra_config)
         self.stats = BackendStats()
-        self._metrics = StorageMetrics()  # per-call samples for SGLang's --enable-metrics
-        self._lock = threading.Lock()  # guards stats, metrics and the warning clock
+        self.metrics = BackendMetrics(storage_config)  # with SGLang's --enable-metrics
+        self._lock = threading.Lock()  # guards stats and the warning clock
         self._last_warning: dict[_Trouble, float] = {}
         self._healthy = True
         self._keys: PageKeys | None = None
@@ -186,7 +186,9 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         """How many pages from the first are stored (0 while the store is unhealthy)."""
         try:
             naming = self._require_keys()
+            start = time.monotonic()
             found = self._client.batch_exists(naming.keys(keys))
+            self.metrics.exists(time.monotonic() - start)
             self._set_healthy(True)
             return naming.leading_pages(found)
         except StoreError as exc:
@@ -259,11 +261,10 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         return self.batch_exists([key]) == 1
 
     def get_stats(self) -> StorageMetrics | None:
-        """Pages and bandwidth of each read and write since the last call (SGLang's metrics
-        collector asks with ``--enable-metrics``)."""
-        with self._lock:
-            metrics, self._metrics = self._metrics, StorageMetrics()
-        return metrics
+        """Pages and bandwidth (GiB/s) of each read and write since the last call, as SGLang's
+        other backends report them (its metrics collector asks with ``--enable-metrics``;
+        kvconnect/sglang/metrics.py)."""
+        return self.metrics.take_storage_metrics()
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -319,6 +320,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         result.on_settled(lambda: withheld.release(slots))
         with self._lock:
             self.stats.pages_withheld += len(unsettled)
+        self.metrics.withheld(len(unsettled))
         self._warn(
             _Trouble.UNSETTLED,
             "kvconnect: %d page(s) still in transfer past the deadline; their host slots are "
@@ -334,25 +336,20 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         seconds: float,
         codes: Sequence[Code],
     ) -> None:
-        moved = sum(pages)
-        page_bytes = sum(sizes) // max(len(pages), 1)
-        gbps = moved * page_bytes / seconds / 1e9 if seconds > 0 else 0.0
+        done = sum(pages)
+        moved = moved_bytes(codes, sizes)
         with self._lock:
             if write:
-                self.stats.pages_written += moved
-                self.stats.pages_write_failed += len(pages) - moved
-                self.stats.bytes_written += moved * page_bytes
+                self.stats.pages_written += done
+                self.stats.pages_write_failed += len(pages) - done
+                self.stats.bytes_written += moved
                 self.stats.write_seconds += seconds
-                samples = (self._metrics.backup_pgs, self._metrics.backup_bandwidth)
             else:
-                self.stats.pages_read += moved
-                self.stats.pages_missed += len(pages) - moved
-                self.stats.bytes_read += moved * page_bytes
+                self.stats.pages_read += done
+                self.stats.pages_missed += len(pages) - done
+                self.stats.bytes_read += moved
                 self.stats.read_seconds += seconds
-                samples = (self._metrics.prefetch_pgs, self._metrics.prefetch_bandwidth)
-            if len(samples[0]) < _MAX_SAMPLES:  # nobody collects without --enable-metrics
-                samples[0].append(moved)
-                samples[1].append(gbps)
+        (self.metrics.write if write else self.metrics.read)(pages, codes, moved, seconds)
         unavailable = any(code is Code.UNAVAILABLE for code in codes)
         self._set_healthy(not unavailable)
 
@@ -381,6 +378,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         return server
 
     def _set_healthy(self, healthy: bool) -> None:
+        self.metrics.breaker(self.breaker_state)
         if healthy == self._healthy:
             return
         self._healthy = healthy
@@ -400,6 +398,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
     def _unexpected(self, what: _Trouble) -> None:
         with self._lock:
             self.stats.errors += 1
+        self.metrics.error(what)
         self._warn(what, "kvconnect HiCache %s failed; treated as a miss", what, exc_info=True)
 
     def _warn(self, kind: _Trouble, message: str, *args: object, exc_info: bool = False) -> None:

@@ -134,9 +134,15 @@ class _Allocator:
 
 
 def controller(
-    host_pool: Any, backend: str, extra_config: dict[str, Any], model: str = "test/model"
+    host_pool: Any,
+    backend: str,
+    extra_config: dict[str, Any],
+    model: str = "test/model",
+    *,
+    enable_storage_metrics: bool = False,
 ) -> HybridCacheController:
-    """SGLang's production cache controller with ``backend`` attached (its threads run)."""
+    """SGLang's production cache controller with ``backend`` attached (its threads run);
+    ``enable_storage_metrics`` as SGLang's ``--enable-metrics`` sets it."""
     device = _DevicePool()
     group = HostPoolGroup(
         [
@@ -162,6 +168,7 @@ def controller(
         prefetch_threshold=PAGE,
         model_name=model,
         storage_backend_extra_config=dict(extra_config),
+        enable_storage_metrics=enable_storage_metrics,
     )
 
 

@@ -55,7 +55,8 @@ def test_the_factory_builds_it_with_the_host_pool_and_zero_copy(
     plugins_loaded: None, cluster: Cluster
 ) -> None:
     pool = h.mha_pool()
-    cc = h.controller(pool, "kvconnect", {"master": cluster.master_endpoint})
+    extra = {"master": cluster.master_endpoint}
+    cc = h.controller(pool, "kvconnect", extra, enable_storage_metrics=True)
     try:
         assert isinstance(cc.storage_backend, KVConnectStore)
         assert cc.storage_backend.mem_pool_host is pool
