@@ -19,7 +19,9 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
+from kvconnect.sglang.backend import KVConnectStore
 from kvconnect.sglang.metrics import GIB
 from kvconnect.store.launch import Cluster
 from tests.sglang import harness as h
@@ -232,7 +234,8 @@ def test_series_reach_a_multiprocess_directory_like_sglang_schedulers(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     # SGLang's scheduler processes run with PROMETHEUS_MULTIPROC_DIR set; its HTTP server
-    # collects that directory. The child plays a scheduler; this process, the server.
+    # collects that directory. The child plays a scheduler (and a second rank's backend); this
+    # process, the server.
     directory = tmp_path / "prometheus"
     directory.mkdir()
     command = [sys.executable, "-m", "tests.sglang.test_metrics", cluster.master_endpoint]
@@ -246,6 +249,7 @@ def test_series_reach_a_multiprocess_directory_like_sglang_schedulers(
     MultiProcessCollector(registry, path=str(directory))
     scraped = _parse(generate_latest(registry).decode())
     assert _value(scraped, "pages_written_total") == 8
+    assert _value(scraped, "pages_written_total", tp_rank="1") == 3, "each rank its own series"
     assert _value(scraped, "pages_hit_total") == 8
     assert _value(scraped, "read_bytes_total") == 8 * h.PAGE_BYTES
     assert _value(scraped, "batch_seconds_count", op="read") == 1
@@ -267,10 +271,37 @@ def _scheduler_child(master: str) -> None:
         pool.free(source)
         pool.kv_buffer.zero_()
         result = h.prefetch(cc, "req-child", tokens)
-        print(json.dumps({"identical": h.pages_of(pool, result.host_indices) == expected}))
+        identical = h.pages_of(pool, result.host_indices) == expected
         h.release(cc, result)
     finally:
         cc.detach_storage_backend()
+    # Another rank's backend (as a TP-2 engine's second scheduler would have): its own series.
+    other_pool = h.mha_pool()
+    other = KVConnectStore(_rank_config(master, tp_rank=1, tp_size=2), other_pool)
+    try:
+        slots = other_pool.alloc(3 * h.PAGE)
+        h.fill(other_pool, slots, seed=26)
+        assert other.batch_set_v1(h.page_hashes(h.tokens_for(3, seed=26)), slots) == [True] * 3
+    finally:
+        other.close()
+    print(json.dumps({"identical": identical}))
+
+
+def _rank_config(master: str, *, tp_rank: int, tp_size: int) -> HiCacheStorageConfig:
+    """What SGLang's controller gives the backend of one rank, with ``--enable-metrics``."""
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=True,
+        is_page_first_layout=True,
+        model_name="test/model",
+        extra_config={"master": master, **FAST},
+    )
 
 
 if __name__ == "__main__":
