@@ -142,9 +142,7 @@ class BackendMetrics:
             return
         hit = sum(pages)
         leading = _leading(pages)
-        self._sample(
-            self._samples.prefetch_pgs, self._samples.prefetch_bandwidth, hit, moved, seconds
-        )
+        self._sample(False, hit, moved, seconds)
         labels = self._ranks
         families.pages_hit.labels(**labels).inc(hit)
         families.pages_missed.labels(**labels).inc(len(pages) - hit)
@@ -171,9 +169,7 @@ class BackendMetrics:
         )
         written = sum(pages) - skipped
         if written:
-            self._sample(
-                self._samples.backup_pgs, self._samples.backup_bandwidth, written, moved, seconds
-            )
+            self._sample(True, written, moved, seconds)
         labels = self._ranks
         families.pages_written.labels(**labels).inc(written)
         families.pages_skipped.labels(**labels).inc(skipped)
@@ -209,10 +205,11 @@ class BackendMetrics:
             samples, self._samples = self._samples, StorageMetrics()
         return samples
 
-    def _sample(
-        self, pgs: list[int], bandwidth: list[float], pages: int, moved: int, seconds: float
-    ) -> None:
-        with self._lock:
+    def _sample(self, write: bool, pages: int, moved: int, seconds: float) -> None:
+        with self._lock:  # the lists of the samples not yet handed out
+            samples = self._samples
+            pgs = samples.backup_pgs if write else samples.prefetch_pgs
+            bandwidth = samples.backup_bandwidth if write else samples.prefetch_bandwidth
             if len(pgs) < MAX_SAMPLES:  # a bound if SGLang stops collecting
                 pgs.append(pages)
                 bandwidth.append(moved / GIB / seconds if seconds > 0 else 0.0)
