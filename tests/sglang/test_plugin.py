@@ -140,8 +140,9 @@ _DYNAMIC = {
             "direct",
         ),
         (("--hicache-io-backend", "direct"), "page_first_direct", "direct"),
+        (("--hicache-mem-layout", "page_head"), "page_head", "kernel"),
     ],
-    ids=["default", "layer_first", "layer_first-direct", "direct"],
+    ids=["default", "layer_first", "layer_first-direct", "direct", "page_head"],
 )
 def test_sglang_resolves_a_page_layout_kvconnect_attaches_to(
     plugins_loaded: None,
