@@ -136,9 +136,10 @@ class _Allocator:
 
 
 def controller(
-    host_pool: Any, backend: str, extra_config: dict[str, Any], model: str = "test/model"
+    host_pool: Any, backend: str | None, extra_config: dict[str, Any], model: str = "test/model"
 ) -> HybridCacheController:
-    """SGLang's production cache controller with ``backend`` attached (its threads run)."""
+    """SGLang's production cache controller with ``backend`` attached (its threads run);
+    ``None``: no storage backend, as a server started without L3."""
     device = _DevicePool()
     group = HostPoolGroup(
         [

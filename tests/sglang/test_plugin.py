@@ -196,6 +196,23 @@ def test_other_backends_keep_the_layout_they_asked_for(
         assert get_memory().hicache_mem_layout == "layer_first"
 
 
+def test_a_runtime_attach_to_a_layer_first_pool_is_refused_with_the_fix(
+    plugins_loaded: None, cluster: Cluster
+) -> None:
+    # The one way layer_first still reaches kvconnect: a server started without L3 on
+    # layer_first, attached at runtime (/hicache/storage-backend). SGLang rolls the attach back.
+    cc = h.controller(h.mha_pool("layer_first", pages=8), None, {})
+    try:
+        refused = r"not 'layer_first'.*--hicache-mem-layout page_first"
+        with pytest.raises(ConfigError, match=refused):
+            cc.attach_storage_backend(
+                "kvconnect", storage_backend_extra_config={"master": cluster.master_endpoint}
+            )
+        assert (cc.enable_storage, cc.storage_backend) == (False, None)
+    finally:
+        cc.detach_storage_backend()
+
+
 def test_other_sglang_versions_are_refused_with_a_way_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(importlib.metadata, "version", lambda _name: "0.6.0")
     with pytest.raises(RuntimeError, match=r"supports SGLang 0\.5\.23, found 0\.6\.0.*dynamic"):
