@@ -126,7 +126,8 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         layout = getattr(mem_pool_host, "layout", "")
         if layout not in SUPPORTED_LAYOUTS:
             # layer_first (a page would be 2 objects per layer) is moved to a page layout at
-            # start by the plugin; it arrives here by a runtime attach or a PD decode pool.
+            # start by the plugin; it arrives here by a runtime attach to a server started
+            # without L3.
             raise ConfigError(
                 f"kvconnect stores pages of the {', '.join(SUPPORTED_LAYOUTS)} host layouts, "
                 f"not {layout!r}: start SGLang with --hicache-mem-layout page_first"
@@ -436,7 +437,8 @@ class _PoolMemory:
 
     def locate(self, host_indices: torch.Tensor) -> tuple[MemoryRegion, list[int], list[int]]:
         """Offsets and sizes in the registered pool of every object of the pages at
-        ``host_indices`` (SGLang's ``get_page_buffer_meta`` order: page by page)."""
+        ``host_indices`` (SGLang's ``get_page_buffer_meta`` order: page by page; split heads:
+        shard by shard within a page)."""
         if self._head_split > 1:
             meta = self._pool.get_split_heads_page_buffer_meta(host_indices, self._head_split)
         else:

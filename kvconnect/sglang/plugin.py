@@ -92,7 +92,7 @@ def _zero_copy(result: Any, controller: Any, *args: Any, **kwargs: Any) -> None:
 def _page_layout(original: Any, server_args: Any) -> None:
     """SGLang's storage/layout step, also for kvconnect: a ``layer_first`` host pool (which
     kvconnect refuses) becomes the page layout of the io backend, as for mooncake. Runs in
-    SGLang's argument resolution, before the io/layout checks that follow it."""
+    SGLang's argument resolution (``handle_hicache``) in place of that step."""
     from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
 
     cfg = resolving_view(server_args)
