@@ -54,7 +54,7 @@ from kvconnect.transfer.memory import MemoryRegion
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_LAYOUTS = ("page_first", "page_first_direct")
+SUPPORTED_LAYOUTS = ("page_first", "page_first_direct", "page_head")
 _WARN_EVERY = 10.0  # seconds between WARNING lines about the same kind of store trouble
 
 
@@ -125,12 +125,16 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         super().register_mem_pool_host(mem_pool_host)
         layout = getattr(mem_pool_host, "layout", "")
         if layout not in SUPPORTED_LAYOUTS:
+            # layer_first (a page would be 2 objects per layer) is moved to a page layout at
+            # start by the plugin; it arrives here by a runtime attach to a server started
+            # without L3.
             raise ConfigError(
-                f"kvconnect stores pages of the {' or '.join(SUPPORTED_LAYOUTS)} host layouts, "
+                f"kvconnect stores pages of the {', '.join(SUPPORTED_LAYOUTS)} host layouts, "
                 f"not {layout!r}: start SGLang with --hicache-mem-layout page_first"
             )
-        self._keys = page_keys(_page_format(self.storage_config, mem_pool_host, self.config))
-        self._memory = _PoolMemory(self._client, mem_pool_host)
+        fmt = _page_format(self.storage_config, mem_pool_host, self.config)
+        self._keys = page_keys(fmt)
+        self._memory = _PoolMemory(self._client, mem_pool_host, fmt.head_split)
         if self._withheld is not None:
             self._withheld.uninstall()
         self._withheld = WithheldSlots(mem_pool_host)
@@ -412,21 +416,33 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
 
 
 class _PoolMemory:
-    """The host pool's backing tensor, registered once; page pointers → offsets in it."""
+    """The host pool's backing tensor, registered once; page pointers → offsets in it.
+    ``head_split``: each page's K and V are cut into that many head shards (``page_head``)."""
 
-    def __init__(self, client: StoreClient, host_pool: Any) -> None:
+    def __init__(self, client: StoreClient, host_pool: Any, head_split: int = 1) -> None:
         self._pool = host_pool
+        self._head_split = head_split
         buffer = host_pool.kv_buffer
         if not isinstance(buffer, torch.Tensor) or not buffer.is_contiguous():
             raise ConfigError("the host KV pool has no contiguous kv_buffer tensor to register")
+        if head_split > 1 and host_pool.head_num % head_split:
+            raise ConfigError(
+                f"tp_lcm_size cuts this rank's {host_pool.head_num} KV heads into "
+                f"{head_split} shards: it must divide them"
+            )
         self.region: MemoryRegion = client.register(buffer)
         self._start = self.region.address
         self._end = self._start + self.region.length
 
     def locate(self, host_indices: torch.Tensor) -> tuple[MemoryRegion, list[int], list[int]]:
         """Offsets and sizes in the registered pool of every object of the pages at
-        ``host_indices`` (SGLang's ``get_page_buffer_meta`` order: page by page)."""
-        pointers, sizes = self._pool.get_page_buffer_meta(host_indices)
+        ``host_indices`` (SGLang's ``get_page_buffer_meta`` order: page by page; split heads:
+        shard by shard within a page)."""
+        if self._head_split > 1:
+            meta = self._pool.get_split_heads_page_buffer_meta(host_indices, self._head_split)
+        else:
+            meta = self._pool.get_page_buffer_meta(host_indices)
+        pointers, sizes = meta
         offsets = [pointer - self._start for pointer in pointers]
         for pointer, size in zip(pointers, sizes, strict=True):
             if pointer < self._start or pointer + size > self._end:
@@ -469,5 +485,6 @@ def _page_format(storage: HiCacheStorageConfig, pool: Any, config: HiCacheConfig
         cp_size=storage.attn_cp_size,
         dcp_rank=storage.dcp_rank,
         dcp_size=storage.dcp_size,
+        tp_lcm_size=int(storage.tp_lcm_size or 0),
         namespace=config.namespace,
     )

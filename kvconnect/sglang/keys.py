@@ -7,6 +7,13 @@ dtype and the page size — and, for MHA models, which shard of the heads this T
 MLA pages hold the whole latent KV on every rank: one object per page, shared by all ranks and
 written by one. Each MHA page is two objects, its K and its V (two separate ranges of the
 host pool); a page counts as stored only when all its objects are.
+
+The ``page_head`` layout keeps each head's bytes of a page together, so instances of
+different TP sizes can share pages: the heads are cut into ``tp_lcm_size`` shards (SGLang's
+extra-config key, the least common multiple of the TP sizes; else this instance's TP size)
+and each shard is a K and a V object named by its place among all heads, not by the rank. A
+TP-1 instance with ``tp_lcm_size`` 2 writes shards 0 and 1 of every page; rank 1 of a TP-2
+instance reads shard 1.
 """
 
 from __future__ import annotations
@@ -32,7 +39,16 @@ class PageFormat:
     cp_size: int = 1
     dcp_rank: int = 0
     dcp_size: int = 1
+    tp_lcm_size: int = 0  # SGLang's, for page_head: head shards of a page (0: tp_size)
     namespace: str = ""
+
+    @property
+    def head_split(self) -> int:
+        """Head shards of this rank's part of a page: above 1 only for ``page_head`` MHA
+        pages of an instance with fewer ranks than ``tp_lcm_size``."""
+        if self.mla or self.layout != "page_head":
+            return 1
+        return (self.tp_lcm_size or self.tp_size) // self.tp_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,5 +88,10 @@ def page_keys(fmt: PageFormat) -> PageKeys:
         where += f"/dcp{fmt.dcp_rank}of{fmt.dcp_size}"
     if fmt.mla:
         return PageKeys(prefix, (f"{where}/kv",))
-    shard = f"{where}/tp{fmt.tp_rank}of{fmt.tp_size}"
-    return PageKeys(prefix, (f"{shard}/k", f"{shard}/v"))
+    if fmt.layout == "page_head":  # shards of all heads: the same names at every TP size
+        shards = fmt.tp_lcm_size or fmt.tp_size
+        first = fmt.tp_rank * fmt.head_split
+        names = [f"{where}/heads{g}of{shards}" for g in range(first, first + fmt.head_split)]
+    else:
+        names = [f"{where}/tp{fmt.tp_rank}of{fmt.tp_size}"]
+    return PageKeys(prefix, tuple(f"{name}/{kv}" for name in names for kv in ("k", "v")))

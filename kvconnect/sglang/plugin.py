@@ -7,7 +7,9 @@ own ``HookRegistry``):
 
 1. the storage factory builds only names it knows: kvconnect's is added;
 2. the command line accepts only listed names: ``kvconnect`` is added to the choices;
-3. the cache controller picks the zero-copy page functions by name: kvconnect gets them.
+3. the cache controller picks the zero-copy page functions by name: kvconnect gets them;
+4. argument resolution moves only mooncake's (and npu_memcache's) host pool off ``layer_first``
+   to a page layout: kvconnect's pool is moved the same way (also on the ``dynamic`` route).
 
 These targets are SGLang internals, so the plugin only patches the version it was built for
 and refuses others with a clear message (the ``dynamic`` route, docs/sglang.md, needs no
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import logging
 from typing import Any
 
 SGLANG_VERSION = "0.5.23"
@@ -28,6 +31,12 @@ BACKEND = ("kvconnect.sglang.backend", "KVConnectStore")
 _FACTORY = "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory"
 _ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 _ATTACH = "sglang.srt.managers.cache_controller.HiCacheController.attach_storage_backend"
+_LAYOUT = "sglang.srt.arg_groups.hicache_hook.resolve_storage_layout_compatibility"
+PAGE_LAYOUTS = {"kernel": "page_first", "direct": "page_first_direct"}
+"""The page layout kvconnect's host pool gets instead of ``layer_first``, by io backend (as
+SGLang chooses for mooncake; ``page_first`` needs the kernel io backend)."""
+
+log = logging.getLogger(__name__)
 
 
 def register() -> None:
@@ -48,6 +57,7 @@ def register() -> None:
     HookRegistry.register(f"{_FACTORY}._create_builtin_backend", _build, HookType.AROUND)
     HookRegistry.register(_ARGS, _accept_name, HookType.AFTER)
     HookRegistry.register(_ATTACH, _zero_copy, HookType.AFTER)
+    HookRegistry.register(_LAYOUT, _page_layout, HookType.AROUND)
 
 
 def _build(
@@ -77,3 +87,41 @@ def _zero_copy(result: Any, controller: Any, *args: Any, **kwargs: Any) -> None:
     if getattr(controller, "storage_backend_type", None) == NAME and controller.storage_backend:
         controller.page_get_func = controller._page_get_zero_copy
         controller.page_set_func = controller._page_set_zero_copy
+
+
+def _page_layout(original: Any, server_args: Any) -> None:
+    """SGLang's storage/layout step, also for kvconnect: a ``layer_first`` host pool (which
+    kvconnect refuses) becomes the page layout of the io backend, as for mooncake. Runs in
+    SGLang's argument resolution (``handle_hicache``) in place of that step."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    cfg = resolving_view(server_args)
+    layout = PAGE_LAYOUTS.get(cfg.hicache_io_backend)
+    if cfg.hicache_mem_layout != "layer_first" or layout is None or not _is_kvconnect(cfg):
+        original(server_args)
+        return
+    declare_resolution(server_args, "kvconnect", hicache_mem_layout=layout)
+    log.warning(
+        "kvconnect stores pages, not layers: --hicache-mem-layout layer_first becomes %s "
+        "(io backend %s)",
+        layout,
+        cfg.hicache_io_backend,
+    )
+
+
+def _is_kvconnect(cfg: Any) -> bool:
+    """Whether the resolving arguments select kvconnect's backend, by name or ``dynamic``."""
+    if cfg.hicache_storage_backend == NAME:
+        return True
+    if cfg.hicache_storage_backend != "dynamic":
+        return False
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    try:  # SGLang's own reading of the flag; a bad one is SGLang's to report, later
+        extra = HybridCacheController.parse_storage_backend_extra_config(
+            cfg.hicache_storage_backend_extra_config
+        )[0]
+    except Exception:
+        return False
+    module = str(extra.get("module_path", ""))
+    return extra.get("class_name") == BACKEND[1] and module in {"kvconnect.sglang", BACKEND[0]}

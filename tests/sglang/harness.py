@@ -47,10 +47,12 @@ DEVICE_TOKENS = 256
 ACK_TIMEOUT = 60.0
 
 
-def mha_pool(layout: str = "page_first", pages: int = 800) -> MHATokenToKVPoolHost:
-    """A real MHA host pool in ordinary (unpinned) memory."""
-    k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=DTYPE) for _ in range(LAYERS))
-    v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=DTYPE) for _ in range(LAYERS))
+def mha_pool(
+    layout: str = "page_first", pages: int = 800, heads: int = HEADS
+) -> MHATokenToKVPoolHost:
+    """A real MHA host pool in ordinary (unpinned) memory, of one rank's ``heads`` KV heads."""
+    k = tuple(torch.zeros(DEVICE_TOKENS, heads, HEAD_DIM, dtype=DTYPE) for _ in range(LAYERS))
+    v = tuple(torch.zeros(DEVICE_TOKENS, heads, HEAD_DIM, dtype=DTYPE) for _ in range(LAYERS))
     info = MHABufferInfo(
         buffers=KVBuffers(
             k=k,
@@ -60,7 +62,7 @@ def mha_pool(layout: str = "page_first", pages: int = 800) -> MHATokenToKVPoolHo
             layout=KVBufferLayout.NHD,
         ),
         page_size=PAGE,
-        head_num=HEADS,
+        head_num=heads,
         head_dim=HEAD_DIM,
         v_head_dim=HEAD_DIM,
         dtype=DTYPE,
@@ -135,14 +137,15 @@ class _Allocator:
 
 def controller(
     host_pool: Any,
-    backend: str,
+    backend: str | None,
     extra_config: dict[str, Any],
     model: str = "test/model",
     *,
     enable_storage_metrics: bool = False,
 ) -> HybridCacheController:
-    """SGLang's production cache controller with ``backend`` attached (its threads run);
-    ``enable_storage_metrics`` as SGLang's ``--enable-metrics`` sets it."""
+    """SGLang's production cache controller with ``backend`` attached (its threads run;
+    ``None``: no storage backend, as a server started without L3); ``enable_storage_metrics``
+    as SGLang's ``--enable-metrics`` sets it."""
     device = _DevicePool()
     group = HostPoolGroup(
         [

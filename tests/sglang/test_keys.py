@@ -54,3 +54,26 @@ def test_leading_pages_needs_every_object_of_a_page() -> None:
     assert mha.leading_pages([True, True] * 3) == 3
     assert mha.leading_pages([False, True]) == 0
     assert page_keys(_fmt(mla=True)).leading_pages([True, True, False]) == 2
+
+
+def test_page_head_shards_are_named_by_their_heads_not_by_the_rank() -> None:
+    def keys(tp_rank: int, tp_size: int, hashes: list[str]) -> list[str]:
+        fmt = _fmt(layout="page_head", tp_rank=tp_rank, tp_size=tp_size, tp_lcm_size=2)
+        return page_keys(fmt).keys(hashes)
+
+    tp1 = keys(0, 1, ["h1", "h2"])
+    assert len(tp1) == 8, "a TP-1 page is two shards of K and V"
+    assert tp1[:4] == keys(0, 2, ["h1"]) + keys(1, 2, ["h1"]), "shards in head order"
+    assert page_keys(_fmt(layout="page_head", tp_rank=1, tp_size=2)).keys(["h"]) == keys(
+        1, 2, ["h"]
+    ), "tp_lcm_size equal to tp_size changes nothing"
+
+
+def test_tp_lcm_size_splits_only_page_head_mha_pages() -> None:
+    assert _fmt(layout="page_head", tp_size=1, tp_lcm_size=4).head_split == 4
+    assert _fmt(layout="page_head", tp_size=2, tp_lcm_size=4).head_split == 2
+    assert _fmt(layout="page_head", tp_size=2).head_split == 1
+    assert _fmt(tp_size=1, tp_lcm_size=4).head_split == 1, "page_first: heads stay together"
+    mla = _fmt(layout="page_head", mla=True, tp_lcm_size=4)
+    assert mla.head_split == 1
+    assert page_keys(mla).objects == 1

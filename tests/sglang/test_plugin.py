@@ -12,6 +12,7 @@ import pytest
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.plugins import load_plugins
+from sglang.srt.runtime_context import get_memory
 from sglang.srt.server_args import prepare_server_args
 
 from kvconnect.errors import ConfigError
@@ -118,6 +119,99 @@ def test_sglang_own_extra_config_keys_are_left_to_sglang(cluster: Cluster, tmp_p
         cc.detach_storage_backend()
     with pytest.raises(ConfigError, match=r"file_storge_path.*prefetch_threshold"):
         KVConnectStore(_storage(cluster, 0, False, file_storge_path="/x"))
+
+
+_DYNAMIC = {
+    "backend_name": "kvconnect",
+    "module_path": "kvconnect.sglang",
+    "class_name": "KVConnectStore",
+    "interface_v1": 1,
+}
+
+
+@pytest.mark.parametrize("route", ["kvconnect", "dynamic"])
+@pytest.mark.parametrize(
+    ("flags", "layout", "io"),
+    [
+        ((), "page_first", "kernel"),  # SGLang's defaults
+        (("--hicache-mem-layout", "layer_first"), "page_first", "kernel"),
+        (
+            ("--hicache-mem-layout", "layer_first", "--hicache-io-backend", "direct"),
+            "page_first_direct",
+            "direct",
+        ),
+        (("--hicache-io-backend", "direct"), "page_first_direct", "direct"),
+        (("--hicache-mem-layout", "page_head"), "page_head", "kernel"),
+    ],
+    ids=["default", "layer_first", "layer_first-direct", "direct", "page_head"],
+)
+def test_sglang_resolves_a_page_layout_kvconnect_attaches_to(
+    plugins_loaded: None,
+    cluster: Cluster,
+    tmp_path: Path,
+    route: str,
+    flags: tuple[str, ...],
+    layout: str,
+    io: str,
+) -> None:
+    extra = {"master": cluster.master_endpoint, **(_DYNAMIC if route == "dynamic" else {})}
+    args = h.server_args(
+        tmp_path / "model",
+        *("--hicache-storage-backend", route),
+        *("--hicache-storage-backend-extra-config", json.dumps(extra)),
+        *flags,
+    )
+    with h.scheduler_context(args):  # the values SGLang's scheduler builds its pools from
+        resolved = (get_memory().hicache_mem_layout, get_memory().hicache_io_backend)
+    assert resolved == (layout, io)
+    pool = h.mha_pool(layout)
+    backend = KVConnectStore(_storage(cluster, 0, False, namespace=f"resolved-{route}"), pool)
+    try:
+        assert backend.mem_pool_host is pool
+        hashes = h.page_hashes(h.tokens_for(2, seed=len(flags)))
+        source = pool.alloc(2 * h.PAGE)
+        h.fill(pool, source, seed=len(flags))
+        assert backend.batch_set_v1(hashes, source) == [True, True]
+        target = pool.alloc(2 * h.PAGE)
+        assert backend.batch_get_v1(hashes, target) == [True, True]
+        assert h.pages_of(pool, target) == h.pages_of(pool, source)
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {**_DYNAMIC, "module_path": "other.module", "class_name": "Other"}],
+    ids=["file", "dynamic-other"],
+)
+def test_other_backends_keep_the_layout_they_asked_for(
+    plugins_loaded: None, tmp_path: Path, extra: dict[str, Any]
+) -> None:
+    args = h.server_args(
+        tmp_path / "model",
+        *("--hicache-storage-backend", "dynamic" if extra else "file"),
+        *("--hicache-storage-backend-extra-config", json.dumps(extra)),
+        *("--hicache-mem-layout", "layer_first"),
+    )
+    with h.scheduler_context(args):
+        assert get_memory().hicache_mem_layout == "layer_first"
+
+
+def test_a_runtime_attach_to_a_layer_first_pool_is_refused_with_the_fix(
+    plugins_loaded: None, cluster: Cluster
+) -> None:
+    # The one way layer_first still reaches kvconnect: a server started without L3 on
+    # layer_first, attached at runtime (/hicache/storage-backend). SGLang rolls the attach back.
+    cc = h.controller(h.mha_pool("layer_first", pages=8), None, {})
+    try:
+        refused = r"not 'layer_first'.*--hicache-mem-layout page_first"
+        with pytest.raises(ConfigError, match=refused):
+            cc.attach_storage_backend(
+                "kvconnect", storage_backend_extra_config={"master": cluster.master_endpoint}
+            )
+        assert (cc.enable_storage, cc.storage_backend) == (False, None)
+    finally:
+        cc.detach_storage_backend()
 
 
 def test_other_sglang_versions_are_refused_with_a_way_out(monkeypatch: pytest.MonkeyPatch) -> None:
