@@ -9,6 +9,14 @@ own ``HookRegistry``):
 2. the command line accepts only listed names: ``kvconnect`` is added to the choices;
 3. the cache controller picks the zero-copy page functions by name: kvconnect gets them.
 
+Two more hooks let kvconnect's reads answer before SGLang's prefetch verdict (docs/sglang.md,
+"Deadlines"), for the literal name and the ``dynamic`` route alike:
+
+4. the controller's page-get function runs inside the backend's ``reading_for(operation)``, so
+   the backend learns which prefetch each read serves (its start, its termination);
+5. after the radix cache publishes its storage settings (at start and at every attach), the
+   backend follows its live prefetch policy and budget, those SGLang's own verdict uses.
+
 These targets are SGLang internals, so the plugin only patches the version it was built for
 and refuses others with a clear message (the ``dynamic`` route, docs/sglang.md, needs no
 patch).
@@ -17,6 +25,7 @@ patch).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 from typing import Any
 
@@ -28,6 +37,9 @@ BACKEND = ("kvconnect.sglang.backend", "KVConnectStore")
 _FACTORY = "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory"
 _ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 _ATTACH = "sglang.srt.managers.cache_controller.HiCacheController.attach_storage_backend"
+_PUBLISH = (
+    "sglang.srt.mem_cache.unified_cache.storage_attachment.StorageAttachment.apply_runtime_config"
+)
 
 
 def register() -> None:
@@ -48,6 +60,7 @@ def register() -> None:
     HookRegistry.register(f"{_FACTORY}._create_builtin_backend", _build, HookType.AROUND)
     HookRegistry.register(_ARGS, _accept_name, HookType.AFTER)
     HookRegistry.register(_ATTACH, _zero_copy, HookType.AFTER)
+    HookRegistry.register(_PUBLISH, _follow_budget, HookType.AFTER)
 
 
 def _build(
@@ -73,7 +86,52 @@ def _accept_name(result: Any, parser: argparse.ArgumentParser) -> None:
 
 
 def _zero_copy(result: Any, controller: Any, *args: Any, **kwargs: Any) -> None:
-    """After the controller attached a backend: kvconnect moves pages without a copy."""
-    if getattr(controller, "storage_backend_type", None) == NAME and controller.storage_backend:
+    """After the controller attached a backend: kvconnect moves pages without a copy, and its
+    zero-copy reads know the operation they serve."""
+    backend = controller.storage_backend
+    if getattr(controller, "storage_backend_type", None) == NAME and backend:
         controller.page_get_func = controller._page_get_zero_copy
         controller.page_set_func = controller._page_set_zero_copy
+    if _is_kvconnect(backend) and controller.page_get_func == controller._page_get_zero_copy:
+        controller.page_get_func = _serving(backend, controller.page_get_func)
+
+
+def _serving(backend: Any, page_get: Any) -> Any:
+    """``page_get`` (SGLang's own, with its bookkeeping) run inside the backend's
+    ``reading_for`` the call's operation; it keeps the name and the signature."""
+
+    @functools.wraps(page_get)
+    def page_get_for(
+        operation: Any, hash_values: Any, host_indices: Any, extra_info: Any = None
+    ) -> Any:
+        with backend.reading_for(operation):
+            return page_get(operation, hash_values, host_indices, extra_info)
+
+    return page_get_for
+
+
+def _follow_budget(result: Any, attachment: Any, *args: Any, **kwargs: Any) -> None:
+    """After the radix cache published its storage settings: a kvconnect backend follows the
+    cache's live prefetch policy and budget (a policy changed at runtime included)."""
+    cache = attachment._cache
+    backend: Any = getattr(cache.cache_controller, "storage_backend", None)
+    if _is_kvconnect(backend):
+        backend.follow_budget(functools.partial(_budget_of, cache))
+
+
+def _budget_of(cache: Any) -> Any:
+    """The prefetch policy and budget SGLang's radix cache applies now."""
+    from kvconnect.sglang.deadline import PrefetchBudget, PrefetchPolicy
+
+    return PrefetchBudget(
+        PrefetchPolicy(cache.prefetch_stop_policy),
+        float(cache.prefetch_timeout_base),
+        float(cache.prefetch_timeout_per_page),
+    )
+
+
+def _is_kvconnect(backend: Any) -> bool:
+    # Lazy: the backend imports torch and SGLang's storage types, loaded by now.
+    from kvconnect.sglang.backend import KVConnectStore
+
+    return isinstance(backend, KVConnectStore)
