@@ -49,6 +49,7 @@ from kvconnect.sglang.deadline import (
     DEFAULT_PER_KI_TOKEN,
     Operation,
     PrefetchBudget,
+    PrefetchClock,
     PrefetchPolicy,
     read_deadline,
 )
@@ -119,7 +120,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         self._memory: _PoolMemory | None = None
         self._withheld: WithheldSlots | None = None
         self._fallback_budget: PrefetchBudget | None = None
-        self._budget: Callable[[], PrefetchBudget] | None = None
+        self._clock: PrefetchClock | None = None
         self._reading = _Reading()
         self._server = self._start_local_store()
         self._client = StoreClient(self.config.store, self._with_token(self.config.transfer))
@@ -196,13 +197,26 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
 
     # ----------------------------------------------------------------------------- deadline
 
-    def follow_budget(self, budget: Callable[[], PrefetchBudget]) -> None:
-        """Take SGLang's prefetch policy and budget from ``budget``, asked at every read. The
-        plugin passes the radix cache's live settings, those SGLang's own verdict uses
-        (scheduler thread, at attach). Until then: the ``prefetch_timeout_*`` keys if SGLang
-        left them in the extra-config, else SGLang's defaults; the policy of SGLang's server
-        arguments, else ``timeout``."""
-        self._budget = budget
+    def follow(self, clock: PrefetchClock) -> None:
+        """Take SGLang's prefetch policy, budget and running clocks from ``clock``, asked at
+        every read. The plugin passes its view of the radix cache: the settings and timers
+        SGLang's own verdict uses (scheduler thread, at attach). Until then: the
+        ``prefetch_timeout_*`` keys if SGLang left them in the extra-config, else SGLang's
+        defaults; the policy of SGLang's server arguments, else ``timeout``; no clock (each
+        operation's creation starts its budget)."""
+        self._clock = clock
+
+    @property
+    def prefetch_budget(self) -> PrefetchBudget:
+        """SGLang's prefetch policy and budget the reads follow now (see :meth:`follow`);
+        only once the host pool is registered."""
+        assert self._fallback_budget is not None  # set with the pool, before any read
+        if self._clock is None:
+            return self._fallback_budget
+        try:
+            return self._clock.budget()
+        except (AttributeError, TypeError, ValueError):  # SGLang's state is not what we know
+            return self._fallback_budget
 
     @contextlib.contextmanager
     def reading_for(self, operation: Any) -> Iterator[None]:
@@ -345,7 +359,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         """Read by the deadline of the operation being served (or of this call alone), and
         stop once SGLang terminates that operation."""
         operation = self._reading.operation
-        served = _operation(operation, int(self.mem_pool_host.page_size))
+        served = _operation(operation, int(self.mem_pool_host.page_size), self._verdict)
         now = time.monotonic()
         end = read_deadline(
             self.prefetch_budget,
@@ -357,7 +371,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         )
         if end <= now:  # SGLang's verdict is due: asking the store could only lose
             return BatchResult((Code.TIMEOUT,) * len(object_keys), (0,) * len(object_keys))
-        cancel = operation.is_terminated if served is not None else None
+        cancel = getattr(operation, "is_terminated", None)
         result = self._client.batch_get_into(
             object_keys, region, offsets, sizes, timeout=end - now, cancel=cancel
         )
@@ -371,17 +385,13 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
                 self.stats.pages_canceled += canceled
         return result
 
-    @property
-    def prefetch_budget(self) -> PrefetchBudget:
-        """SGLang's prefetch policy and budget the reads follow now (see ``follow_budget``);
-        only once the host pool is registered."""
-        assert self._fallback_budget is not None  # set with the pool, before any read
-        if self._budget is None:
-            return self._fallback_budget
+    def _verdict(self, operation: Any) -> float | None:
+        if self._clock is None:
+            return None
         try:
-            return self._budget()
-        except (AttributeError, TypeError, ValueError):  # SGLang's state is not what we know
-            return self._fallback_budget
+            return self._clock.verdict(operation)
+        except (AttributeError, TypeError, ValueError):  # as in prefetch_budget
+            return None
 
     def _withhold_unsettled(
         self, host_indices: torch.Tensor, result: BatchResult, objects: int
@@ -527,19 +537,23 @@ class _Reading(threading.local):
     operation: Any = None
 
 
-def _operation(operation: Any, page_size: int) -> Operation | None:
+def _operation(
+    operation: Any, page_size: int, verdict: Callable[[Any], float | None]
+) -> Operation | None:
     """What a read needs of SGLang's ``PrefetchOperation`` (None without one): its creation
-    time and the pages SGLang's budget counts (requested tokens, else the pages it reads)."""
+    time, the pages SGLang's budget counts (requested tokens, else the pages it reads) and
+    SGLang's verdict if its clock runs."""
     start = getattr(operation, "start_time", None)
     if not isinstance(start, float):
         return None
     requested = int(getattr(operation, "stats_requested_tokens", 0) or 0) // page_size
-    return Operation(start, requested or len(getattr(operation, "hash_value", None) or ()))
+    pages = requested or len(getattr(operation, "hash_value", None) or ())
+    return Operation(start, pages, verdict(operation))
 
 
 def _fallback_budget(storage: HiCacheStorageConfig, page_size: int) -> PrefetchBudget:
-    """SGLang's prefetch budget as far as the backend sees it alone (see ``follow_budget``);
-    ConfigError for settings SGLang would refuse."""
+    """SGLang's prefetch budget as far as the backend sees it alone (see
+    ``KVConnectStore.follow``); ConfigError for settings SGLang would refuse."""
     extra = storage.extra_config or {}
     try:
         return PrefetchBudget.of(

@@ -5,15 +5,17 @@ SGLang's ``timeout`` stop policy gives a prefetch ``base + pages * per_page`` se
 from the scheduler's first blocked admission poll of the request; when that passes, SGLang
 keeps only the pages already acknowledged and throws away the batch in flight, pages that
 arrived included. A read that answers first, with the pages that arrived, loses none of them:
-so every batch of an operation must end by the operation's creation (which is never later
-than SGLang's clock start) plus the budget, less a margin for the acknowledgement to reach
-the scheduler.
+so every batch of an operation must end by the operation's creation (never later than SGLang's
+clock start for a first attempt) plus the budget — or by SGLang's running clock itself, when
+it started earlier (a refetch keeps the request's first budget) — less a margin for the
+acknowledgement to reach the scheduler.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 class PrefetchPolicy(enum.StrEnum):
@@ -57,6 +59,18 @@ class PrefetchBudget:
         return self.base + pages * self.per_page
 
 
+class PrefetchClock(Protocol):
+    """Where SGLang keeps its prefetch settings and clocks (the plugin's view of the radix
+    cache); called from the prefetch IO thread."""
+
+    def budget(self) -> PrefetchBudget:
+        """The policy and budget SGLang applies now."""
+
+    def verdict(self, operation: Any) -> float | None:
+        """When SGLang's ``timeout`` verdict on ``operation``'s request falls (monotonic
+        time), if its clock runs already; None if it has not started."""
+
+
 @dataclass(frozen=True, slots=True)
 class Operation:
     """What a read knows of SGLang's prefetch operation it serves."""
@@ -65,6 +79,8 @@ class Operation:
     """When SGLang created the operation (its ``start_time``)."""
     pages: int
     """Pages SGLang's budget counts for it (its requested tokens over the page size)."""
+    verdict: float | None = None
+    """When SGLang's running clock gives its verdict, if known (see :class:`PrefetchClock`)."""
 
 
 def read_deadline(
@@ -78,8 +94,9 @@ def read_deadline(
 ) -> float:
     """The time by which one read of ``pages`` pages must answer, never before ``now``.
 
-    * ``timeout`` policy, the operation known: its start plus its budget, less the margin
-      (every batch of the operation shares this end).
+    * ``timeout`` policy, the operation known: its start plus its budget, or SGLang's verdict
+      if that is known and earlier, less the margin (every batch of the operation shares this
+      end).
     * Otherwise there is no SGLang deadline to beat (``wait_complete``, ``best_effort`` —
       whose early stop arrives as a termination — or the operation unknown): ``now`` plus the
       budget of this read's pages, a bound of the same shape.
@@ -89,7 +106,10 @@ def read_deadline(
     """
     if operation is not None and budget.policy is PrefetchPolicy.TIMEOUT:
         allowed = budget.seconds(operation.pages)
-        end = operation.start + allowed - min(margin, allowed / 4)
+        end = operation.start + allowed
+        if operation.verdict is not None:
+            end = min(end, operation.verdict)
+        end -= min(margin, allowed / 4)
     else:
         end = now + budget.seconds(pages)
     if cap is not None:

@@ -15,7 +15,7 @@ Two more hooks let kvconnect's reads answer before SGLang's prefetch verdict (do
 4. the controller's page-get function runs inside the backend's ``reading_for(operation)``, so
    the backend learns which prefetch each read serves (its start, its termination);
 5. after the radix cache publishes its storage settings (at start and at every attach), the
-   backend follows its live prefetch policy and budget, those SGLang's own verdict uses.
+   backend follows its live prefetch policy, budget and timers, those SGLang's verdict uses.
 
 These targets are SGLang internals, so the plugin only patches the version it was built for
 and refuses others with a clear message (the ``dynamic`` route, docs/sglang.md, needs no
@@ -27,7 +27,10 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.metadata
+import time
 from typing import Any
+
+from kvconnect.sglang.deadline import PrefetchBudget, PrefetchPolicy
 
 SGLANG_VERSION = "0.5.23"
 """The SGLang release whose internals the plugin patches."""
@@ -60,7 +63,7 @@ def register() -> None:
     HookRegistry.register(f"{_FACTORY}._create_builtin_backend", _build, HookType.AROUND)
     HookRegistry.register(_ARGS, _accept_name, HookType.AFTER)
     HookRegistry.register(_ATTACH, _zero_copy, HookType.AFTER)
-    HookRegistry.register(_PUBLISH, _follow_budget, HookType.AFTER)
+    HookRegistry.register(_PUBLISH, _follow_cache, HookType.AFTER)
 
 
 def _build(
@@ -110,24 +113,44 @@ def _serving(backend: Any, page_get: Any) -> Any:
     return page_get_for
 
 
-def _follow_budget(result: Any, attachment: Any, *args: Any, **kwargs: Any) -> None:
+def _follow_cache(result: Any, attachment: Any, *args: Any, **kwargs: Any) -> None:
     """After the radix cache published its storage settings: a kvconnect backend follows the
-    cache's live prefetch policy and budget (a policy changed at runtime included)."""
+    cache's live prefetch policy, budget and timers (a policy changed at runtime included)."""
     cache = attachment._cache
     backend: Any = getattr(cache.cache_controller, "storage_backend", None)
     if _is_kvconnect(backend):
-        backend.follow_budget(functools.partial(_budget_of, cache))
+        backend.follow(RadixCacheClock(cache))
 
 
-def _budget_of(cache: Any) -> Any:
-    """The prefetch policy and budget SGLang's radix cache applies now."""
-    from kvconnect.sglang.deadline import PrefetchBudget, PrefetchPolicy
+class RadixCacheClock:
+    """SGLang's radix cache as a :class:`~kvconnect.sglang.deadline.PrefetchClock`: the
+    attributes and per-request timers its ``timeout`` verdict reads (written by the scheduler
+    thread; read here, from the prefetch IO thread, one attribute or dict lookup at a time)."""
 
-    return PrefetchBudget(
-        PrefetchPolicy(cache.prefetch_stop_policy),
-        float(cache.prefetch_timeout_base),
-        float(cache.prefetch_timeout_per_page),
-    )
+    def __init__(self, cache: Any) -> None:
+        self._cache = cache
+
+    def budget(self) -> PrefetchBudget:
+        """The prefetch policy and budget the cache applies now."""
+        cache = self._cache
+        return PrefetchBudget(
+            PrefetchPolicy(cache.prefetch_stop_policy),
+            float(cache.prefetch_timeout_base),
+            float(cache.prefetch_timeout_per_page),
+        )
+
+    def verdict(self, operation: Any) -> float | None:
+        """When the verdict on ``operation``'s request falls (``time.monotonic``), once its
+        wait has started (a refetch finds the request's first one); now if it has fallen."""
+        wait = self._cache._storage_prefetch_wait.get(operation.handle)
+        if wait is None:
+            return None
+        if wait.expired:
+            return time.monotonic()
+        started = wait.timer.started_at  # time.perf_counter
+        if started is None:
+            return None
+        return float(started) + float(wait.timeout_s) + (time.monotonic() - time.perf_counter())
 
 
 def _is_kvconnect(backend: Any) -> bool:

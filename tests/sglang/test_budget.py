@@ -32,6 +32,15 @@ def test_every_batch_of_a_timed_prefetch_ends_before_sglangs_verdict() -> None:
     assert first == later == 100.0 + 19.75 - 0.25
 
 
+def test_a_refetch_ends_by_the_clock_sglang_started_for_the_first_attempt() -> None:
+    # The request's wait began before this operation: SGLang's verdict comes first.
+    refetch = Operation(start=110.0, pages=300, verdict=115.0)
+    assert read_deadline(DEFAULT, 110.0, 128, operation=refetch, margin=0.25, cap=None) == 114.75
+    # A clock started after the creation changes nothing: the creation's end is earlier.
+    first = Operation(start=100.0, pages=300, verdict=125.0)
+    assert read_deadline(DEFAULT, 100.0, 128, operation=first, margin=0.25, cap=None) == 119.5
+
+
 def test_without_a_verdict_to_beat_each_read_gets_the_budget_of_its_pages() -> None:
     operation = Operation(start=100.0, pages=300)
     for policy in (PrefetchPolicy.WAIT_COMPLETE, PrefetchPolicy.BEST_EFFORT):

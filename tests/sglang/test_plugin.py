@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.unified_cache.storage_attachment import StorageAttachment
+from sglang.srt.mem_cache.unified_radix_cache import _StoragePrefetchWait
 from sglang.srt.plugins import load_plugins
 from sglang.srt.server_args import prepare_server_args
 
@@ -98,6 +101,7 @@ def test_the_backend_follows_the_prefetch_budget_the_radix_cache_publishes(
             page_size=h.PAGE,
             cache_controller=cc,
             prefetch_stop_policy="timeout",
+            _storage_prefetch_wait={},
         )
         StorageAttachment(cache).apply_runtime_config(
             storage_backend="kvconnect",
@@ -114,6 +118,26 @@ def test_the_backend_follows_the_prefetch_budget_the_radix_cache_publishes(
         assert backend.prefetch_budget.policy is PrefetchPolicy.WAIT_COMPLETE
     finally:
         cc.detach_storage_backend()
+
+
+def test_sglangs_running_prefetch_clock_is_read_where_sglang_keeps_it() -> None:
+    handle = CacheRequestHandle(rid="req-clock", attempt_id=0)
+    cache = SimpleNamespace(_storage_prefetch_wait={})
+    clock = plugin.RadixCacheClock(cache)
+    operation = SimpleNamespace(handle=handle)
+    assert clock.verdict(operation) is None, "no blocked admission poll yet"
+    wait = _StoragePrefetchWait(timeout_s=30.0)
+    before = time.monotonic()
+    wait.timer.observe(ready=False)  # what SGLang's first blocked poll does
+    after = time.monotonic()
+    cache._storage_prefetch_wait[handle] = wait
+    verdict = clock.verdict(operation)
+    assert verdict is not None
+    assert before + 30.0 - 0.01 <= verdict <= after + 30.0 + 0.01  # perf_counter → monotonic
+    wait.expired = True  # a rank-agreed verdict: it has fallen
+    fallen = clock.verdict(operation)
+    assert fallen is not None
+    assert fallen <= time.monotonic()
 
 
 def test_sglang_own_extra_config_keys_are_left_to_sglang(cluster: Cluster, tmp_path: Path) -> None:
