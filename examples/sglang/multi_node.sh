@@ -39,12 +39,13 @@ store)
     ;;
 engine)
     # Engines lend no memory to the store (local_store_size 0): GPU hosts keep their RAM for
-    # SGLang's host KV pool (--hicache-ratio) and the model.
+    # SGLang's host KV pool (--hicache-ratio) and the model. Pages cross the network: a longer
+    # prefetch budget, which kvconnect's reads follow (docs/sglang.md, "Deadlines").
     python -m sglang.launch_server --model-path "$MODEL" --tp 8 \
         --enable-hierarchical-cache --hicache-ratio 2 --hicache-mem-layout page_first \
         --hicache-storage-backend kvconnect \
         --hicache-storage-backend-extra-config \
-        "{\"master\": \"$ETCD\", \"listen_host\": \"$HOST_IP\", \"read_timeout\": 2.0}"
+        "{\"master\": \"$ETCD\", \"listen_host\": \"$HOST_IP\", \"prefetch_timeout_base\": 2.0}"
     ;;
 *)
     echo "usage: $0 etcd|master|store|engine" >&2

@@ -15,6 +15,8 @@ kvconnect serve --master-listen tcp://127.0.0.1:50051 --store-size "$STORE_SIZE"
 STORE=$!
 trap 'kill $STORE' EXIT
 
+# SGLang's prefetch budget (prefetch_timeout_base + prefetch_timeout_per_ki_token per 1024
+# tokens) is kvconnect's read deadline too: reads answer before SGLang gives up on them.
 python -m sglang.launch_server \
     --model-path "$MODEL" \
     --enable-hierarchical-cache \
@@ -24,4 +26,4 @@ python -m sglang.launch_server \
     --hicache-storage-backend kvconnect \
     --hicache-storage-prefetch-policy timeout \
     --hicache-storage-backend-extra-config \
-    '{"master": "tcp://127.0.0.1:50051", "read_timeout": 1.0}'
+    '{"master": "tcp://127.0.0.1:50051", "prefetch_timeout_base": 1.0}'

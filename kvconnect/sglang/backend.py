@@ -10,8 +10,10 @@ Contract with SGLang, and why:
 
 * Nothing raises into SGLang's threads (an exception ends its prefetch or backup thread):
   store trouble is logged, counted and returned as a miss or a failed write.
-* ``batch_get_v1`` ends by ``read_timeout``; SGLang uses the leading pages that arrived and
-  recomputes the rest, and frees the host slots of the others. A page whose transfer could not
+* ``batch_get_v1`` answers before SGLang's prefetch budget runs out (kvconnect/sglang/deadline.py;
+  ``read_timeout``, if set, bounds it further) and stops as soon as SGLang terminates the
+  prefetch; SGLang uses the leading pages that arrived and recomputes the rest, and frees the
+  host slots of the others. A page whose transfer could not
   be stopped (``Code.UNSETTLED``: a transport may still write it) is withheld: SGLang's free of
   its slots is deferred until the transfer settles (kvconnect/sglang/withheld.py), so a late
   write never lands in another request's KV. The same holds for the source pages of a write
@@ -23,11 +25,12 @@ Contract with SGLang, and why:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +44,15 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvconnect.errors import ConfigError, StoreError
 from kvconnect.sglang.config import HiCacheConfig, parse_config
+from kvconnect.sglang.deadline import (
+    DEFAULT_BASE,
+    DEFAULT_PER_KI_TOKEN,
+    Operation,
+    PrefetchBudget,
+    PrefetchClock,
+    PrefetchPolicy,
+    read_deadline,
+)
 from kvconnect.sglang.keys import PageFormat, PageKeys, page_keys
 from kvconnect.sglang.metrics import BackendMetrics, moved_bytes
 from kvconnect.sglang.withheld import WithheldSlots
@@ -83,6 +95,7 @@ class BackendStats:
     write_seconds: float = 0.0
     errors: int = 0  # unexpected exceptions turned into misses
     pages_withheld: int = 0  # pages kept from SGLang until their unsettled transfer let go
+    pages_canceled: int = 0  # of pages_missed: stopped because SGLang ended their prefetch
 
 
 class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
@@ -106,6 +119,9 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         self._keys: PageKeys | None = None
         self._memory: _PoolMemory | None = None
         self._withheld: WithheldSlots | None = None
+        self._fallback_budget: PrefetchBudget | None = None
+        self._clock: PrefetchClock | None = None
+        self._reading = _Reading()
         self._server = self._start_local_store()
         self._client = StoreClient(self.config.store, self._with_token(self.config.transfer))
         try:
@@ -138,6 +154,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         if self._withheld is not None:
             self._withheld.uninstall()
         self._withheld = WithheldSlots(mem_pool_host)
+        self._fallback_budget = _fallback_budget(self.storage_config, int(mem_pool_host.page_size))
         log.info(
             "kvconnect HiCache backend: %s, keys %s*, store %s",
             type(mem_pool_host).__name__,
@@ -182,6 +199,40 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         ``str`` enum, equal to those strings."""
         return self._client.breaker.state
 
+    # ----------------------------------------------------------------------------- deadline
+
+    def follow(self, clock: PrefetchClock) -> None:
+        """Take SGLang's prefetch policy, budget and running clocks from ``clock``, asked at
+        every read. The plugin passes its view of the radix cache: the settings and timers
+        SGLang's own verdict uses (scheduler thread, at attach). Until then: the
+        ``prefetch_timeout_*`` keys if SGLang left them in the extra-config, else SGLang's
+        defaults; the policy of SGLang's server arguments, else ``timeout``; no clock (each
+        operation's creation starts its budget)."""
+        self._clock = clock
+
+    @property
+    def prefetch_budget(self) -> PrefetchBudget:
+        """SGLang's prefetch policy and budget the reads follow now (see :meth:`follow`);
+        only once the host pool is registered."""
+        assert self._fallback_budget is not None  # set with the pool, before any read
+        if self._clock is None:
+            return self._fallback_budget
+        try:
+            return self._clock.budget()
+        except (AttributeError, TypeError, ValueError):  # SGLang's state is not what we know
+            return self._fallback_budget
+
+    @contextlib.contextmanager
+    def reading_for(self, operation: Any) -> Iterator[None]:
+        """The calling thread's reads inside serve SGLang's ``PrefetchOperation``: they end by
+        its deadline and stop once SGLang terminates it (``is_terminated``). The plugin runs
+        the controller's page-get function in this, on the prefetch IO thread."""
+        self._reading.operation = operation
+        try:
+            yield
+        finally:
+            self._reading.operation = None
+
     # ---------------------------------------------------------------------------- zero-copy
 
     def batch_exists(
@@ -208,8 +259,8 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Read pages into the host pool by ``read_timeout``; True for each page that
-        arrived whole (SGLang uses the leading run)."""
+        """Read pages into the host pool by the read's deadline (see the module docstring);
+        True for each page that arrived whole (SGLang uses the leading run)."""
         try:
             return self._transfer(keys, host_indices, write=False)
         except Exception:
@@ -290,7 +341,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
             )
             done = result.ok()
         else:
-            result = self._client.batch_get_into(object_keys, region, offsets, sizes)
+            result = self._read(object_keys, region, offsets, sizes, len(keys))
             # A smaller object than the page is not this page (it cannot happen with these
             # keys; refuse it rather than hand SGLang a half-filled page).
             done = [
@@ -301,6 +352,51 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         self._withhold_unsettled(host_indices, result, naming.objects)
         self._account(write, pages, sizes, time.monotonic() - start, result.codes)
         return pages
+
+    def _read(
+        self,
+        object_keys: list[str],
+        region: MemoryRegion,
+        offsets: list[int],
+        sizes: list[int],
+        pages: int,
+    ) -> BatchResult:
+        """Read by the deadline of the operation being served (or of this call alone), and
+        stop once SGLang terminates that operation."""
+        operation = self._reading.operation
+        served = _operation(operation, int(self.mem_pool_host.page_size), self._verdict)
+        now = time.monotonic()
+        end = read_deadline(
+            self.prefetch_budget,
+            now,
+            pages,
+            operation=served,
+            margin=self.config.deadline_margin,
+            cap=self.config.read_timeout,
+        )
+        if end <= now:  # SGLang's verdict is due: asking the store could only lose
+            return BatchResult((Code.TIMEOUT,) * len(object_keys), (0,) * len(object_keys))
+        cancel = getattr(operation, "is_terminated", None)
+        result = self._client.batch_get_into(
+            object_keys, region, offsets, sizes, timeout=end - now, cancel=cancel
+        )
+        objects = len(object_keys) // pages
+        codes = result.codes
+        canceled = sum(
+            Code.CANCELED in codes[page * objects : (page + 1) * objects] for page in range(pages)
+        )
+        if canceled:
+            with self._lock:
+                self.stats.pages_canceled += canceled
+        return result
+
+    def _verdict(self, operation: Any) -> float | None:
+        if self._clock is None:
+            return None
+        try:
+            return self._clock.verdict(operation)
+        except (AttributeError, TypeError, ValueError):  # as in prefetch_budget
+            return None
 
     def _withhold_unsettled(
         self, host_indices: torch.Tensor, result: BatchResult, objects: int
@@ -448,6 +544,52 @@ class _PoolMemory:
             if pointer < self._start or pointer + size > self._end:
                 raise ConfigError(f"page memory at {pointer:#x} is outside the registered pool")
         return self.region, offsets, list(sizes)
+
+
+class _Reading(threading.local):
+    """The SGLang prefetch operation the current thread reads for (None: unknown)."""
+
+    operation: Any = None
+
+
+def _operation(
+    operation: Any, page_size: int, verdict: Callable[[Any], float | None]
+) -> Operation | None:
+    """What a read needs of SGLang's ``PrefetchOperation`` (None without one): its creation
+    time, the pages SGLang's budget counts (requested tokens, else the pages it reads) and
+    SGLang's verdict if its clock runs."""
+    start = getattr(operation, "start_time", None)
+    if not isinstance(start, float):
+        return None
+    requested = int(getattr(operation, "stats_requested_tokens", 0) or 0) // page_size
+    pages = requested or len(getattr(operation, "hash_value", None) or ())
+    return Operation(start, pages, verdict(operation))
+
+
+def _fallback_budget(storage: HiCacheStorageConfig, page_size: int) -> PrefetchBudget:
+    """SGLang's prefetch budget as far as the backend sees it alone (see
+    ``KVConnectStore.follow``); ConfigError for settings SGLang would refuse."""
+    extra = storage.extra_config or {}
+    try:
+        return PrefetchBudget.of(
+            _server_prefetch_policy(),
+            extra.get("prefetch_timeout_base", DEFAULT_BASE),
+            extra.get("prefetch_timeout_per_ki_token", DEFAULT_PER_KI_TOKEN),
+            page_size=page_size,
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"bad SGLang prefetch settings: {exc}") from exc
+
+
+def _server_prefetch_policy() -> str:
+    """``--hicache-storage-prefetch-policy`` of this SGLang process, or SGLang's default
+    outside a scheduler (no server arguments published)."""
+    try:
+        from sglang.srt.runtime_context import get_memory  # an internal, as get_parallel
+
+        return str(get_memory().hicache_storage_prefetch_policy)
+    except (ImportError, ValueError, AttributeError):
+        return PrefetchPolicy.TIMEOUT
 
 
 def _ranks_on_host() -> int:

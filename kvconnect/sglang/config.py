@@ -29,7 +29,6 @@ _ROUTES = {
     "master": Route("store", "master", "tcp://127.0.0.1:50051"),
     "transport": Route("transfer", "transport", "auto"),
     "listen_host": Route("transfer", "listen_host", "127.0.0.1"),
-    "read_timeout": Route("store", "io_timeout", 1.0),
     "rpc_timeout": Route("store", "rpc_timeout", 0.5),
     "breaker_failures": Route("store", "breaker_failures", 3),
     "breaker_cooldown": Route("store", "breaker_cooldown", 2.0),
@@ -40,12 +39,10 @@ _ROUTES = {
 ``master`` is the store master (``tcp://host:port`` or ``etcd://host:port[,…]`` with master
 HA); ``transport`` the transfer transport to the store servers (``auto``: shared memory on the
 same host); ``listen_host`` the interface of this process's transfer engine (matters with
-``local_store_size``); ``read_timeout`` the deadline of one read of up to 128 pages (the pages
-that arrived by then, from the first on, are used and the rest is recomputed);
-``rpc_timeout`` the timeout of one call to the master; ``breaker_failures`` the consecutive
-failures after which the backend runs local-only (no L3), ``breaker_cooldown`` the seconds of
-that before one probe of the store; ``negative_ttl`` the seconds a page whose read failed is
-reported absent (no repeated timeouts on it)."""
+``local_store_size``); ``rpc_timeout`` the timeout of one call to the master;
+``breaker_failures`` the consecutive failures after which the backend runs local-only (no
+L3), ``breaker_cooldown`` the seconds of that before one probe of the store; ``negative_ttl``
+the seconds a page whose read failed is reported absent (no repeated timeouts on it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +67,14 @@ class HiCacheConfig(Composed):
     environment)."""
     namespace: str = ""
     """Prefix of every key: separate caches (deployments, tenants) that share one store."""
+    read_timeout: float | None = None
+    """An upper bound on one read of up to 128 pages, in seconds; unset (the default), reads
+    end by the deadline derived from SGLang's prefetch budget (kvconnect/sglang/deadline.py).
+    Either way the pages that arrived by then, from the first on, are used and the rest is
+    recomputed."""
+    deadline_margin: float = 0.25
+    """Seconds before SGLang's ``timeout`` verdict by which a read answers, for its
+    acknowledgement to reach the scheduler (at most a quarter of the budget)."""
     write_timeout: float = 5.0
     """Deadline of one write of up to 128 pages (the backup thread's)."""
     local_store_size: int = 0
@@ -84,6 +89,10 @@ class HiCacheConfig(Composed):
 
     def __post_init__(self) -> None:
         check_positive(self, "write_timeout")
+        if self.read_timeout is not None:
+            check_positive(self, "read_timeout")
+        if self.deadline_margin < 0:
+            raise ConfigError(f"deadline_margin must be >= 0, got {self.deadline_margin}")
         if self.local_store_size < 0:
             raise ConfigError(f"local_store_size must be >= 0, got {self.local_store_size}")
         if not self.store.master.startswith(("tcp://", "etcd://")):

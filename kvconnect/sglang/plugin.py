@@ -11,6 +11,14 @@ own ``HookRegistry``):
 4. argument resolution moves only mooncake's (and npu_memcache's) host pool off ``layer_first``
    to a page layout: kvconnect's pool is moved the same way (also on the ``dynamic`` route).
 
+Two more hooks let kvconnect's reads answer before SGLang's prefetch verdict (docs/sglang.md,
+"Deadlines"), for the literal name and the ``dynamic`` route alike:
+
+4. the controller's page-get function runs inside the backend's ``reading_for(operation)``, so
+   the backend learns which prefetch each read serves (its start, its termination);
+5. after the radix cache publishes its storage settings (at start and at every attach), the
+   backend follows its live prefetch policy, budget and timers, those SGLang's verdict uses.
+
 These targets are SGLang internals, so the plugin only patches the version it was built for
 and refuses others with a clear message (the ``dynamic`` route, docs/sglang.md, needs no
 patch).
@@ -19,9 +27,13 @@ patch).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import logging
+import time
 from typing import Any
+
+from kvconnect.sglang.deadline import PrefetchBudget, PrefetchPolicy
 
 SGLANG_VERSION = "0.5.23"
 """The SGLang release whose internals the plugin patches."""
@@ -37,6 +49,9 @@ PAGE_LAYOUTS = {"kernel": "page_first", "direct": "page_first_direct"}
 SGLang chooses for mooncake; ``page_first`` needs the kernel io backend)."""
 
 log = logging.getLogger(__name__)
+_PUBLISH = (
+    "sglang.srt.mem_cache.unified_cache.storage_attachment.StorageAttachment.apply_runtime_config"
+)
 
 
 def register() -> None:
@@ -58,6 +73,7 @@ def register() -> None:
     HookRegistry.register(_ARGS, _accept_name, HookType.AFTER)
     HookRegistry.register(_ATTACH, _zero_copy, HookType.AFTER)
     HookRegistry.register(_LAYOUT, _page_layout, HookType.AROUND)
+    HookRegistry.register(_PUBLISH, _follow_cache, HookType.AFTER)
 
 
 def _build(
@@ -83,10 +99,75 @@ def _accept_name(result: Any, parser: argparse.ArgumentParser) -> None:
 
 
 def _zero_copy(result: Any, controller: Any, *args: Any, **kwargs: Any) -> None:
-    """After the controller attached a backend: kvconnect moves pages without a copy."""
-    if getattr(controller, "storage_backend_type", None) == NAME and controller.storage_backend:
+    """After the controller attached a backend: kvconnect moves pages without a copy, and its
+    zero-copy reads know the operation they serve."""
+    backend = controller.storage_backend
+    if getattr(controller, "storage_backend_type", None) == NAME and backend:
         controller.page_get_func = controller._page_get_zero_copy
         controller.page_set_func = controller._page_set_zero_copy
+    if _is_kvconnect(backend) and controller.page_get_func == controller._page_get_zero_copy:
+        controller.page_get_func = _serving(backend, controller.page_get_func)
+
+
+def _serving(backend: Any, page_get: Any) -> Any:
+    """``page_get`` (SGLang's own, with its bookkeeping) run inside the backend's
+    ``reading_for`` the call's operation; it keeps the name and the signature."""
+
+    @functools.wraps(page_get)
+    def page_get_for(
+        operation: Any, hash_values: Any, host_indices: Any, extra_info: Any = None
+    ) -> Any:
+        with backend.reading_for(operation):
+            return page_get(operation, hash_values, host_indices, extra_info)
+
+    return page_get_for
+
+
+def _follow_cache(result: Any, attachment: Any, *args: Any, **kwargs: Any) -> None:
+    """After the radix cache published its storage settings: a kvconnect backend follows the
+    cache's live prefetch policy, budget and timers (a policy changed at runtime included)."""
+    cache = attachment._cache
+    backend: Any = getattr(cache.cache_controller, "storage_backend", None)
+    if _is_kvconnect(backend):
+        backend.follow(RadixCacheClock(cache))
+
+
+class RadixCacheClock:
+    """SGLang's radix cache as a :class:`~kvconnect.sglang.deadline.PrefetchClock`: the
+    attributes and per-request timers its ``timeout`` verdict reads (written by the scheduler
+    thread; read here, from the prefetch IO thread, one attribute or dict lookup at a time)."""
+
+    def __init__(self, cache: Any) -> None:
+        self._cache = cache
+
+    def budget(self) -> PrefetchBudget:
+        """The prefetch policy and budget the cache applies now."""
+        cache = self._cache
+        return PrefetchBudget(
+            PrefetchPolicy(cache.prefetch_stop_policy),
+            float(cache.prefetch_timeout_base),
+            float(cache.prefetch_timeout_per_page),
+        )
+
+    def verdict(self, operation: Any) -> float | None:
+        """When the verdict on ``operation``'s request falls (``time.monotonic``), once its
+        wait has started (a refetch finds the request's first one); now if it has fallen."""
+        wait = self._cache._storage_prefetch_wait.get(operation.handle)
+        if wait is None:
+            return None
+        if wait.expired:
+            return time.monotonic()
+        started = wait.timer.started_at  # time.perf_counter
+        if started is None:
+            return None
+        return float(started) + float(wait.timeout_s) + (time.monotonic() - time.perf_counter())
+
+
+def _is_kvconnect(backend: Any) -> bool:
+    # Lazy: the backend imports torch and SGLang's storage types, loaded by now.
+    from kvconnect.sglang.backend import KVConnectStore
+
+    return isinstance(backend, KVConnectStore)
 
 
 def _page_layout(original: Any, server_args: Any) -> None:
@@ -97,7 +178,7 @@ def _page_layout(original: Any, server_args: Any) -> None:
 
     cfg = resolving_view(server_args)
     layout = PAGE_LAYOUTS.get(cfg.hicache_io_backend)
-    if cfg.hicache_mem_layout != "layer_first" or layout is None or not _is_kvconnect(cfg):
+    if cfg.hicache_mem_layout != "layer_first" or layout is None or not _selects_kvconnect(cfg):
         original(server_args)
         return
     declare_resolution(server_args, "kvconnect", hicache_mem_layout=layout)
@@ -109,7 +190,7 @@ def _page_layout(original: Any, server_args: Any) -> None:
     )
 
 
-def _is_kvconnect(cfg: Any) -> bool:
+def _selects_kvconnect(cfg: Any) -> bool:
     """Whether the resolving arguments select kvconnect's backend, by name or ``dynamic``."""
     if cfg.hicache_storage_backend == NAME:
         return True

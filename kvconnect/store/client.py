@@ -56,6 +56,11 @@ from kvconnect.transfer.memory import MemoryRegion
 __all__ = ["BatchResult", "Regions", "StoreClient"]
 
 _RETRY = (Code.FAILED, Code.TIMEOUT)  # settled failures: another replica may serve the key
+_CANCEL_POLL = 0.005  # seconds between two questions to a read's cancel hook
+
+Cancel = Callable[[], bool]
+"""A read's cancel hook: called (from the reading thread) while its transfers run; True stops
+the read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +292,7 @@ class StoreClient(Lifecycle):
             return b.all_codes(Code.INTERNAL, len(keys))
         codes = [p.code for p in reply.results]
         writes = _writes(reply, ranges, part, deadline)
-        outcome, unsettled = self._transfer(TransferOp.WRITE, [writes], len(keys))
+        outcome, unsettled = self._transfer(TransferOp.WRITE, [writes], len(keys), None)
         started = [i for i in range(len(keys)) if codes[i] is Code.OK]
         for i in started:
             codes[i] = outcome[i]
@@ -356,7 +361,7 @@ class StoreClient(Lifecycle):
 
         def read_into(region: MemoryRegion) -> BatchResult:
             ranges = b.Ranges([region], [0], [len(buffer)])
-            return self._read([key], ranges, found, start, deadline)
+            return self._read([key], ranges, found, start, deadline, None)
 
         result = self._with_region(buffer, read_into)
         return buffer if result.codes[0] is Code.OK else None
@@ -369,6 +374,7 @@ class StoreClient(Lifecycle):
         sizes: Sequence[int],
         *,
         timeout: float | None = None,
+        cancel: Cancel | None = None,
     ) -> BatchResult:
         """Read ``keys[i]`` into ``region`` at ``offsets[i]`` (at most ``sizes[i]`` bytes).
 
@@ -377,6 +383,13 @@ class StoreClient(Lifecycle):
         buffers (UNSETTLED keys excepted, see :class:`BatchResult`), so a caller can use
         ``result.leading()`` keys and recompute the rest. A key whose replica fails is read
         from its next replica within the same deadline (see :meth:`_read`).
+
+        ``cancel`` ends the read early: asked every few milliseconds while transfers run (not
+        during the master lookup, which ``rpc_timeout`` bounds), and once it answers True the
+        transfers still running are canceled — keys not in are CANCELED, with the same
+        guarantee as at the deadline (nothing more lands in their buffers, UNSETTLED keys
+        excepted). A canceled key is not a store failure: it is neither reported absent
+        later (negative cache) nor counted by the circuit breaker.
         """
         keys = b.plain_keys(keys)
         ranges = b.check_ranges(keys, region, offsets, sizes, self.engine.owns)
@@ -384,19 +397,25 @@ class StoreClient(Lifecycle):
         deadline = start + (self.config.io_timeout if timeout is None else timeout)
         picked = b.valid_keys(keys)
         if len(picked) == len(keys):
-            return self._get_valid(keys, ranges, start, deadline)
-        result = self._get_valid(b.take(keys, picked), ranges.take(picked), start, deadline)
+            return self._get_valid(keys, ranges, start, deadline, cancel)
+        chosen = ranges.take(picked)
+        result = self._get_valid(b.take(keys, picked), chosen, start, deadline, cancel)
         return b.spread(result, picked, len(keys))
 
     def _get_valid(
-        self, keys: list[str], ranges: b.Ranges, start: float, deadline: float
+        self,
+        keys: list[str],
+        ranges: b.Ranges,
+        start: float,
+        deadline: float,
+        cancel: Cancel | None,
     ) -> BatchResult:
         if not keys:
             return b.all_codes(Code.OK, 0)
         reply = self._lookup(keys, deadline)
         if isinstance(reply, Code):
             return b.all_codes(reply, len(keys))
-        return self._read(keys, ranges, reply, start, deadline)
+        return self._read(keys, ranges, reply, start, deadline, cancel)
 
     def _lookup(self, keys: list[str], deadline: float) -> m.ReplicasReply | Code:
         """Replicas of ``keys`` (with a lease), or the code of every key when the master
@@ -416,6 +435,7 @@ class StoreClient(Lifecycle):
         reply: m.ReplicasReply,
         start: float,
         deadline: float,
+        cancel: Cancel | None,
     ) -> BatchResult:
         """Move the replicas of ``reply`` into ``ranges``; the lease started at ``start``.
 
@@ -423,7 +443,7 @@ class StoreClient(Lifecycle):
         replicas left: a key with k replicas left gets 1/k of the time left, so a replica
         that hangs (a stopped server) leaves time for the next. Keys whose read failed or
         timed out (settled: their buffer is free again) go to the next round while they have
-        replicas and the deadline has not passed.
+        replicas, the deadline has not passed and ``cancel`` has not fired.
         """
         results = reply.results
         codes = [r.code for r in results]
@@ -433,19 +453,20 @@ class StoreClient(Lifecycle):
         attempted = [i for i, code in enumerate(codes) if code is Code.OK]
         todo, replica, unsettled = attempted, 0, []
         while todo:
-            outcome, late = self._transfer(
-                TransferOp.READ, self._read_round(todo, replica, ranges, reply, deadline), len(keys)
-            )
+            batches = self._read_round(todo, replica, ranges, reply, deadline)
+            outcome, late = self._transfer(TransferOp.READ, batches, len(keys), cancel)
             unsettled += late
             for i in todo:
                 codes[i] = outcome[i]
             replica += 1
             retry = [i for i in todo if codes[i] in _RETRY and replica < len(results[i].locations)]
-            todo = retry if self._clock() < deadline else []
-        self._judge([codes[i] for i in attempted])
+            stopped = self._clock() >= deadline or (cancel is not None and cancel())
+            todo = [] if stopped else retry
+        self._judge([codes[i] for i in attempted if codes[i] is not Code.CANCELED])
         if self._clock() > start + reply.lease_ms / 1000:  # the bytes may have been reused
             codes = [Code.STALE if code is Code.OK else code for code in codes]
-        self._negative.add([keys[i] for i in attempted if codes[i] is not Code.OK], self._clock())
+        failed = [keys[i] for i in attempted if codes[i] not in (Code.OK, Code.CANCELED)]
+        self._negative.add(failed, self._clock())
         read = [r.size if code is Code.OK else 0 for r, code in zip(results, codes, strict=True)]
         return BatchResult(tuple(codes), tuple(read), tuple(unsettled))
 
@@ -523,11 +544,12 @@ class StoreClient(Lifecycle):
         return reply
 
     def _transfer(
-        self, op: TransferOp, batches: list[_Batch], count: int
+        self, op: TransferOp, batches: list[_Batch], count: int, cancel: Cancel | None
     ) -> tuple[list[Code], list[TransferBatch]]:
         """Run the batches (all submitted before any is waited for); per key of ``count``:
-        OK if all its requests completed, else TIMEOUT, FAILED or UNSETTLED (a transport still
-        holds its memory: the batches holding such keys are returned too)."""
+        OK if all its requests completed, else TIMEOUT, FAILED, CANCELED (``cancel`` fired)
+        or UNSETTLED (a transport still holds its memory: the batches holding such keys are
+        returned too)."""
         outcome = [Code.OK] * count
         running: list[tuple[list[int], TransferBatch]] = []
         for batch in batches:
@@ -543,7 +565,7 @@ class StoreClient(Lifecycle):
                     outcome[i] = Code.FAILED
         unsettled = []
         for owners, handle in running:
-            statuses = handle.wait()
+            statuses = _wait(handle, cancel)
             for i, status in zip(owners, statuses, strict=True):
                 outcome[i] = _worst(outcome[i], _STATUS_CODE[status])
             if TransferStatus.PENDING in statuses:
@@ -555,6 +577,20 @@ class StoreClient(Lifecycle):
         so this is what the breaker must learn)."""
         if codes and Code.OK not in codes:
             self._breaker.failure(self._clock())
+
+
+def _wait(handle: TransferBatch, cancel: Cancel | None) -> tuple[TransferStatus, ...]:
+    """The settled statuses of ``handle`` (see :meth:`TransferBatch.wait`); with ``cancel``,
+    asked while the batch runs, the batch is canceled once it answers True. Canceling aborts
+    the transports' accesses (a socket shut), so the wait ends as soon as they let go; one
+    that does not still holds its requests PENDING at the end of the wait (UNSETTLED)."""
+    if cancel is not None:
+        while not handle.done() and time.monotonic() < handle.deadline:
+            if cancel():
+                handle.cancel()
+                break
+            handle.wait(_CANCEL_POLL)
+    return handle.wait()
 
 
 def _writes(
@@ -588,9 +624,9 @@ _STATUS_CODE = {
     TransferStatus.PENDING: Code.UNSETTLED,
     TransferStatus.TIMEOUT: Code.TIMEOUT,
     TransferStatus.FAILED: Code.FAILED,
-    TransferStatus.CANCELED: Code.FAILED,
+    TransferStatus.CANCELED: Code.CANCELED,
 }
-_SEVERITY = {Code.OK: 0, Code.FAILED: 1, Code.TIMEOUT: 2, Code.UNSETTLED: 3}
+_SEVERITY = {Code.OK: 0, Code.FAILED: 1, Code.TIMEOUT: 2, Code.CANCELED: 3, Code.UNSETTLED: 4}
 
 
 def _worst(first: Code, second: Code) -> Code:

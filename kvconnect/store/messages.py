@@ -38,6 +38,7 @@ class Code(enum.IntEnum):
     UNAVAILABLE = 13  # the master did not answer, or the circuit breaker is open
     STALE = 14  # the read outlived its lease: the bytes cannot be trusted
     UNSETTLED = 16  # the transfer could not be stopped: its buffer may still be written
+    CANCELED = 17  # the caller's cancel hook stopped the read before the key arrived
 
 
 class Location(msgspec.Struct, array_like=True, frozen=True):

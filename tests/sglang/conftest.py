@@ -43,5 +43,12 @@ if HAVE_SGLANG:
 collect_ignore = (
     []
     if HAVE_SGLANG
-    else ["harness.py", "test_backend.py", "test_plugin.py", "test_metrics.py", "test_examples.py"]
+    else [
+        "harness.py",
+        "test_backend.py",
+        "test_deadline.py",
+        "test_examples.py",
+        "test_metrics.py",
+        "test_plugin.py",
+    ]
 )

@@ -9,6 +9,7 @@ storage path never touches it.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +46,7 @@ DTYPE = torch.bfloat16
 PAGE_BYTES = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * DTYPE.itemsize  # K and V of one MHA page
 DEVICE_TOKENS = 256
 ACK_TIMEOUT = 60.0
+_VERDICT_POLL = 0.005  # seconds between two looks at a verdict while acks are awaited
 
 
 def mha_pool(
@@ -223,6 +225,8 @@ class Prefetch:
     completed_tokens: int
     host_indices: torch.Tensor | None
     seconds: float  # from the hit to the final ack
+    terminated: bool = False  # SGLang's verdict came before the final ack
+    read_tokens: int = 0  # what the IO thread acknowledged last (after a verdict too)
 
 
 def prefetch(
@@ -232,11 +236,14 @@ def prefetch(
     *,
     stop_after: float | None = None,
     before_read: Callable[[torch.Tensor], None] | None = None,
+    verdict: Callable[[Any], bool] | None = None,
 ) -> Prefetch:
     """Run a prefetch as SGLang's scheduler does: hit query, host slots for the hit, acks.
     ``stop_after``: terminate it that many seconds after the first progress ack, as the
     ``timeout`` policy would (the IO thread finishes its batch and stops). ``before_read``:
-    called with the host slots given to the prefetch, before its IO starts."""
+    called with the host slots given to the prefetch, before its IO starts. ``verdict``:
+    asked with the operation while no ack is queued; once True the prefetch is terminated as
+    SGLang's stop policy does, and the tokens acknowledged by then are those SGLang uses."""
     operation = cc.prefetch(CacheRequestHandle(rid=rid, attempt_id=0), tokens)
     assert cc.prefetch_hit_queue.get(timeout=ACK_TIMEOUT) is operation
     hit = int(operation.storage_hit_count)
@@ -249,10 +256,16 @@ def prefetch(
         before_read(host_indices)
     start = time.monotonic()
     cc.prefetch_buffer.put(operation)
-    completed = 0
-    stopped = False
+    completed = read = 0
+    stopped = judged = False
     while True:
-        ack = cc.ack_prefetch_queue.get(timeout=ACK_TIMEOUT)
+        ack = _next_ack(cc, operation, None if judged else verdict)
+        if ack is None:
+            completed, _ = cc.terminate_prefetch(operation)
+            stopped = judged = True
+            continue
+        if ack.completed_tokens is not None:
+            read = int(ack.completed_tokens)
         if ack.completed_tokens is not None and not stopped:
             completed = operation.completed_tokens = int(ack.completed_tokens)
             if stop_after is not None:
@@ -260,7 +273,24 @@ def prefetch(
                 completed, _ = cc.terminate_prefetch(operation)
                 stopped = True
         if ack.completed_req:
-            return Prefetch(hit, completed, host_indices, time.monotonic() - start)
+            seconds = time.monotonic() - start
+            return Prefetch(hit, completed, host_indices, seconds, judged, read)
+
+
+def _next_ack(
+    cc: HybridCacheController, operation: Any, verdict: Callable[[Any], bool] | None
+) -> Any:
+    """The next prefetch ack, or None once ``verdict`` is True while none is queued."""
+    if verdict is None:
+        return cc.ack_prefetch_queue.get(timeout=ACK_TIMEOUT)
+    end = time.monotonic() + ACK_TIMEOUT
+    while time.monotonic() < end:
+        try:
+            return cc.ack_prefetch_queue.get(timeout=_VERDICT_POLL)
+        except queue.Empty:
+            if verdict(operation):
+                return None
+    raise TimeoutError("no prefetch ack and no verdict")
 
 
 def release(cc: HybridCacheController, result: Prefetch) -> None:

@@ -28,7 +28,7 @@ def test_precedence_is_extra_config_then_file_then_environment(tmp_path: Path) -
     config = parse_config(extra, environ)
     assert config.store.master == "etcd://10.0.0.1:2379"
     assert config.namespace == "inline"
-    assert config.store.io_timeout == 2.5  # read_timeout
+    assert config.read_timeout == 2.5
     assert config.write_timeout == 7.0
     assert parse_config(None, {}).store.master == "tcp://127.0.0.1:50051"
 
@@ -76,13 +76,13 @@ def test_unknown_keys_list_kvconnect_and_sglang_keys() -> None:
 
 def test_store_and_transfer_sections_are_settable_from_the_extra_config() -> None:
     extra = {
-        "read_timeout": 2.0,
+        "rpc_timeout": 0.8,
         "store": {"replicas": 2},
         "transfer": {"tcp_streams": 3},
         "backend_name": "kvconnect",
     }
     config = parse_config(extra, {"KVCONNECT_TRANSFER_TRANSPORT": "tcp"})
-    assert (config.store.replicas, config.store.io_timeout) == (2, 2.0)
+    assert (config.store.replicas, config.store.rpc_timeout) == (2, 0.8)
     assert config.transfer.tcp_streams == 3
     assert config.transfer.transport == "auto", "the backend's transport wins over the variable"
     defaults = parse_config(None, {})
@@ -95,5 +95,6 @@ def test_unknown_nested_keys_are_refused_with_the_valid_ones() -> None:
         parse_config({"store": {"replica": 2}}, {})
     with pytest.raises(ConfigError, match=r"set master or store\.master, not both"):
         parse_config({"master": "tcp://a:1", "store": {"master": "tcp://b:1"}}, {})
-    with pytest.raises(ConfigError, match=r"read_timeout sets io_timeout.*io_timeout must be"):
+    with pytest.raises(ConfigError, match=r"read_timeout must be > 0"):
         parse_config({"read_timeout": 0}, {})
+    assert parse_config({}, {}).read_timeout is None, "unset: the derived deadline alone"

@@ -62,7 +62,7 @@ EXAMPLE_INTENTS = [
             "hicache_write_policy": "write_through",
             "hicache_storage_prefetch_policy": "timeout",
         },
-        {"store.master": "tcp://127.0.0.1:50051", "store.io_timeout": 1.0},
+        {"store.master": "tcp://127.0.0.1:50051"},
     ),
     Example(
         "dynamic_route.sh",
@@ -81,7 +81,6 @@ EXAMPLE_INTENTS = [
         {
             "store.master": "etcd://e1:2379,e2:2379,e3:2379",
             "transfer.listen_host": HOST_IP,
-            "store.io_timeout": 2.0,
         },
         tp_size=8,
     ),

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.mem_cache.unified_cache.storage_attachment import StorageAttachment
+from sglang.srt.mem_cache.unified_radix_cache import _StoragePrefetchWait
 from sglang.srt.plugins import load_plugins
 from sglang.srt.runtime_context import get_memory
 from sglang.srt.server_args import prepare_server_args
@@ -19,6 +24,7 @@ from kvconnect.errors import ConfigError
 from kvconnect.sglang import backend as backend_module
 from kvconnect.sglang import plugin
 from kvconnect.sglang.backend import KVConnectStore
+from kvconnect.sglang.deadline import PrefetchBudget, PrefetchPolicy
 from kvconnect.store.client import StoreClient
 from kvconnect.store.launch import Cluster
 from tests.sglang import harness as h
@@ -61,8 +67,8 @@ def test_the_factory_builds_it_with_the_host_pool_and_zero_copy(
     try:
         assert isinstance(cc.storage_backend, KVConnectStore)
         assert cc.storage_backend.mem_pool_host is pool
-        assert cc.page_get_func.__name__ == "_page_get_zero_copy"
-        assert cc.page_set_func.__name__ == "_page_set_zero_copy"
+        assert cc.page_get_func.__wrapped__ == cc._page_get_zero_copy, "reads see operations"
+        assert cc.page_set_func == cc._page_set_zero_copy
         tokens = h.tokens_for(20, seed=7)
         source = pool.alloc(len(tokens))
         h.fill(pool, source, seed=7)
@@ -81,6 +87,59 @@ def test_the_factory_builds_it_with_the_host_pool_and_zero_copy(
         cc.detach_storage_backend()
     # the factory refuses nothing else it knew: other names still reach SGLang's own branches
     assert "file" in StorageBackendFactory._registry
+
+
+def test_the_backend_follows_the_prefetch_budget_the_radix_cache_publishes(
+    plugins_loaded: None, cluster: Cluster
+) -> None:
+    cc = h.controller(h.mha_pool(), "kvconnect", {"master": cluster.master_endpoint})
+    try:
+        backend = cc.storage_backend
+        assert backend.prefetch_budget == PrefetchBudget.of(page_size=h.PAGE), "SGLang's defaults"
+        # What SGLang's radix cache does at start and at every attach: the knobs its own
+        # timeout verdict reads, published on the cache (the one part of it this touches).
+        cache = SimpleNamespace(
+            enable_storage=True,
+            page_size=h.PAGE,
+            cache_controller=cc,
+            prefetch_stop_policy="timeout",
+            _storage_prefetch_wait={},
+        )
+        StorageAttachment(cache).apply_runtime_config(
+            storage_backend="kvconnect",
+            prefetch_threshold=h.PAGE,
+            prefetch_timeout_base=3.0,
+            prefetch_timeout_per_ki_token=0.5,
+            hicache_storage_pass_prefix_keys=False,
+            enable_storage=True,
+            enable_storage_metrics=False,
+            extra_metric_labels=None,
+        )
+        assert backend.prefetch_budget == PrefetchBudget.of("timeout", 3.0, 0.5, page_size=h.PAGE)
+        cache.prefetch_stop_policy = "wait_complete"  # a policy update at runtime
+        assert backend.prefetch_budget.policy is PrefetchPolicy.WAIT_COMPLETE
+    finally:
+        cc.detach_storage_backend()
+
+
+def test_sglangs_running_prefetch_clock_is_read_where_sglang_keeps_it() -> None:
+    handle = CacheRequestHandle(rid="req-clock", attempt_id=0)
+    cache = SimpleNamespace(_storage_prefetch_wait={})
+    clock = plugin.RadixCacheClock(cache)
+    operation = SimpleNamespace(handle=handle)
+    assert clock.verdict(operation) is None, "no blocked admission poll yet"
+    wait = _StoragePrefetchWait(timeout_s=30.0)
+    before = time.monotonic()
+    wait.timer.observe(ready=False)  # what SGLang's first blocked poll does
+    after = time.monotonic()
+    cache._storage_prefetch_wait[handle] = wait
+    verdict = clock.verdict(operation)
+    assert verdict is not None
+    assert before + 30.0 - 0.01 <= verdict <= after + 30.0 + 0.01  # perf_counter → monotonic
+    wait.expired = True  # a rank-agreed verdict: it has fallen
+    fallen = clock.verdict(operation)
+    assert fallen is not None
+    assert fallen <= time.monotonic()
 
 
 def test_sglang_own_extra_config_keys_are_left_to_sglang(cluster: Cluster, tmp_path: Path) -> None:
@@ -235,7 +294,8 @@ def test_store_and_transfer_sections_reach_the_client_and_its_engine(
     backend = KVConnectStore(_storage(cluster, 0, False, **sections))
     try:
         (client,) = clients
-        assert (client.config.replicas, client.config.io_timeout) == (2, 1.5)
+        assert client.config.replicas == 2
+        assert backend.config.read_timeout == 1.5
         assert client.config.master == cluster.master_endpoint
         assert client.engine.config.tcp_streams == 3
     finally:

@@ -345,3 +345,76 @@ def test_an_unsettled_put_is_neither_ended_nor_revoked(
         assert client.exists("late") is False
         assert client.put("late", value) is Code.OK
         assert client.get("late") == value
+
+
+# ------------------------------------------------------------------ a read its caller cancels
+
+
+def test_a_canceled_read_ends_at_once_with_the_keys_that_arrived() -> None:
+    # Server A holds exactly keys 0-2 (full, never evicting), server B keys 3-5, and B stops.
+    # Over TCP a stopped server answers nothing; the read is canceled once A's bytes are in.
+    size = 64 * KiB
+    with Cluster(servers=0, master_args=["--master-high-watermark", "1.0"]) as cluster:
+        cluster.add_server("--store-size", str(3 * size))
+        config = StoreClientConfig(master=cluster.master_endpoint)
+        tcp = TransferConfig(transport="tcp")
+        with StoreClient(config, tcp) as writer, StoreClient(config, tcp) as reader:
+            keys = [f"cancel-{n}" for n in range(6)]
+            offsets = [n * size for n in range(6)]
+            source = _filled(writer, 8, 6 * size)
+            assert (
+                writer.batch_put_from(keys[:3], source, offsets[:3], [size] * 3).ok() == [True] * 3
+            )
+            stopped = cluster.add_server("--store-size", str(8 * MiB))
+            assert (
+                writer.batch_put_from(keys[3:], source, offsets[3:], [size] * 3).ok() == [True] * 3
+            )
+            assert sorted(s.objects for s in cluster.stats().segments) == [3, 3]
+            target = reader.register(np.zeros(6 * size, dtype=np.uint8))
+
+            def a_is_in() -> bool:  # counted once the transfers completed
+                tcp_stats = reader.engine.stats().transports.get("tcp")
+                return tcp_stats is not None and tcp_stats.bytes_read >= 3 * size
+
+            stopped.signal(signal.SIGSTOP)
+            try:
+                # A deadline far away: only the cancel ends this read early.
+                result = reader.batch_get_into(
+                    keys, target, offsets, [size] * 6, timeout=30, cancel=a_is_in
+                )
+                assert result.codes == (Code.OK,) * 3 + (Code.CANCELED,) * 3
+                assert result.sizes == (size,) * 3 + (0,) * 3
+                assert result.unsettled == (), "the stopped server's transfers were aborted"
+                assert target.view[: 3 * size] == source.view[: 3 * size]
+                target.view[3 * size :] = b"\xee" * (3 * size)  # the caller reuses the rest
+            finally:
+                stopped.signal(signal.SIGCONT)
+            # Canceled is not failed: the keys are not reported absent, the breaker is closed.
+            assert reader.batch_exists(keys) == [True] * 6
+            assert reader.breaker.state is BreakerState.CLOSED
+            # A read from the resumed server went all the way through it: a late answer to the
+            # canceled read would have come before, and it landed nowhere.
+            again = reader.register(np.zeros(3 * size, dtype=np.uint8))
+            reread = reader.batch_get_into(keys[3:], again, offsets[:3], [size] * 3, timeout=10)
+            assert reread.codes == (Code.OK,) * 3
+            assert again.view == source.view[3 * size :]
+            assert target.view[3 * size :] == b"\xee" * (3 * size)
+
+
+def test_a_canceled_read_a_transport_cannot_stop_stays_unsettled(
+    held_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with StoreClient(StoreClientConfig(master=held_cluster.master_endpoint)) as client:
+        assert client.put("held-cancel", pattern(9, 64 * KiB).tobytes()) is Code.OK
+        target = client.register(np.zeros(64 * KiB, dtype=np.uint8))
+        with _holding_copies(monkeypatch) as copies:
+            result = client.batch_get_into(
+                ["held-cancel"], target, [0], [64 * KiB], timeout=0.2, cancel=copies.entered.is_set
+            )
+            assert copies.entered.is_set()
+            assert result.codes == (Code.UNSETTLED,), "canceled, yet a copy still writes it"
+            settled = threading.Event()
+            result.on_settled(settled.set)
+            assert not settled.is_set()
+            copies.release.set()
+            wait_for(settled.is_set, "on_settled did not run once the copy let go")
