@@ -24,7 +24,7 @@ Phases:
   round per backend is not counted.
 * **stall**: pages written, then one store process is SIGSTOPped at the prefetch's first
   progress ack (mid-prefetch); SGLang's ``timeout`` policy terminates the prefetch at its budget
-  (``prefetch_timeout_base + per_ki_token × tokens``, SGLang's defaults) unless it finished;
+  (``prefetch_timeout_base + per_ki_token * tokens``, SGLang's defaults) unless it finished;
   the fraction reused is the tokens completed by then over the hit. ``file`` has no server.
 
 Every prefetched page is compared with what was written (BLAKE2b per page); a mismatch, a short
@@ -64,7 +64,7 @@ DTYPE = torch.bfloat16
 
 @dataclass(frozen=True)
 class Shape:
-    """The model's KV geometry: one page is ``2 × layers × tokens × heads × head_dim`` values."""
+    """The model's KV geometry: a page is ``2 * layers * tokens * heads * head_dim`` values."""
 
     layers: int = 16
     heads: int = 8
@@ -86,7 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=Shape.heads)
     parser.add_argument("--head-dim", type=int, default=Shape.head_dim)
     parser.add_argument("--page-tokens", type=int, default=Shape.page_tokens)
-    parser.add_argument("--file-dir", default="/dev/shm", help="parent of the file backend's dir")
+    parser.add_argument(
+        "--file-dir",
+        default="/dev/shm",  # noqa: S108  # tmpfs; the backend's own dir inside is private
+        help="parent of the file backend's directory (default tmpfs)",
+    )
     parser.add_argument("--mooncake-python", help="ignored: Mooncake must import in SGLang's env")
     parser.add_argument("--out", default="bench-sglang.json")
     parser.add_argument("--plot", nargs="?", const="bench-sglang.png", help="write a PNG chart")
@@ -106,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
             "throughput": _throughput(systems, shape, args.pages, args.rounds),
         }
         report["stall"] = _stalls(systems, shape, args.pages, args.stall_rounds)
+        report["verified_pages"] = {s.name: s.verified_pages for s in systems}
     report["ratios"] = _ratios(report["throughput"])
     _print(report)
     Path(args.out).write_text(json.dumps(report, indent=2))
@@ -231,6 +236,7 @@ class System:
     stall: Callable[[], None] | None = None  # SIGSTOP one store process
     resume: Callable[[], None] | None = None
     batches: dict[str, list[float]] = field(default_factory=lambda: {"set": [], "get": []})
+    verified_pages: int = 0  # prefetched pages found equal to what was written
 
     def __post_init__(self) -> None:
         self.cc.page_set_func = self._timed(self.cc.page_set_func, "set")
@@ -260,17 +266,24 @@ class System:
         self.cc.detach_storage_backend()
 
 
-def _start(stack: ExitStack, names: list[str], shape: Shape, args: argparse.Namespace) -> list[System]:
+def _start(
+    stack: ExitStack, names: list[str], shape: Shape, args: argparse.Namespace
+) -> list[System]:
+    """Every backend of ``names`` under its own controller; ``stack`` stops them."""
     _sglang_process()
+    # Nothing is removed between rounds (Mooncake's remove_all spares leased objects): each
+    # store's two processes have room for 1.5 times every round of its systems, so no store
+    # evicts. 64 MiB more: Mooncake refuses tiny segments.
     data = (args.rounds + 1 + args.stall_rounds) * args.pages * shape.page_bytes
-    round_bytes = args.pages * shape.page_bytes + (64 << 20)  # Mooncake refuses tiny segments
+    kvconnect_systems = sum(1 for name in names if name.startswith("kvconnect"))
     systems = []
     cluster: Cluster | None = None
     for name in names:
         pool = host_pool(shape, args.pages + 2 * STORAGE_BATCH)
         if name.startswith("kvconnect"):
-            if cluster is None:  # both kvconnect systems keep every round: room for all
-                cluster = stack.enter_context(Cluster(servers=2, server_size=data + (64 << 20)))
+            if cluster is None:
+                size = _per_process(data * kvconnect_systems)
+                cluster = stack.enter_context(Cluster(servers=2, server_size=size))
             transport = "auto" if name == "kvconnect-shm" else "tcp"
             extra = _kvconnect_extra(cluster.master_endpoint, transport, name)
             system = System(name, controller(pool, shape, "dynamic", extra), pool)
@@ -278,7 +291,7 @@ def _start(stack: ExitStack, names: list[str], shape: Shape, args: argparse.Name
             system.stall = lambda s=server: s.signal(signal.SIGSTOP)
             system.resume = lambda s=server: s.signal(signal.SIGCONT)
         elif name == "mooncake":
-            servers = stack.enter_context(_mooncake_servers(round_bytes))
+            servers = stack.enter_context(_mooncake_servers(_per_process(data)))
             extra = _mooncake_extra(servers)
             system = System(name, controller(pool, shape, "mooncake", extra), pool)
             pid = servers["holders"][1]
@@ -293,6 +306,11 @@ def _start(stack: ExitStack, names: list[str], shape: Shape, args: argparse.Name
         stack.callback(system.close)
         systems.append(system)
     return systems
+
+
+def _per_process(data: int) -> int:
+    """Bytes for each of a store's two processes to hold ``data`` with room to spare."""
+    return int(data * 0.75) + (64 << 20)
 
 
 def _kvconnect_extra(master: str, transport: str, namespace: str) -> dict[str, Any]:
@@ -389,8 +407,8 @@ def _read_digests(system: System, host_indices: torch.Tensor, count: int) -> lis
 def _backup(system: System, pages: Pages) -> float:
     """Write the pages through the controller's backup thread; seconds to its ack."""
     source = system.pool.alloc(len(pages.tokens))
-    for start, row in zip(_page_starts(system, source), pages.data, strict=True):
-        system.pool.set_from_flat_data_page(start, row.view(DTYPE))
+    for index, row in zip(_page_starts(system, source), pages.data, strict=True):
+        system.pool.set_from_flat_data_page(index, row.view(DTYPE))
     start = time.perf_counter()
     system.cc.write_storage(source, pages.tokens, hash_value=pages.hashes)
     ack = system.cc.ack_backup_queue.get(timeout=ACK_TIMEOUT)
@@ -451,6 +469,7 @@ def _prefetch(system: System, pages: Pages, rid: str, *, stall: bool = False) ->
     seconds = time.perf_counter() - start
     reused = (taken if taken is not None else int(operation.completed_tokens)) // page
     intact = _read_digests(system, host_indices, reused) == pages.digests[:reused]
+    system.verified_pages += reused if intact else 0
     cc.mem_pool_host.free(host_indices)
     return Prefetch(hit // page, reused, seconds, intact)
 
@@ -458,12 +477,6 @@ def _prefetch(system: System, pages: Pages, rid: str, *, stall: bool = False) ->
 def _resume(system: System, stalled: bool) -> None:
     if stalled and system.resume is not None:
         system.resume()
-
-
-def _clear(system: System) -> None:
-    """Stores that may drop pages (mooncake, file) drop this round's; kvconnect's ``clear``
-    deliberately keeps a shared store's pages, and its cluster has room for every round."""
-    system.cc.storage_backend.clear()
 
 
 # ---------------------------------------------------------------------------- phases
@@ -485,7 +498,6 @@ def _throughput(
             result = _prefetch(system, pages, f"{system.name}-t{n}")
             if result.reused_pages != count or not result.intact:
                 raise RuntimeError(f"{system.name}: prefetch returned {result}")
-            _clear(system)
             if n == 0:
                 for batches in system.batches.values():
                     batches.clear()
@@ -533,7 +545,6 @@ def _stalls(
                 raise RuntimeError(f"{system.name}: stalled prefetch returned {result}")
             reused[system.name].append(result.reused_pages / result.hit_pages)
             seconds[system.name].append(result.seconds)
-            _clear(system)
     report: dict[str, dict[str, Any] | None] = {s.name: None for s in systems}
     for name, fractions in reused.items():
         report[name] = {
@@ -594,9 +605,7 @@ def _print(report: dict[str, Any]) -> None:
             )
     print()
     for pair, row in report["ratios"].items():
-        cells = [
-            f"{op} {r['ratio']:.2f}x ({r['min']:.2f}-{r['max']:.2f})" for op, r in row.items()
-        ]
+        cells = [f"{op} {r['ratio']:.2f}x ({r['min']:.2f}-{r['max']:.2f})" for op, r in row.items()]
         print(f"{pair:<26}" + "   ".join(cells))
 
 
