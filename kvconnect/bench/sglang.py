@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
             "rounds": args.rounds,
             "throughput": _throughput(systems, shape, args.pages, args.rounds),
         }
-        report["stall"] = _stalls(systems, shape, args.pages, args.stall_rounds)
+        stall = _stalls(systems, shape, args.pages, args.stall_rounds) if args.stall_rounds else {}
+        report["stall"] = stall
         report["verified_pages"] = {s.name: s.verified_pages for s in systems}
     report["ratios"] = _ratios(report["throughput"])
     _print(report)
@@ -591,16 +592,17 @@ def _print(report: dict[str, Any]) -> None:
         f"\n{report['pages']} pages of {shape['page_bytes'] / (1 << 20):.2f} MiB per round, "
         f"{report['rounds']} rounds"
     )
-    head = f"{'backend':<15}{'op':<10}{'pages/s':>9}{'GB/s':>7}{'p50 ms':>9}{'p99 ms':>9}"
-    print(head + f"{'reused (stall)':>16}")
+    head = f"{'backend':<15}{'op':<10}{'pages/s':>9}{'(rounds min-max)':>18}{'GB/s':>7}"
+    print(head + f"{'p50 ms':>9}{'p99 ms':>9}{'reused (stall)':>16}")
     for name, ops in report["throughput"].items():
-        stall = report["stall"].get(name)
         for op, row in ops.items():
             cell = "-"
-            if op == "prefetch":
+            if op == "prefetch" and name in report["stall"]:
+                stall = report["stall"][name]
                 cell = "no server" if stall is None else f"{stall['reused_fraction']:.2f}"
+            spread = f"{min(row['pages_per_s_rounds']):.0f}-{max(row['pages_per_s_rounds']):.0f}"
             print(
-                f"{name:<15}{op:<10}{row['pages_per_s']:>9.0f}{row['gbps']:>7.2f}"
+                f"{name:<15}{op:<10}{row['pages_per_s']:>9.0f}{spread:>18}{row['gbps']:>7.2f}"
                 f"{row['batch_p50_ms']:>9.1f}{row['batch_p99_ms']:>9.1f}{cell:>16}"
             )
     print()
