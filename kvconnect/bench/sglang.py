@@ -234,6 +234,7 @@ class System:
     name: str
     cc: Any
     pool: Any
+    server_pids: tuple[int, ...] = ()  # the store's processes, for CPU accounting
     stall: Callable[[], None] | None = None  # SIGSTOP one store process
     resume: Callable[[], None] | None = None
     batches: dict[str, list[float]] = field(default_factory=lambda: {"set": [], "get": []})
@@ -287,14 +288,16 @@ def _start(
                 cluster = stack.enter_context(Cluster(servers=2, server_size=size))
             transport = "auto" if name == "kvconnect-shm" else "tcp"
             extra = _kvconnect_extra(cluster.master_endpoint, transport, name)
-            system = System(name, controller(pool, shape, "dynamic", extra), pool)
+            pids = (cluster.master.pid, *(s.pid for s in cluster.servers))
+            system = System(name, controller(pool, shape, "dynamic", extra), pool, pids)
             server = cluster.servers[1]
             system.stall = lambda s=server: s.signal(signal.SIGSTOP)
             system.resume = lambda s=server: s.signal(signal.SIGCONT)
         elif name == "mooncake":
             servers = stack.enter_context(_mooncake_servers(_per_process(data)))
             extra = _mooncake_extra(servers)
-            system = System(name, controller(pool, shape, "mooncake", extra), pool)
+            pids = (servers["master_pid"], *servers["holders"])
+            system = System(name, controller(pool, shape, "mooncake", extra), pool, pids)
             pid = servers["holders"][1]
             system.stall = lambda p=pid: os.kill(p, signal.SIGSTOP)
             system.resume = lambda p=pid: os.kill(p, signal.SIGCONT)
@@ -405,26 +408,42 @@ def _read_digests(system: System, host_indices: torch.Tensor, count: int) -> lis
     return [_digest(system.pool.get_data_page(i).view(torch.uint8)) for i in starts]
 
 
-def _backup(system: System, pages: Pages) -> float:
-    """Write the pages through the controller's backup thread; seconds to its ack."""
+def _cpu_seconds(pids: tuple[int, ...]) -> float:
+    """CPU time so far of this process (every thread) and of ``pids``."""
+    times = os.times()
+    total = times.user + times.system
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return total
+
+
+@dataclass
+class Timed:
+    seconds: float
+    cpu_seconds: float  # this process and the store's, over the same span
+
+
+def _backup(system: System, pages: Pages) -> Timed:
+    """Write the pages through the controller's backup thread, timed to its ack."""
     source = system.pool.alloc(len(pages.tokens))
     for index, row in zip(_page_starts(system, source), pages.data, strict=True):
         system.pool.set_from_flat_data_page(index, row.view(DTYPE))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_seconds(system.server_pids)
     system.cc.write_storage(source, pages.tokens, hash_value=pages.hashes)
     ack = system.cc.ack_backup_queue.get(timeout=ACK_TIMEOUT)
-    seconds = time.perf_counter() - start
+    timed = Timed(time.perf_counter() - start, _cpu_seconds(system.server_pids) - cpu)
     system.pool.free(source)  # L1/L2 dropped: only L3 has the pages now
     if int(ack.completed_tokens) != len(pages.tokens):
         raise RuntimeError(f"{system.name}: backup stored {ack.completed_tokens} tokens")
-    return seconds
+    return timed
 
 
 @dataclass
 class Prefetch:
     hit_pages: int
     reused_pages: int  # what the scheduler takes: completed at termination, or in all
-    seconds: float  # host slots given to the final ack
+    timed: Timed  # host slots given to the final ack
     intact: bool  # every reused page equals what was written
 
 
@@ -439,12 +458,12 @@ def _prefetch(system: System, pages: Pages, rid: str, *, stall: bool = False) ->
         raise RuntimeError(f"{system.name}: another prefetch answered")
     hit = int(operation.storage_hit_count)
     if hit == 0:
-        return Prefetch(0, 0, 0.0, True)
+        return Prefetch(0, 0, Timed(0.0, 0.0), True)
     host_indices = cc.alloc_prefetch_host_buffers(operation, hit)
     operation.host_indices = host_indices
     operation.hash_value = operation.hash_value[: len(host_indices) // page]
     budget = TIMEOUT_BASE + TIMEOUT_PER_KI_TOKEN * hit / 1024
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_seconds(system.server_pids)
     cc.prefetch_buffer.put(operation)
     taken: int | None = None
     stalled = False
@@ -467,12 +486,12 @@ def _prefetch(system: System, pages: Pages, rid: str, *, stall: bool = False) ->
                 break
     finally:
         _resume(system, stalled)
-    seconds = time.perf_counter() - start
+    timed = Timed(time.perf_counter() - start, _cpu_seconds(system.server_pids) - cpu)
     reused = (taken if taken is not None else int(operation.completed_tokens)) // page
     intact = _read_digests(system, host_indices, reused) == pages.digests[:reused]
     system.verified_pages += reused if intact else 0
     cc.mem_pool_host.free(host_indices)
-    return Prefetch(hit // page, reused, seconds, intact)
+    return Prefetch(hit // page, reused, timed, intact)
 
 
 def _resume(system: System, stalled: bool) -> None:
@@ -486,7 +505,7 @@ def _resume(system: System, stalled: bool) -> None:
 def _throughput(
     systems: list[System], shape: Shape, count: int, rounds: int
 ) -> dict[str, dict[str, Any]]:
-    samples: dict[str, dict[str, list[float]]] = {
+    samples: dict[str, dict[str, list[Timed]]] = {
         s.name: {"backup": [], "prefetch": []} for s in systems
     }
     for n in range(rounds + 1):  # round 0 warms every backend up and is not counted
@@ -504,7 +523,7 @@ def _throughput(
                     batches.clear()
             else:
                 samples[system.name]["backup"].append(backup)
-                samples[system.name]["prefetch"].append(result.seconds)
+                samples[system.name]["prefetch"].append(result.timed)
     return {
         s.name: {
             op: _summary(samples[s.name][op], s.batches[kind], count, shape.page_bytes)
@@ -515,11 +534,14 @@ def _throughput(
 
 
 def _summary(
-    rounds: list[float], batches: list[float], count: int, page_bytes: int
+    rounds: list[Timed], batches: list[float], count: int, page_bytes: int
 ) -> dict[str, Any]:
     flat = sorted(batches)
-    rates = [count / s for s in rounds]
+    rates = [count / r.seconds for r in rounds]
+    gigabytes = count * page_bytes / 1e9
     return {
+        # CPU seconds (client and store processes together) per GB moved
+        "cpu_s_per_gb": statistics.median(r.cpu_seconds / gigabytes for r in rounds),
         "pages_per_s": statistics.median(rates),
         "pages_per_s_rounds": rates,
         "gbps": statistics.median(rates) * page_bytes / 1e9,
@@ -545,7 +567,7 @@ def _stalls(
             if not result.intact or result.hit_pages != count:
                 raise RuntimeError(f"{system.name}: stalled prefetch returned {result}")
             reused[system.name].append(result.reused_pages / result.hit_pages)
-            seconds[system.name].append(result.seconds)
+            seconds[system.name].append(result.timed.seconds)
     report: dict[str, dict[str, Any] | None] = {s.name: None for s in systems}
     for name, fractions in reused.items():
         report[name] = {
@@ -593,7 +615,7 @@ def _print(report: dict[str, Any]) -> None:
         f"{report['rounds']} rounds"
     )
     head = f"{'backend':<15}{'op':<10}{'pages/s':>9}{'(rounds min-max)':>18}{'GB/s':>7}"
-    print(head + f"{'p50 ms':>9}{'p99 ms':>9}{'reused (stall)':>16}")
+    print(head + f"{'p50 ms':>9}{'p99 ms':>9}{'CPU s/GB':>10}{'reused (stall)':>16}")
     for name, ops in report["throughput"].items():
         for op, row in ops.items():
             cell = "-"
@@ -603,7 +625,8 @@ def _print(report: dict[str, Any]) -> None:
             spread = f"{min(row['pages_per_s_rounds']):.0f}-{max(row['pages_per_s_rounds']):.0f}"
             print(
                 f"{name:<15}{op:<10}{row['pages_per_s']:>9.0f}{spread:>18}{row['gbps']:>7.2f}"
-                f"{row['batch_p50_ms']:>9.1f}{row['batch_p99_ms']:>9.1f}{cell:>16}"
+                f"{row['batch_p50_ms']:>9.1f}{row['batch_p99_ms']:>9.1f}"
+                f"{row['cpu_s_per_gb']:>10.2f}{cell:>16}"
             )
     print()
     for pair, row in report["ratios"].items():

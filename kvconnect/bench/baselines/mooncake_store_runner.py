@@ -37,8 +37,8 @@ JSON line each (``{"error": "..."}`` if a command fails):
 
 With ``--role servers`` it only starts the master and ``--holders`` holder processes of
 ``--segment`` bytes each, prints ``{"ready": true, "master": ..., "metadata": ..., "holders":
-[pid, ...]}`` and waits for EOF on stdin: a store for a Mooncake client in another process
-(SGLang's ``mooncake`` HiCache backend, for ``kvconnect bench sglang``).
+[pid, ...], "master_pid": pid}`` and waits for EOF on stdin: a store for a Mooncake client in
+another process (SGLang's ``mooncake`` HiCache backend, for ``kvconnect bench sglang``).
 
 Put and get paths are verified once per value size (checksum compare of a round trip). EOF on
 stdin (or SIGTERM) closes the client and stops every child process.
@@ -677,7 +677,8 @@ def _servers(args: argparse.Namespace) -> None:
             stack.callback(holder.stop)
             holder.reply()
             holders.append(holder.proc.pid)
-        ready = {"master": master.address, "metadata": master.metadata, "holders": holders}
+        ready: dict[str, Any] = {"master": master.address, "metadata": master.metadata}
+        ready.update(holders=holders, master_pid=master.pid)
         print(json.dumps({"ready": True, **ready}), flush=True)
         sys.stdin.read()
 
