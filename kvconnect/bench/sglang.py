@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvconnect.store.launch import Cluster
@@ -350,8 +351,9 @@ def _mooncake_servers(segment: int) -> Iterator[dict[str, Any]]:
             raise RuntimeError(f"mooncake servers did not start (rc={proc.poll()})")
         yield reply
     finally:
-        if proc.stdin is not None:
-            proc.stdin.close()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
         proc.wait(timeout=60)
 
 
@@ -388,8 +390,10 @@ def _pages(shape: Shape, count: int, seed: int) -> Pages:
 
     start = 1000 + seed * 10_000_000
     tokens = list(range(start, start + count * shape.page_tokens))
-    generator = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, 256, (count, shape.page_bytes), dtype=torch.uint8, generator=generator)
+    # numpy's generator runs on this thread alone; torch's randint runs on OpenMP workers,
+    # which a profile showed spin-waiting on the two cores the timed transfers need
+    raw = bytearray(np.random.default_rng(seed).bytes(count * shape.page_bytes))
+    data = torch.frombuffer(raw, dtype=torch.uint8).view(count, shape.page_bytes)
     hashes = list(get_storage_hash_str(tokens, None, page_size=shape.page_tokens))
     return Pages(tokens, hashes, data, [_digest(row) for row in data])
 
