@@ -22,10 +22,11 @@ Phases:
   ack; prefetch: host slots given to the final ack, the hit query excluded) and per-batch
   p50/p99 of SGLang's storage batches (``page_set_func``/``page_get_func`` timed). One warm-up
   round per backend is not counted.
-* **stall**: pages written, then one store process is SIGSTOPped at the prefetch's first
-  progress ack (mid-prefetch); SGLang's ``timeout`` policy terminates the prefetch at its budget
-  (``prefetch_timeout_base + per_ki_token * tokens``, SGLang's defaults) unless it finished;
-  the fraction reused is the tokens completed by then over the hit. ``file`` has no server.
+* **stall**: pages written, then one store process is SIGSTOPped when the prefetch's first
+  read batch ends (mid-prefetch, in SGLang's prefetch thread); SGLang's ``timeout`` policy
+  terminates the prefetch at its budget (``prefetch_timeout_base + per_ki_token * tokens``,
+  SGLang's defaults) unless it finished; the fraction reused is the tokens completed by then
+  over the hit. ``file`` has no server.
 
 Every prefetched page is compared with what was written (BLAKE2b per page); a mismatch, a short
 backup or a short prefetch outside the stall phase stops the run.
@@ -240,6 +241,8 @@ class System:
     resume: Callable[[], None] | None = None
     batches: dict[str, list[float]] = field(default_factory=lambda: {"set": [], "get": []})
     verified_pages: int = 0  # prefetched pages found equal to what was written
+    stall_after_batch: bool = False  # stop a store process once the next read batch ends
+    stalled: bool = False
 
     def __post_init__(self) -> None:
         self.cc.page_set_func = self._timed(self.cc.page_set_func, "set")
@@ -252,6 +255,12 @@ class System:
                 return func(*args)
             finally:
                 self.batches[kind].append(time.perf_counter() - start)
+                if kind == "get" and self.stall_after_batch and self.stall is not None:
+                    # in SGLang's prefetch thread, between two batches: the same point of
+                    # the prefetch for every backend, however fast it is
+                    self.stall_after_batch = False
+                    self.stall()
+                    self.stalled = True
 
         return timed
 
@@ -453,7 +462,8 @@ class Prefetch:
 
 def _prefetch(system: System, pages: Pages, rid: str, *, stall: bool = False) -> Prefetch:
     """A prefetch as SGLang's scheduler runs it under the ``timeout`` policy; with ``stall``,
-    one store process is stopped at the first progress ack and resumed at the end."""
+    one store process is stopped when the first read batch ends and resumed when the
+    scheduler has taken its pages (or at the end)."""
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 
     cc, page = system.cc, system.cc.page_size
@@ -468,9 +478,9 @@ def _prefetch(system: System, pages: Pages, rid: str, *, stall: bool = False) ->
     operation.hash_value = operation.hash_value[: len(host_indices) // page]
     budget = TIMEOUT_BASE + TIMEOUT_PER_KI_TOKEN * hit / 1024
     start, cpu = time.perf_counter(), _cpu_seconds(system.server_pids)
+    system.stall_after_batch = stall
     cc.prefetch_buffer.put(operation)
     taken: int | None = None
-    stalled = False
     try:
         while True:
             wait = ACK_TIMEOUT if taken is not None else budget - (time.perf_counter() - start)
@@ -478,18 +488,15 @@ def _prefetch(system: System, pages: Pages, rid: str, *, stall: bool = False) ->
                 ack = cc.ack_prefetch_queue.get(timeout=max(wait, 0.0))
             except queue.Empty:
                 taken, _ = cc.terminate_prefetch(operation)  # SGLang's timeout policy
-                _resume(system, stalled)
-                stalled = False
+                _resume(system)
                 continue
             if ack.completed_tokens is not None and taken is None:
                 operation.completed_tokens = int(ack.completed_tokens)
-                if stall and not stalled and system.stall is not None:
-                    system.stall()
-                    stalled = True
             if ack.completed_req:
                 break
     finally:
-        _resume(system, stalled)
+        system.stall_after_batch = False
+        _resume(system)
     timed = Timed(time.perf_counter() - start, _cpu_seconds(system.server_pids) - cpu)
     reused = (taken if taken is not None else int(operation.completed_tokens)) // page
     intact = _read_digests(system, host_indices, reused) == pages.digests[:reused]
@@ -498,9 +505,10 @@ def _prefetch(system: System, pages: Pages, rid: str, *, stall: bool = False) ->
     return Prefetch(hit // page, reused, timed, intact)
 
 
-def _resume(system: System, stalled: bool) -> None:
-    if stalled and system.resume is not None:
+def _resume(system: System) -> None:
+    if system.stalled and system.resume is not None:
         system.resume()
+        system.stalled = False
 
 
 # ---------------------------------------------------------------------------- phases
