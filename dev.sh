@@ -273,5 +273,5 @@ case "${1:-}" in
     demo) shift; run_demo "$@" ;;
     test) shift; run_tests "$@" ;;
     bench) shift; run_bench "$@" ;;
-    *) echo "usage: $0 demo [options] | test [pytest args] | bench transfer|store [options]" >&2; exit 2 ;;
+    *) echo "usage: $0 demo [options] | test [pytest args] | bench transfer|store|sglang [options]" >&2; exit 2 ;;
 esac

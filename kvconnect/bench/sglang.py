@@ -93,7 +93,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="/dev/shm",  # noqa: S108  # tmpfs; the backend's own dir inside is private
         help="parent of the file backend's directory (default tmpfs)",
     )
-    parser.add_argument("--mooncake-python", help="ignored: Mooncake must import in SGLang's env")
     parser.add_argument("--out", default="bench-sglang.json")
     parser.add_argument("--plot", nargs="?", const="bench-sglang.png", help="write a PNG chart")
 
