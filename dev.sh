@@ -80,6 +80,16 @@ setup_sglang() {
     log "installing kvconnect into SGLang's environment"
     KVCONNECT_REQUIRE_NATIVE=1 quiet_pip "$SGLANG_VENV/bin/pip" install -q -e ".[sglang]" \
         "pytest>=8" "pytest-timeout>=2.3"
+    # Mooncake Store for SGLang's own mooncake backend, the baseline of `bench sglang` (and its
+    # smoke test): SGLang imports it in-process, so it goes in SGLang's environment (it adds
+    # only msgpack there), and a failed install stops here. Its wheel needs libibverbs/libnl.
+    apt_packages libibverbs1 libnl-3-200 libnl-route-3-200
+    if ! "$SGLANG_VENV/bin/python" -c "import mooncake.store" 2>/dev/null; then
+        log "installing Mooncake Store into SGLang's environment"
+        quiet_pip "$SGLANG_VENV/bin/pip" install -q mooncake-transfer-engine-non-cuda
+    fi
+    "$SGLANG_VENV/bin/python" -c "import mooncake.store" \
+        || { log "Mooncake Store does not import in SGLang's environment"; exit 1; }
 }
 
 has_version() {  # has_version PYTHON DISTRIBUTION VERSION
@@ -163,7 +173,16 @@ run_demo() {
     "$VENV/bin/kvconnect" demo "$@"
 }
 
+run_sglang_bench() {
+    # SGLang's backends run in SGLang's process: the whole bench runs in its environment.
+    setup_sglang
+    quiet_pip "$SGLANG_VENV/bin/pip" install -q "matplotlib>=3.8"  # --plot
+    log "kvconnect bench sglang $* (in SGLang's environment)"
+    "$SGLANG_VENV/bin/kvconnect" bench sglang "$@"
+}
+
 run_bench() {
+    if [ "${1:-}" = sglang ]; then shift; run_sglang_bench "$@"; return; fi
     apt_packages libibverbs1 libnl-3-200 libnl-route-3-200
     setup_venv
     local mooncake=()
@@ -254,5 +273,5 @@ case "${1:-}" in
     demo) shift; run_demo "$@" ;;
     test) shift; run_tests "$@" ;;
     bench) shift; run_bench "$@" ;;
-    *) echo "usage: $0 demo [options] | test [pytest args] | bench transfer|store [options]" >&2; exit 2 ;;
+    *) echo "usage: $0 demo [options] | test [pytest args] | bench transfer|store|sglang [options]" >&2; exit 2 ;;
 esac

@@ -21,7 +21,7 @@ OUTSIDE = ("kvconnect.bench", "kvconnect.testing", "kvconnect.cli")
 BOUNDARIES = {
     "pyverbs": ("kvconnect.transfer.transports.rdma.verbs",),
     "pyetcd": ("kvconnect.etcd",),
-    "sglang": ("kvconnect.sglang",),
+    "sglang": ("kvconnect.sglang", "kvconnect.bench.sglang"),  # the bench drives SGLang's code
     "vllm": ("kvconnect.vllm",),
     "torch": ("kvconnect.sglang", "kvconnect.vllm", "kvconnect.bench"),
 }

@@ -46,6 +46,7 @@ collect_ignore = (
     else [
         "harness.py",
         "test_backend.py",
+        "test_bench_sglang.py",
         "test_deadline.py",
         "test_examples.py",
         "test_metrics.py",

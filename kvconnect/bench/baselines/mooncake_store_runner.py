@@ -35,6 +35,11 @@ JSON line each (``{"error": "..."}`` if a command fails):
 * ``{"op": "batch_exists_latency", "batch": B, "count": N}``: ``batch_is_exist`` of B random
   filled keys, per-call seconds.
 
+With ``--role servers`` it only starts the master and ``--holders`` holder processes of
+``--segment`` bytes each, prints ``{"ready": true, "master": ..., "metadata": ..., "holders":
+[pid, ...], "master_pid": pid}`` and waits for EOF on stdin: a store for a Mooncake client in
+another process (SGLang's ``mooncake`` HiCache backend, for ``kvconnect bench sglang``).
+
 Put and get paths are verified once per value size (checksum compare of a round trip). EOF on
 stdin (or SIGTERM) closes the client and stops every child process.
 """
@@ -59,11 +64,14 @@ from typing import Any
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+# Run as a script, its folder leads sys.path, and its neighbour mooncake.py would shadow the
+# mooncake package: the imports below come after that folder is dropped.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import mooncake
-import numpy as np
-import numpy.typing as npt
-from mooncake.store import MooncakeDistributedStore
+import mooncake  # noqa: E402
+import numpy as np  # noqa: E402
+import numpy.typing as npt  # noqa: E402
+from mooncake.store import MooncakeDistributedStore  # noqa: E402
 
 HOST = "127.0.0.1"
 MIB = 1 << 20
@@ -654,6 +662,27 @@ def _bench(args: argparse.Namespace) -> None:
             print(json.dumps(reply), flush=True)
 
 
+def _servers(args: argparse.Namespace) -> None:
+    """A master and ``--holders`` store server processes, until EOF on stdin."""
+    with contextlib.ExitStack() as stack:
+        master = Master(args)
+        stack.callback(master.child.stop)
+        holders = []
+        for n in range(args.holders):
+            holder = Child(
+                _child_argv(args, master, args.segment, f"holder{n}"),
+                _log(args, f"holder{n}"),
+                pipe=True,
+            )
+            stack.callback(holder.stop)
+            holder.reply()
+            holders.append(holder.proc.pid)
+        ready: dict[str, Any] = {"master": master.address, "metadata": master.metadata}
+        ready.update(holders=holders, master_pid=master.pid)
+        print(json.dumps({"ready": True, **ready}), flush=True)
+        sys.stdin.read()
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -666,7 +695,7 @@ def _exit_now(signum: int, frame: object) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--role", choices=["bench", "holder"], default="bench")
+    parser.add_argument("--role", choices=["bench", "holder", "servers"], default="bench")
     parser.add_argument("--mode", choices=["tcp", "same-host", "embedded"], default="tcp")
     parser.add_argument("--segment", type=int, default=4 * GIB, help="store server bytes")
     parser.add_argument("--buffer", type=int, default=256 * MIB, help="registered client buffer")
@@ -676,13 +705,14 @@ def main() -> None:
     parser.add_argument("--eviction-ratio", type=float, default=0.05)
     parser.add_argument("--client-ttl", type=int, default=30)
     parser.add_argument("--real-client-threads", type=int, default=1)
+    parser.add_argument("--holders", type=int, default=1, help="servers: store processes")
     parser.add_argument("--log-dir", default=None, help="keep child logs here")
     parser.add_argument("--master", help=argparse.SUPPRESS)
     parser.add_argument("--metadata", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _exit_now if args.role == "holder" else _on_sigterm)
-    (_holder if args.role == "holder" else _bench)(args)
+    {"holder": _holder, "servers": _servers, "bench": _bench}[args.role](args)
 
 
 if __name__ == "__main__":
