@@ -2,9 +2,10 @@
 
 SGLang calls this from its scheduler thread (attach, ``batch_exists``) and from the cache
 controller's backup and prefetch threads (``batch_set_v1``, ``batch_get_v1``), each with at
-most 128 pages. Pages move without a copy: the whole host KV pool is registered once with the
-transfer engine, and every page is read or written straight between its place in the pool and
-store-server memory.
+most 128 pages; for hybrid models also ``batch_exists_v2``, ``batch_get_v2`` and
+``batch_set_v2``, which move the sidecar pools' pages (kvconnect/sglang/pools.py). Pages
+move without a copy: the whole host KV pool is registered once with the transfer engine, and
+every page is read or written straight between its place in the pool and store-server memory.
 
 Contract with SGLang, and why:
 
@@ -36,12 +37,16 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvconnect.errors import ConfigError, StoreError
 from kvconnect.sglang.config import HiCacheConfig, parse_config
 from kvconnect.sglang.keys import PageFormat, PageKeys, page_keys
+from kvconnect.sglang.pools import Outcome, PoolMemory, SidecarPools
 from kvconnect.sglang.withheld import WithheldSlots
 from kvconnect.store.client import BatchResult, StoreClient
 from kvconnect.store.config import StoreServerConfig
@@ -49,7 +54,6 @@ from kvconnect.store.messages import Code
 from kvconnect.store.resilience import BreakerState
 from kvconnect.store.server import StoreServer
 from kvconnect.transfer import TransferConfig
-from kvconnect.transfer.memory import MemoryRegion
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,9 @@ class _Trouble(enum.StrEnum):
     BATCH_EXISTS = "batch_exists"  # unexpected errors, by SGLang call
     BATCH_GET = "batch_get_v1"
     BATCH_SET = "batch_set_v1"
+    BATCH_EXISTS_V2 = "batch_exists_v2"
+    BATCH_GET_V2 = "batch_get_v2"
+    BATCH_SET_V2 = "batch_set_v2"
 
 
 @dataclass
@@ -104,8 +111,9 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         self._last_warning: dict[_Trouble, float] = {}
         self._healthy = True
         self._keys: PageKeys | None = None
-        self._memory: _PoolMemory | None = None
+        self._memory: PoolMemory | None = None
         self._withheld: WithheldSlots | None = None
+        self._sidecars: SidecarPools | None = None
         self._server = self._start_local_store()
         self._client = StoreClient(self.config.store, self._with_token(self.config.transfer))
         try:
@@ -129,11 +137,21 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
                 f"kvconnect stores pages of the {' or '.join(SUPPORTED_LAYOUTS)} host layouts, "
                 f"not {layout!r}: start SGLang with --hicache-mem-layout page_first"
             )
-        self._keys = page_keys(_page_format(self.storage_config, mem_pool_host, self.config))
-        self._memory = _PoolMemory(self._client, mem_pool_host)
-        if self._withheld is not None:
-            self._withheld.uninstall()
+        fmt = _page_format(self.storage_config, mem_pool_host, self.config)
+        self._keys = page_keys(fmt)
+        buffer = mem_pool_host.kv_buffer
+        if not isinstance(buffer, torch.Tensor):
+            raise ConfigError("the host KV pool has no kv_buffer tensor to register")
+        self._memory = PoolMemory(self._client, [buffer])
+        self._uninstall()
         self._withheld = WithheldSlots(mem_pool_host)
+        self._sidecars = SidecarPools(
+            self._client,
+            fmt,
+            writer=self.storage_config.is_storage_writer,
+            kv_withheld=self._withheld,
+            write_timeout=self.config.write_timeout,
+        )
         log.info(
             "kvconnect HiCache backend: %s, keys %s*, store %s",
             type(mem_pool_host).__name__,
@@ -142,14 +160,15 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Hybrid models' extra pools (Mamba state, sliding window, indexer) are not stored:
-        refused at attach, with SGLang's message (later sidecars arrive here alone)."""
-        if str(getattr(host_pool_name, "value", host_pool_name)) != "kv":
-            raise ConfigError(
-                f"kvconnect stores KV pages only; this model also has a {host_pool_name} host "
-                "pool (hybrid models are not supported yet)"
-            )
+        """Register a hybrid model's sidecar pool (sliding window, Mamba state, indexer, draft;
+        kvconnect/sglang/pools.py) once; the KV pool is the one ``register_mem_pool_host``
+        registered. Raises ConfigError (at attach) for a pool kvconnect does not store."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if PoolName(host_pool_name) is PoolName.KV:
+            return
+        if self._sidecars is None:
+            raise ConfigError("the host KV pool must be registered before its sidecar pools")
+        self._sidecars.register(host_pool, PoolName(host_pool_name))
 
     def clear(self) -> None:
         """Nothing is removed: the store is shared by every engine of the cluster, so one
@@ -160,9 +179,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         """Close the store client (and the embedded store server), give the host pool its
         own ``free`` back (slots still withheld stay out of it). Idempotent."""
         self._client.close()
-        if self._withheld is not None:
-            self._withheld.uninstall()
-            self._withheld = None
+        self._uninstall()
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -226,6 +243,48 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
             self._unexpected(_Trouble.BATCH_SET)
             return [False] * len(keys)
 
+    # ------------------------------------------------------------------- hybrid models (v2)
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The KV pages stored from the first, narrowed to the prefix lengths every sidecar
+        pool can restore by its hit policy (no hit while the store is unhealthy)."""
+        try:
+            kv_pages = self.batch_exists(keys, extra_info)
+            if self._sidecars is None:
+                raise ConfigError("the host KV pool is not registered yet")
+            return self._sidecars.exists(keys, kv_pages, pool_transfers or [])
+        except StoreError as exc:
+            self._store_trouble(_Trouble.EXISTS, exc)
+        except Exception:
+            self._unexpected(_Trouble.BATCH_EXISTS_V2)
+        return PoolTransferResult(0, {}, [])
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[PoolName, list[bool]]:
+        """Read sidecar pages into their pools by ``read_timeout``; per pool, True for each
+        page that arrived whole (SGLang uses each pool's leading run)."""
+        try:
+            return self._sidecar_io(transfers, write=False)
+        except Exception:
+            self._unexpected(_Trouble.BATCH_GET_V2)
+            return _misses(transfers)
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[PoolName, list[bool]]:
+        """Write sidecar pages from their pools; False for pages not stored."""
+        try:
+            return self._sidecar_io(transfers, write=True)
+        except Exception:
+            self._unexpected(_Trouble.BATCH_SET_V2)
+            return _misses(transfers)
+
     # ------------------------------------------------------------------- legacy (copy) API
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
@@ -267,10 +326,38 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
 
     # ------------------------------------------------------------------------------ helpers
 
+    def _sidecar_io(
+        self, transfers: list[PoolTransfer], *, write: bool
+    ) -> dict[PoolName, list[bool]]:
+        sidecars = self._sidecars
+        if sidecars is None:
+            raise ConfigError("the host KV pool is not registered yet")
+        outcome: Outcome = sidecars.set(transfers) if write else sidecars.get(transfers)
+        if outcome.withheld:
+            self._warn(
+                _Trouble.UNSETTLED,
+                "kvconnect: %d sidecar page(s) still in transfer past the deadline; their host "
+                "slots are withheld from SGLang until the transfer lets go",
+                outcome.withheld,
+            )
+        self._set_healthy(not outcome.unavailable)
+        return outcome.results
+
+    def _uninstall(self) -> None:
+        """Give the host pools their own ``free`` back (at detach or a new KV pool)."""
+        if self._sidecars is not None:
+            self._sidecars.close()
+            self._sidecars = None
+        if self._withheld is not None:
+            self._withheld.uninstall()
+            self._withheld = None
+
     def _transfer(self, keys: list[str], host_indices: torch.Tensor, *, write: bool) -> list[bool]:
         naming = self._require_keys()
         assert self._memory is not None
-        region, offsets, sizes = self._memory.locate(host_indices)
+        pointers, page_sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        sizes = [int(size) for size in page_sizes]
+        region, offsets = self._memory.locate(pointers, sizes)
         object_keys = naming.keys(keys)
         if len(offsets) != len(object_keys):
             raise ConfigError(
@@ -412,27 +499,8 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         log.log(logging.DEBUG if quiet else logging.WARNING, message, *args, exc_info=exc_info)
 
 
-class _PoolMemory:
-    """The host pool's backing tensor, registered once; page pointers → offsets in it."""
-
-    def __init__(self, client: StoreClient, host_pool: Any) -> None:
-        self._pool = host_pool
-        buffer = host_pool.kv_buffer
-        if not isinstance(buffer, torch.Tensor) or not buffer.is_contiguous():
-            raise ConfigError("the host KV pool has no contiguous kv_buffer tensor to register")
-        self.region: MemoryRegion = client.register(buffer)
-        self._start = self.region.address
-        self._end = self._start + self.region.length
-
-    def locate(self, host_indices: torch.Tensor) -> tuple[MemoryRegion, list[int], list[int]]:
-        """Offsets and sizes in the registered pool of every object of the pages at
-        ``host_indices`` (SGLang's ``get_page_buffer_meta`` order: page by page)."""
-        pointers, sizes = self._pool.get_page_buffer_meta(host_indices)
-        offsets = [pointer - self._start for pointer in pointers]
-        for pointer, size in zip(pointers, sizes, strict=True):
-            if pointer < self._start or pointer + size > self._end:
-                raise ConfigError(f"page memory at {pointer:#x} is outside the registered pool")
-        return self.region, offsets, list(sizes)
+def _misses(transfers: list[PoolTransfer]) -> dict[PoolName, list[bool]]:
+    return {transfer.name: [False] * len(transfer.keys or []) for transfer in transfers}
 
 
 def _ranks_on_host() -> int:

@@ -6,7 +6,9 @@ the host memory layout (``page_first`` and ``page_first_direct`` order bytes dif
 dtype and the page size — and, for MHA models, which shard of the heads this TP rank holds.
 MLA pages hold the whole latent KV on every rank: one object per page, shared by all ranks and
 written by one. Each MHA page is two objects, its K and its V (two separate ranges of the
-host pool); a page counts as stored only when all its objects are.
+host pool); a page counts as stored only when all its objects are. Hybrid models' sidecar
+pools (sliding window, Mamba state, indexer, draft) store their share of a page under the same
+prefix with the pool in the suffix (:func:`sidecar_keys`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,16 @@ class PageKeys:
 
 def page_keys(fmt: PageFormat) -> PageKeys:
     """The key scheme of one rank for pages of ``fmt``."""
+    prefix, where = _placement(fmt)
+    if fmt.mla:
+        return PageKeys(prefix, (f"{where}/kv",))
+    shard = f"{where}/tp{fmt.tp_rank}of{fmt.tp_size}"
+    return PageKeys(prefix, (f"{shard}/k", f"{shard}/v"))
+
+
+def _placement(fmt: PageFormat) -> tuple[str, str]:
+    """The key prefix of ``fmt``'s pages, and the part of a suffix naming the rank's share
+    of a page that is not its TP shard (pipeline stage, context-parallel ranks)."""
     model = fmt.model.replace("/", "--")
     namespace = f"{fmt.namespace}/" if fmt.namespace else ""
     prefix = f"{namespace}sglang/{model}/{fmt.layout}/{fmt.dtype}/p{fmt.page_size}/"
@@ -70,7 +82,30 @@ def page_keys(fmt: PageFormat) -> PageKeys:
         where += f"/cp{fmt.cp_rank}of{fmt.cp_size}"
     if fmt.dcp_size > 1:  # decode context parallelism shards the tokens of a page
         where += f"/dcp{fmt.dcp_rank}of{fmt.dcp_size}"
-    if fmt.mla:
-        return PageKeys(prefix, (f"{where}/kv",))
-    shard = f"{where}/tp{fmt.tp_rank}of{fmt.tp_size}"
-    return PageKeys(prefix, (f"{shard}/k", f"{shard}/v"))
+    return prefix, where
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarFormat:
+    """What determines a sidecar pool's bytes for a page, besides the page's format.
+
+    ``name`` is SGLang's pool name (``swa``, ``mamba``, ``indexer``, ``draft``…); ``objects``
+    the pool's objects per page (its ``get_page_buffer_meta`` ranges for one page); ``shared``
+    whether every TP rank holds the same bytes (MLA-shaped pools: one object set, no rank).
+    """
+
+    name: str
+    layout: str
+    dtype: str
+    objects: int
+    shared: bool
+
+
+def sidecar_keys(fmt: PageFormat, pool: SidecarFormat) -> PageKeys:
+    """The key scheme of one rank for a sidecar pool's share of pages of ``fmt``: the page's
+    prefix, then the pool's name, layout and dtype, so no pool's objects can be taken for the
+    KV's (``/k``, ``/v``, ``/kv``) or another pool's."""
+    prefix, where = _placement(fmt)
+    shard = where if pool.shared else f"{where}/tp{fmt.tp_rank}of{fmt.tp_size}"
+    tag = f"{shard}/{pool.name}.{pool.layout}.{pool.dtype}"
+    return PageKeys(prefix, tuple(f"{tag}/{i}" for i in range(pool.objects)))

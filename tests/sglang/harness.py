@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +26,10 @@ from sglang.srt.mem_cache.device_pool_info import (
     MHABufferInfo,
     MLABufferInfo,
 )
-from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -125,6 +126,11 @@ class _DevicePool:
         self.layer_transfer_counter = counter
 
 
+class _MLADevicePool(_DevicePool, MLATokenToKVPool):
+    """A stand-in MLA device pool: the controller tells MLA models (one copy of each page for
+    all ranks) by the device pool's class."""
+
+
 class _Allocator:
     def __init__(self, device_pool: _DevicePool) -> None:
         self._pool = device_pool
@@ -134,21 +140,32 @@ class _Allocator:
 
 
 def controller(
-    host_pool: Any, backend: str, extra_config: dict[str, Any], model: str = "test/model"
+    host_pool: Any,
+    backend: str,
+    extra_config: dict[str, Any],
+    model: str = "test/model",
+    sidecars: Mapping[PoolName, Any] | None = None,
+    *,
+    mla: bool = False,
 ) -> HybridCacheController:
-    """SGLang's production cache controller with ``backend`` attached (its threads run)."""
-    device = _DevicePool()
-    group = HostPoolGroup(
-        [
-            PoolEntry(
-                name=PoolName.KV,
-                host_pool=host_pool,
-                device_pool=device,
-                layer_mapper=lambda i: i,
-                is_primary_index_anchor=True,
-            )
-        ]
-    )
+    """SGLang's production cache controller with ``backend`` attached (its threads run).
+    ``sidecars``: a hybrid model's other host pools, by name (the KV pool is the anchor);
+    ``mla``: the model is an MLA model."""
+    device = _MLADevicePool() if mla else _DevicePool()
+    entries = [
+        PoolEntry(
+            name=PoolName.KV,
+            host_pool=host_pool,
+            device_pool=device,
+            layer_mapper=lambda i: i,
+            is_primary_index_anchor=True,
+        )
+    ]
+    for name, pool in (sidecars or {}).items():
+        entries.append(
+            PoolEntry(name=name, host_pool=pool, device_pool=device, layer_mapper=lambda i: i)
+        )
+    group = HostPoolGroup(entries)
     return HybridCacheController(
         _Allocator(device),
         group,
@@ -163,6 +180,18 @@ def controller(
         model_name=model,
         storage_backend_extra_config=dict(extra_config),
     )
+
+
+def dynamic(extra_config: dict[str, Any]) -> dict[str, Any]:
+    """``extra_config`` for the no-patch route: SGLang's ``dynamic`` loader with the
+    zero-copy interface."""
+    return {
+        "backend_name": "kvconnect",
+        "module_path": "kvconnect.sglang",
+        "class_name": "KVConnectStore",
+        "interface_v1": 1,
+        **extra_config,
+    }
 
 
 def tokens_for(pages: int, seed: int = 0) -> list[int]:
@@ -197,10 +226,14 @@ def backup(
     host_indices: torch.Tensor,
     tokens: list[int],
     hashes: list[str] | None = None,
+    extra_pools: list[PoolTransfer] | None = None,
 ) -> int:
     """Write pages to L3 through the controller's backup thread; tokens it acknowledged.
-    ``hashes``: the pages' hashes when ``tokens`` continue an earlier sequence."""
-    cc.write_storage(host_indices, tokens, hash_value=hashes or page_hashes(tokens))
+    ``hashes``: the pages' hashes when ``tokens`` continue an earlier sequence;
+    ``extra_pools``: the sidecar pools' transfers, as SGLang's radix cache builds them."""
+    cc.write_storage(
+        host_indices, tokens, hash_value=hashes or page_hashes(tokens), extra_pools=extra_pools
+    )
     operation = cc.ack_backup_queue.get(timeout=ACK_TIMEOUT)
     return int(operation.completed_tokens)
 
@@ -213,6 +246,7 @@ class Prefetch:
     completed_tokens: int
     host_indices: torch.Tensor | None
     seconds: float  # from the hit to the final ack
+    pool_hits: dict[str, int] | None = None  # the sidecar pools' pages read (hybrid models)
 
 
 def prefetch(
@@ -222,12 +256,17 @@ def prefetch(
     *,
     stop_after: float | None = None,
     before_read: Callable[[torch.Tensor], None] | None = None,
+    extra_pools: list[PoolTransfer] | None = None,
 ) -> Prefetch:
     """Run a prefetch as SGLang's scheduler does: hit query, host slots for the hit, acks.
     ``stop_after``: terminate it that many seconds after the first progress ack, as the
     ``timeout`` policy would (the IO thread finishes its batch and stops). ``before_read``:
-    called with the host slots given to the prefetch, before its IO starts."""
-    operation = cc.prefetch(CacheRequestHandle(rid=rid, attempt_id=0), tokens)
+    called with the host slots given to the prefetch, before its IO starts. ``extra_pools``:
+    the sidecar pools' transfers; those with slots of their own (a trailing window: SWA,
+    Mamba state) get them once the hit is known, as the radix cache stages them."""
+    operation = cc.prefetch(
+        CacheRequestHandle(rid=rid, attempt_id=0), tokens, extra_pools=extra_pools
+    )
     assert cc.prefetch_hit_queue.get(timeout=ACK_TIMEOUT) is operation
     hit = int(operation.storage_hit_count)
     if hit == 0:
@@ -235,14 +274,21 @@ def prefetch(
     host_indices = cc.alloc_prefetch_host_buffers(operation, hit)
     operation.host_indices = host_indices
     operation.hash_value = operation.hash_value[: len(host_indices) // PAGE]
+    for transfer in extra_pools or []:
+        if transfer.indices_from_pool is None:
+            pool = cc.mem_pool_host.get_pool(transfer.name)
+            transfer.host_indices = pool.alloc(len(transfer.keys or ()) * pool.page_size)
     if before_read is not None:
         before_read(host_indices)
     start = time.monotonic()
     cc.prefetch_buffer.put(operation)
     completed = 0
     stopped = False
+    pool_hits = None
     while True:
         ack = cc.ack_prefetch_queue.get(timeout=ACK_TIMEOUT)
+        if ack.pool_hits is not None:
+            pool_hits = dict(ack.pool_hits)
         if ack.completed_tokens is not None and not stopped:
             completed = operation.completed_tokens = int(ack.completed_tokens)
             if stop_after is not None:
@@ -250,7 +296,7 @@ def prefetch(
                 completed, _ = cc.terminate_prefetch(operation)
                 stopped = True
         if ack.completed_req:
-            return Prefetch(hit, completed, host_indices, time.monotonic() - start)
+            return Prefetch(hit, completed, host_indices, time.monotonic() - start, pool_hits)
 
 
 def release(cc: HybridCacheController, result: Prefetch) -> None:

@@ -34,13 +34,7 @@ def _extra(cluster: Cluster, **settings: Any) -> dict[str, Any]:
 
 def _dynamic(cluster: Cluster, **settings: Any) -> dict[str, Any]:
     """The no-patch route: SGLang's ``dynamic`` loader with the zero-copy interface."""
-    return {
-        "backend_name": "kvconnect",
-        "module_path": "kvconnect.sglang",
-        "class_name": "KVConnectStore",
-        "interface_v1": 1,
-        **_extra(cluster, **settings),
-    }
+    return h.dynamic(_extra(cluster, **settings))
 
 
 @pytest.fixture

@@ -1,0 +1,203 @@
+"""Hybrid models' sidecar pools through SGLang's real controller, against a real cluster.
+
+SGLang's own host pools for each sidecar kind (sliding window, Mamba state, DSA indexer, MTP
+draft) sit next to the KV pool in the controller's ``HostPoolGroup``, as SGLang's hybrid
+assembler groups them; the controller's backup, prefetch and ack threads move them through
+kvconnect's v2 methods. The device side is a stand-in (the storage path never touches it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
+from sglang.srt.mem_cache.pool_host.host_pool_decl import HostPoolDecl, HostPoolStorageInfo
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+from kvconnect.store.client import StoreClient
+from kvconnect.store.config import StoreClientConfig
+from kvconnect.store.launch import Cluster
+from kvconnect.transfer import TransferConfig
+from tests.sglang import harness as h
+
+pytestmark = [pytest.mark.integration, pytest.mark.sglang]
+
+PAGES = 10
+MAMBA_SLOTS = 16
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster(servers=2, server_size=32 << 20) as c:
+        yield c
+
+
+_MODELS = 0
+
+
+# ------------------------------------------------------------------ SGLang's sidecar pools
+
+
+def _mamba_pool(_kv: Any) -> MambaPoolHost:
+    """Qwen3-Next's state pool: one temporal (SSM) state and two conv states per slot."""
+    layers = 2
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, MAMBA_SLOTS, 4, 8),
+        conv=(torch.zeros(layers, MAMBA_SLOTS, 3, 8), torch.zeros(layers, MAMBA_SLOTS, 5, 8)),
+    )
+    return MambaPoolHost(
+        info, 2.0, 0, device_capacity=MAMBA_SLOTS, pin_memory=False, layout="page_first"
+    )
+
+
+def _indexer_pool(kv: Any) -> DSAIndexerPoolHost:
+    """DeepSeek-V3.2's indexer keys, laid out on the MLA KV pool's slots (as SGLang's
+    ``make_dsa_indexer_pool_decl`` declares them; the device pool is a stand-in)."""
+    device = types.SimpleNamespace(
+        store_dtype=torch.uint8,
+        start_layer=0,
+        end_layer=h.LAYERS - 1,
+        layer_num=h.LAYERS,
+        device=torch.device("cpu"),
+        index_k_with_scale_buffer=[torch.zeros(8, 64, dtype=torch.uint8)] * h.LAYERS,
+        layer_shard_enabled=False,
+    )
+    decl = HostPoolDecl(
+        pool_name=PoolName.INDEXER,
+        device_pool=device,
+        indices_from_pool=PoolName.KV,
+        layout_source=PoolName.KV,
+        storage_info=HostPoolStorageInfo(bytes_per_token_per_layer=8, dtype=torch.uint8),
+        host_pool_builder=None,
+    )
+    return DSAIndexerPoolHost(decl, kv, pin_memory=False)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One sidecar pool kind: its name, the KV pool it rides with, how SGLang builds it and
+    how many trailing pages it keeps (0: every page, on the KV pool's slots)."""
+
+    name: PoolName
+    kv: Callable[[], Any]
+    build: Callable[[Any], Any]
+    window: int
+
+    def backup_transfer(self, pool: Any, hashes: list[str], seed: int) -> PoolTransfer:
+        """The transfer SGLang's radix cache adds to a node's backup."""
+        if not self.window:
+            return PoolTransfer(name=self.name, indices_from_pool=PoolName.KV)
+        slots = pool.alloc(self.window * pool.page_size)
+        _fill(pool, slots, seed)
+        return PoolTransfer(
+            name=self.name,
+            host_indices=slots,
+            keys=hashes[-self.window :],
+            hit_policy=PoolHitPolicy.TRAILING_PAGES,
+        )
+
+    def prefetch_transfer(self) -> PoolTransfer:
+        """The transfer SGLang's radix cache adds to a prefetch (a window: placeholders)."""
+        if not self.window:
+            return PoolTransfer(name=self.name, indices_from_pool=PoolName.KV)
+        return PoolTransfer(
+            name=self.name,
+            keys=["__placeholder__"] * self.window,
+            hit_policy=PoolHitPolicy.TRAILING_PAGES,
+        )
+
+
+KINDS = {
+    "swa": Kind(PoolName.SWA, h.mha_pool, lambda _kv: h.mha_pool(pages=40), 3),
+    "mamba": Kind(PoolName.MAMBA, h.mha_pool, _mamba_pool, 1),
+    "indexer": Kind(PoolName.INDEXER, h.mla_pool, _indexer_pool, 0),
+    "draft": Kind(PoolName.DRAFT, h.mha_pool, lambda _kv: h.mha_pool(), 0),
+}
+
+
+# ----------------------------------------------------------------------- bytes of pages
+
+
+def _ranges(pool: Any, slots: torch.Tensor) -> list[tuple[int, int]]:
+    pointers, sizes = pool.get_page_buffer_meta(slots)
+    return list(zip(pointers, sizes, strict=True))
+
+
+def _fill(pool: Any, slots: torch.Tensor, seed: int) -> None:
+    """Random bytes in every range of the pages at ``slots``."""
+    rng = np.random.default_rng(seed)
+    for pointer, size in _ranges(pool, slots):
+        ctypes.memmove(pointer, rng.bytes(size), size)
+
+
+def _bytes(pool: Any, slots: torch.Tensor) -> list[bytes]:
+    return [ctypes.string_at(pointer, size) for pointer, size in _ranges(pool, slots)]
+
+
+def _wipe(*pools: Any) -> None:
+    """Drop the host copies: only L3 has the pages then."""
+    for pool in pools:
+        whole = getattr(pool, "kv_buffer", None)
+        for buffer in [whole] if isinstance(whole, torch.Tensor) else pool.get_hybrid_pool_buffer():
+            buffer.zero_()
+
+
+# ------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("kind", list(KINDS.values()), ids=list(KINDS))
+def test_each_sidecar_pool_round_trips_its_bytes(cluster: Cluster, kind: Kind) -> None:
+    kv = kind.kv()
+    pool = kind.build(kv)
+    mla = kind.kv is h.mla_pool
+    cc = _controller(cluster, kv, {kind.name: pool}, mla=mla)
+    try:
+        keys_before = cluster.stats().keys
+        tokens = h.tokens_for(PAGES)
+        source = kv.alloc(len(tokens))
+        h.fill(kv, source, seed=1)
+        transfer = kind.backup_transfer(pool, h.page_hashes(tokens), seed=2)
+        if not kind.window:  # the pool's pages sit on the KV pages' slots
+            _fill(pool, source, seed=2)
+        expected_kv = h.pages_of(kv, source)
+        expected = _bytes(pool, source if not kind.window else transfer.host_indices)
+        assert h.backup(cc, source, tokens, extra_pools=[transfer]) == len(tokens)
+        # every object under a key of its own: the KV's (one or two per page), the pool's
+        kv_objects = PAGES * (1 if mla else 2)
+        assert cluster.stats().keys - keys_before == kv_objects + len(expected)
+        kv.free(source)
+        _wipe(kv, pool)
+
+        wanted = kind.prefetch_transfer()
+        result = h.prefetch(cc, f"req-{kind.name}", tokens, extra_pools=[wanted])
+        assert result.hit_tokens == len(tokens)
+        assert result.completed_tokens == len(tokens)
+        assert h.pages_of(kv, result.host_indices) == expected_kv
+        restored = result.host_indices if not kind.window else wanted.host_indices
+        assert _bytes(pool, restored) == expected
+        stats = cc.storage_backend._sidecars.stats
+        assert (stats.pages_read, stats.pages_missed) == (kind.window or PAGES, 0)
+        h.release(cc, result)
+    finally:
+        cc.storage_backend.close()
+
+
+def _controller(
+    cluster: Cluster, kv: Any, sidecars: dict[PoolName, Any], *, mla: bool = False
+) -> Any:
+    """A controller over ``kv`` and ``sidecars``, each test's pages under a model of its own."""
+    global _MODELS
+    _MODELS += 1
+    extra = h.dynamic({"master": cluster.master_endpoint, "rpc_timeout": 0.5})
+    return h.controller(kv, "dynamic", extra, f"hybrid/m{_MODELS}", sidecars, mla=mla)
