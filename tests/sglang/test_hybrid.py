@@ -9,6 +9,7 @@ kvconnect's v2 methods. The device side is a stand-in (the storage path never to
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import types
 from collections.abc import Callable, Iterator
@@ -25,10 +26,9 @@ from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 from sglang.srt.mem_cache.pool_host.host_pool_decl import HostPoolDecl, HostPoolStorageInfo
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
-from kvconnect.store.client import StoreClient
-from kvconnect.store.config import StoreClientConfig
+from kvconnect.sglang import KVConnectStore
 from kvconnect.store.launch import Cluster
-from kvconnect.transfer import TransferConfig
+from kvconnect.store.messages import Code
 from tests.sglang import harness as h
 
 pytestmark = [pytest.mark.integration, pytest.mark.sglang]
@@ -43,7 +43,7 @@ def cluster() -> Iterator[Cluster]:
         yield c
 
 
-_MODELS = 0
+_MODELS = itertools.count()
 
 
 # ------------------------------------------------------------------ SGLang's sidecar pools
@@ -190,14 +190,70 @@ def test_each_sidecar_pool_round_trips_its_bytes(cluster: Cluster, kind: Kind) -
         assert (stats.pages_read, stats.pages_missed) == (kind.window or PAGES, 0)
         h.release(cc, result)
     finally:
-        cc.storage_backend.close()
+        cc.detach_storage_backend()
 
 
 def _controller(
     cluster: Cluster, kv: Any, sidecars: dict[PoolName, Any], *, mla: bool = False
 ) -> Any:
     """A controller over ``kv`` and ``sidecars``, each test's pages under a model of its own."""
-    global _MODELS
-    _MODELS += 1
     extra = h.dynamic({"master": cluster.master_endpoint, "rpc_timeout": 0.5})
-    return h.controller(kv, "dynamic", extra, f"hybrid/m{_MODELS}", sidecars, mla=mla)
+    return h.controller(kv, "dynamic", extra, f"hybrid/m{next(_MODELS)}", sidecars, mla=mla)
+
+
+@pytest.mark.parametrize("kind", [KINDS["swa"], KINDS["mamba"]], ids=["swa", "mamba"])
+def test_a_partial_hit_restores_the_prefix_sglang_itself_would(
+    cluster: Cluster, kind: Kind, tmp_path: Path
+) -> None:
+    # Two nodes (pages 0-5 and 6-9) are backed up, each with its trailing window; then a KV
+    # page of the second node is lost. Of the 8 leading KV pages, only the prefix ending at
+    # the first node's boundary has its window: 6 pages are restorable, not 8. SGLang's own
+    # file backend, under the same controller, is the reference.
+    first = 6
+    hits = {}
+    for backend in ("kvconnect", "file"):
+        kv = kind.kv()
+        pool = kind.build(kv)
+        if backend == "file":
+            extra = {"file_storage_path": str(tmp_path)}
+            cc = h.controller(kv, "file", extra, sidecars={kind.name: pool})
+        else:
+            cc = _controller(cluster, kv, {kind.name: pool})
+        try:
+            tokens = h.tokens_for(PAGES)
+            hashes = h.page_hashes(tokens)
+            source = kv.alloc(len(tokens))
+            h.fill(kv, source, seed=1)
+            windows = []
+            for start, end in ((0, first), (first, PAGES)):
+                transfer = kind.backup_transfer(pool, hashes[:end], seed=end)
+                windows.append(_bytes(pool, transfer.host_indices))
+                span = slice(start * h.PAGE, end * h.PAGE)
+                done = h.backup(cc, source[span], tokens[span], hashes[start:end], [transfer])
+                assert done == (end - start) * h.PAGE
+            expected_kv = h.pages_of(kv, source[: first * h.PAGE])
+            _lose_kv_page(cc.storage_backend, hashes[8])
+            kv.free(source)
+            _wipe(kv, pool)
+
+            wanted = kind.prefetch_transfer()
+            result = h.prefetch(cc, f"req-{backend}", tokens, extra_pools=[wanted])
+            assert result.pool_hits is not None
+            read = result.pool_hits[kind.name]  # the window's pages
+            hits[backend] = (result.hit_tokens, result.completed_tokens, read)
+            assert h.pages_of(kv, result.host_indices) == expected_kv
+            assert _bytes(pool, wanted.host_indices) == windows[0]
+            h.release(cc, result)
+        finally:
+            cc.detach_storage_backend()
+    assert hits["kvconnect"] == (first * h.PAGE, first * h.PAGE, kind.window)
+    assert hits["kvconnect"] == hits["file"]
+
+
+def _lose_kv_page(backend: Any, page_hash: str) -> None:
+    """Remove one object of a stored KV page, behind the backend's back."""
+    if isinstance(backend, KVConnectStore):
+        key = backend._require_keys().keys([page_hash])[0]
+        assert backend._client.remove(key) is Code.OK
+    else:  # SGLang's file backend: one file per page
+        os.remove(os.path.join(backend.file_path, backend._get_component_key(page_hash) + ".bin"))

@@ -205,8 +205,11 @@ def test_unsupported_pools_are_refused_at_attach_with_the_fix(cluster: Cluster) 
     backend = KVConnectStore(_storage(cluster, 0, False), h.mha_pool())
     try:
         backend.register_mem_host_pool_v2(backend.mem_pool_host, PoolName.KV)  # fine
-        with pytest.raises(ConfigError, match=r"KV pages only.*hybrid"):
-            backend.register_mem_host_pool_v2(h.mha_pool(), PoolName.MAMBA)
+        backend.register_mem_host_pool_v2(h.mha_pool(), PoolName.SWA)  # a hybrid model's
+        with pytest.raises(ConfigError, match="DeepSeek-V4"):
+            backend.register_mem_host_pool_v2(h.mha_pool(), PoolName.DEEPSEEK_V4_C4)
+        with pytest.raises(ConfigError, match="--hicache-mem-layout page_first"):
+            backend.register_mem_host_pool_v2(h.mha_pool("layer_first"), PoolName.DRAFT)
     finally:
         backend.close()
 
