@@ -153,8 +153,9 @@ class _Batch:
 class SidecarPools:
     """The sidecar pools of one backend (one TP rank), see the module docstring.
 
-    ``withheld`` gives the slot-withholding wrapper of a pool by name (the KV pool's is the
-    backend's); ``writer`` is whether this rank writes shared (MLA-shaped) objects.
+    ``kv_withheld`` is the backend's slot-withholding wrapper of the KV pool (the pools with
+    slots of their own get one here); ``writer`` is whether this rank writes shared
+    (MLA-shaped) objects (SGLang's ``is_storage_writer``).
     """
 
     def __init__(
@@ -245,7 +246,7 @@ class SidecarPools:
                 flags = found[at : at + kv_pages * per_page]
                 at += kv_pages * per_page
                 stored = [all(flags[p * per_page : (p + 1) * per_page]) for p in range(kv_pages)]
-            allowed = restorable_prefixes(transfer, stored)
+            allowed = _restorable_prefixes(transfer, stored)
             if allowed:
                 hits[transfer.name] = max(allowed)
             restorable &= allowed
@@ -372,7 +373,7 @@ class SidecarPools:
             self.stats.pages_withheld += withheld
 
 
-def restorable_prefixes(transfer: PoolTransfer, stored: Sequence[bool]) -> set[int]:
+def _restorable_prefixes(transfer: PoolTransfer, stored: Sequence[bool]) -> set[int]:
     """The prefix lengths (in pages, 1..len(stored)) a pool can restore, by its hit policy,
     given which of the span's pages it holds. ``ALL_PAGES``: the leading run of stored pages;
     ``TRAILING_PAGES``: every length whose window (the transfer's key count, at least 1) of
