@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +39,9 @@ from sglang.srt.runtime_context import create_context, use_context
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 
 from kvconnect.bench.tiny_llama import write_tiny_llama
+from kvconnect.transfer import TransferOp
+from kvconnect.transfer.batch import Slice
+from kvconnect.transfer.datapath.copying import Copier
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 4, 2, 8, 16
 MLA_WIDTH = 24  # kv_lora_rank 16 + rope 8
@@ -339,3 +342,39 @@ def storage_extra_config(args: ServerArgs) -> dict[str, Any]:
         with pytest.raises(_Captured):
             cache.init_hicache(args, None)
     return captured
+
+
+class HeldCopies:
+    """Holds the transport threads' copies that touch chosen host memory until ``let_go``
+    (past the deadline and the settle grace: the request stays unsettled), then performs them
+    — the late write (read) or read (write) SGLang must be protected from. The hold is inside a
+    copy chunk, after the copier checked the request was still pending: a thread stuck in its
+    memcpy, which no deadline can interrupt. Same-host store servers: the backend moves pages
+    with shared-memory copies."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        self.blocked = threading.Event()
+        self.let_go = threading.Event()
+        original = Copier._copy_chunk
+
+        def copy_chunk(copier: Copier, op: TransferOp, chunk: Sequence[Any]) -> None:
+            held = [piece for piece in chunk if self._touches(piece.slice)]
+            rest = [piece for piece in chunk if not self._touches(piece.slice)]
+            if rest:
+                original(copier, op, rest)
+            if held:
+                self.blocked.set()
+                self.let_go.wait()
+                original(copier, op, held)
+
+        monkeypatch.setattr(Copier, "_copy_chunk", copy_chunk)
+
+    def hold_pages(self, pool: Any, slots: torch.Tensor) -> None:
+        """Hold every copy into or out of the pages at ``slots``."""
+        pointers, sizes = pool.get_page_buffer_meta(slots)
+        self.ranges = [(p, p + n) for p, n in zip(pointers, sizes, strict=True)]
+
+    def _touches(self, piece: Slice) -> bool:
+        start = piece.local.address + piece.local_offset
+        return any(low <= start < high for low, high in self.ranges)

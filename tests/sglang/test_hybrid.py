@@ -30,6 +30,7 @@ from kvconnect.sglang import KVConnectStore
 from kvconnect.store.launch import Cluster
 from kvconnect.store.messages import Code
 from tests.sglang import harness as h
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.sglang]
 
@@ -194,10 +195,11 @@ def test_each_sidecar_pool_round_trips_its_bytes(cluster: Cluster, kind: Kind) -
 
 
 def _controller(
-    cluster: Cluster, kv: Any, sidecars: dict[PoolName, Any], *, mla: bool = False
+    cluster: Cluster, kv: Any, sidecars: dict[PoolName, Any], *, mla: bool = False, **settings: Any
 ) -> Any:
     """A controller over ``kv`` and ``sidecars``, each test's pages under a model of its own."""
-    extra = h.dynamic({"master": cluster.master_endpoint, "rpc_timeout": 0.5})
+    fast = {"rpc_timeout": 0.5, "breaker_cooldown": 0.5}
+    extra = h.dynamic({"master": cluster.master_endpoint, **fast, **settings})
     return h.controller(kv, "dynamic", extra, f"hybrid/m{next(_MODELS)}", sidecars, mla=mla)
 
 
@@ -257,3 +259,61 @@ def _lose_kv_page(backend: Any, page_hash: str) -> None:
         assert backend._client.remove(key) is Code.OK
     else:  # SGLang's file backend: one file per page
         os.remove(os.path.join(backend.file_path, backend._get_component_key(page_hash) + ".bin"))
+
+
+def test_a_sidecar_write_that_cannot_be_stopped_keeps_its_slots_from_reuse(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kind = KINDS["swa"]
+    kv, pool = h.mha_pool(pages=40), h.mha_pool(pages=8)
+    cc = _controller(cluster, kv, {kind.name: pool}, write_timeout=1.0)
+    sidecars = cc.storage_backend._sidecars
+    held = h.HeldCopies(monkeypatch)
+    try:
+        tokens = h.tokens_for(4, seed=31)
+        source = kv.alloc(len(tokens))
+        h.fill(kv, source, seed=31)
+        transfer = kind.backup_transfer(pool, h.page_hashes(tokens), seed=32)
+        window = transfer.host_indices
+        held.hold_pages(pool, window)
+        assert h.backup(cc, source, tokens, extra_pools=[transfer]) == len(tokens), "KV written"
+        assert (sidecars.stats.pages_write_failed, sidecars.stats.pages_withheld) == (3, 3)
+        pool.free(window)  # SGLang evicts the window from host memory ...
+        pool.clear()  # ... or flushes the whole host cache
+        other = pool.alloc(pool.available_size())
+        assert not set(other.tolist()) & set(window.tolist()), "a transport still reads them"
+        held.let_go.set()
+        wait_for(lambda: pool.available_size() == len(window), "withheld slots never came back")
+        assert sorted(pool.alloc(len(window)).tolist()) == sorted(window.tolist())
+    finally:
+        held.let_go.set()
+        cc.detach_storage_backend()
+
+
+def test_a_dead_store_gives_sidecar_misses_not_errors() -> None:
+    kind = KINDS["mamba"]
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        kv = h.mha_pool(pages=40)
+        pool = kind.build(kv)
+        cc = _controller(cluster, kv, {kind.name: pool})
+        backend = cc.storage_backend
+        try:
+            tokens = h.tokens_for(4, seed=41)
+            hashes = h.page_hashes(tokens)
+            source = kv.alloc(len(tokens))
+            transfer = kind.backup_transfer(pool, hashes, seed=42)
+            assert h.backup(cc, source, tokens, extra_pools=[transfer]) == len(tokens)
+            cluster.master.kill()
+            result = h.prefetch(cc, "req-down", tokens, extra_pools=[kind.prefetch_transfer()])
+            assert result.hit_tokens == 0
+            again = PoolTransfer(
+                name=kind.name, host_indices=transfer.host_indices, keys=hashes[-1:]
+            )
+            assert backend.batch_get_v2([again]) == {kind.name: [False]}
+            assert backend.batch_set_v2([again]) == {kind.name: [False]}
+            wait_for(lambda: backend.local_only, "the breaker never opened")
+            query = backend.batch_exists_v2(hashes, [kind.prefetch_transfer()])
+            assert (query.kv_hit_pages, query.restorable_prefix_pages) == (0, [])
+            assert backend.stats.errors == 0, "store trouble is not an unexpected error"
+        finally:
+            cc.detach_storage_backend()
