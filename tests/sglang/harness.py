@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.device_pool_info import (
     MHABufferInfo,
     MLABufferInfo,
 )
-from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
@@ -195,6 +195,23 @@ def dynamic(extra_config: dict[str, Any]) -> dict[str, Any]:
         "interface_v1": 1,
         **extra_config,
     }
+
+
+def rank_storage(master: str, rank: int, mla: bool, **extra: Any) -> HiCacheStorageConfig:
+    """The storage config SGLang gives the backend on TP rank ``rank`` of 2 (MLA or not)."""
+    return HiCacheStorageConfig(
+        tp_rank=rank,
+        tp_size=2,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="ranks/model",
+        extra_config={"master": master, **extra},
+    )
 
 
 def tokens_for(pages: int, seed: int = 0) -> list[int]:

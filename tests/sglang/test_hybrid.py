@@ -317,3 +317,66 @@ def test_a_dead_store_gives_sidecar_misses_not_errors() -> None:
             assert backend.stats.errors == 0, "store trouble is not an unexpected error"
         finally:
             cc.detach_storage_backend()
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_rank_sharded_pools_keep_their_own_bytes_and_shared_pools_one_copy(
+    cluster: Cluster, mla: bool
+) -> None:
+    # Two TP ranks of one model. The Mamba state is TP-sharded on every model; the second pool
+    # is an MLA model's indexer (one copy for all ranks, written by rank 0) or an MHA model's
+    # draft KV (each rank its own heads).
+    other = PoolName.INDEXER if mla else PoolName.DRAFT
+    kvs = [h.mla_pool() if mla else h.mha_pool() for _ in range(2)]
+    namespace = f"hybrid-ranks-{mla}"
+    backends = [
+        KVConnectStore(h.rank_storage(cluster.master_endpoint, rank, mla, namespace=namespace), kv)
+        for rank, kv in enumerate(kvs)
+    ]
+    try:
+        hashes = h.page_hashes(h.tokens_for(4, seed=51))
+        pools = []
+        expected = []  # per rank: its state's bytes, its second pool's
+        for rank, (backend, kv) in enumerate(zip(backends, kvs, strict=True)):
+            state, second = _mamba_pool(kv), _indexer_pool(kv) if mla else h.mha_pool()
+            backend.register_mem_host_pool_v2(state, PoolName.MAMBA)
+            backend.register_mem_host_pool_v2(second, other)
+            transfers = _rank_transfers(state, second, other, kv.alloc(4 * h.PAGE), hashes)
+            _fill(state, transfers[0].host_indices, seed=60 + rank)
+            _fill(second, transfers[1].host_indices, seed=70 + rank)
+            pools.append((state, second, transfers))
+            expected.append(
+                [_bytes(p, t.host_indices) for p, t in zip((state, second), transfers, strict=True)]
+            )
+            before = cluster.stats().keys
+            assert backend.batch_set_v2(transfers) == {PoolName.MAMBA: [True], other: [True] * 4}
+            shared_objects = 4 if rank == 0 else 0  # rank 1 leaves the shared copy to rank 0
+            assert cluster.stats().keys - before == 3 + (shared_objects if mla else 8)
+        for rank, (backend, (state, second, transfers)) in enumerate(
+            zip(backends, pools, strict=True)
+        ):
+            _wipe(state, second)
+            assert backend.batch_get_v2(transfers) == {PoolName.MAMBA: [True], other: [True] * 4}
+            assert _bytes(state, transfers[0].host_indices) == expected[rank][0]
+            source = 0 if mla else rank  # MLA: every rank reads rank 0's one copy
+            assert _bytes(second, transfers[1].host_indices) == expected[source][1]
+        assert expected[0][0] != expected[1][0]
+    finally:
+        for backend in backends:
+            backend.close()
+
+
+def _rank_transfers(
+    state: Any, second: Any, other: PoolName, kv_slots: torch.Tensor, hashes: list[str]
+) -> list[PoolTransfer]:
+    """A node's Mamba state (its last page's) and a KV-indexed pool's pages, as the controller
+    hands them to ``batch_set_v2``/``batch_get_v2``."""
+    return [
+        PoolTransfer(
+            name=PoolName.MAMBA,
+            host_indices=state.alloc(1),
+            keys=hashes[-1:],
+            hit_policy=PoolHitPolicy.TRAILING_PAGES,
+        ),
+        PoolTransfer(name=other, host_indices=kv_slots, keys=hashes),
+    ]

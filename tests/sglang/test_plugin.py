@@ -148,19 +148,8 @@ def test_store_and_transfer_sections_reach_the_client_and_its_engine(
 
 
 def _storage(cluster: Cluster, rank: int, mla: bool, **extra: Any) -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(
-        tp_rank=rank,
-        tp_size=2,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=mla,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name="ranks/model",
-        extra_config={"master": cluster.master_endpoint, "namespace": f"ranks-{mla}", **extra},
-    )
+    extra = {"namespace": f"ranks-{mla}", **extra}
+    return h.rank_storage(cluster.master_endpoint, rank, mla, **extra)
 
 
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
