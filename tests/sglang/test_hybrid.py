@@ -62,9 +62,10 @@ def _mamba_pool(_kv: Any) -> MambaPoolHost:
     )
 
 
-def _indexer_pool(kv: Any) -> DSAIndexerPoolHost:
-    """DeepSeek-V3.2's indexer keys, laid out on the MLA KV pool's slots (as SGLang's
-    ``make_dsa_indexer_pool_decl`` declares them; the device pool is a stand-in)."""
+def _indexer_pool(kv: Any, name: PoolName = PoolName.INDEXER) -> DSAIndexerPoolHost:
+    """DeepSeek-V3.2's indexer keys (or its MTP draft's), laid out on the MLA KV pool's slots
+    (as SGLang's ``make_dsa_indexer_pool_decl`` declares them; the device pool is a
+    stand-in)."""
     device = types.SimpleNamespace(
         store_dtype=torch.uint8,
         start_layer=0,
@@ -75,7 +76,7 @@ def _indexer_pool(kv: Any) -> DSAIndexerPoolHost:
         layer_shard_enabled=False,
     )
     decl = HostPoolDecl(
-        pool_name=PoolName.INDEXER,
+        pool_name=name,
         device_pool=device,
         indices_from_pool=PoolName.KV,
         layout_source=PoolName.KV,
@@ -124,6 +125,11 @@ KINDS = {
     "mamba": Kind(PoolName.MAMBA, h.mha_pool, _mamba_pool, 1),
     "indexer": Kind(PoolName.INDEXER, h.mla_pool, _indexer_pool, 0),
     "draft": Kind(PoolName.DRAFT, h.mha_pool, lambda _kv: h.mha_pool(), 0),
+    "draft_indexer": Kind(
+        PoolName.DRAFT_INDEXER, h.mla_pool, lambda kv: _indexer_pool(kv, PoolName.DRAFT_INDEXER), 0
+    ),
+    # an MTP draft's sliding window on the target's full-KV slots (SGLang's _mtp_swa_sidecar_specs)
+    "draft_swa": Kind(PoolName.DRAFT_SWA, h.mha_pool, lambda _kv: h.mha_pool(), 0),
 }
 
 
