@@ -2,9 +2,10 @@
 
 SGLang calls this from its scheduler thread (attach, ``batch_exists``) and from the cache
 controller's backup and prefetch threads (``batch_set_v1``, ``batch_get_v1``), each with at
-most 128 pages. Pages move without a copy: the whole host KV pool is registered once with the
-transfer engine, and every page is read or written straight between its place in the pool and
-store-server memory.
+most 128 pages; for hybrid models also ``batch_exists_v2``, ``batch_get_v2`` and
+``batch_set_v2``, which move the sidecar pools' pages (kvconnect/sglang/pools.py). Pages
+move without a copy: the whole host KV pool is registered once with the transfer engine, and
+every page is read or written straight between its place in the pool and store-server memory.
 
 Contract with SGLang, and why:
 
@@ -39,6 +40,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
@@ -55,14 +59,14 @@ from kvconnect.sglang.deadline import (
 )
 from kvconnect.sglang.keys import PageFormat, PageKeys, page_keys
 from kvconnect.sglang.metrics import BackendMetrics, moved_bytes
+from kvconnect.sglang.pools import Outcome, PoolMemory, SidecarPools
 from kvconnect.sglang.withheld import WithheldSlots
-from kvconnect.store.client import BatchResult, StoreClient
+from kvconnect.store.client import BatchResult, Regions, StoreClient
 from kvconnect.store.config import StoreServerConfig
 from kvconnect.store.messages import Code
 from kvconnect.store.resilience import BreakerState
 from kvconnect.store.server import StoreServer
 from kvconnect.transfer import TransferConfig
-from kvconnect.transfer.memory import MemoryRegion
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,9 @@ class _Trouble(enum.StrEnum):
     BATCH_EXISTS = "batch_exists"  # unexpected errors, by SGLang call
     BATCH_GET = "batch_get_v1"
     BATCH_SET = "batch_set_v1"
+    BATCH_EXISTS_V2 = "batch_exists_v2"
+    BATCH_GET_V2 = "batch_get_v2"
+    BATCH_SET_V2 = "batch_set_v2"
 
 
 @dataclass
@@ -117,11 +124,13 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         self._last_warning: dict[_Trouble, float] = {}
         self._healthy = True
         self._keys: PageKeys | None = None
-        self._memory: _PoolMemory | None = None
+        self._memory: PoolMemory | None = None
         self._withheld: WithheldSlots | None = None
         self._fallback_budget: PrefetchBudget | None = None
         self._clock: PrefetchClock | None = None
         self._reading = _Reading()
+        self._sidecars: SidecarPools | None = None
+        self._head_split = 1
         self._server = self._start_local_store()
         self._client = StoreClient(self.config.store, self._with_token(self.config.transfer))
         try:
@@ -150,10 +159,25 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
             )
         fmt = _page_format(self.storage_config, mem_pool_host, self.config)
         self._keys = page_keys(fmt)
-        self._memory = _PoolMemory(self._client, mem_pool_host, fmt.head_split)
-        if self._withheld is not None:
-            self._withheld.uninstall()
+        buffer = mem_pool_host.kv_buffer
+        if not isinstance(buffer, torch.Tensor):
+            raise ConfigError("the host KV pool has no kv_buffer tensor to register")
+        if fmt.head_split > 1 and mem_pool_host.head_num % fmt.head_split:
+            raise ConfigError(
+                f"tp_lcm_size cuts this rank's {mem_pool_host.head_num} KV heads into "
+                f"{fmt.head_split} shards: it must divide them"
+            )
+        self._head_split = fmt.head_split
+        self._memory = PoolMemory(self._client, [buffer])
+        self._uninstall()
         self._withheld = WithheldSlots(mem_pool_host)
+        self._sidecars = SidecarPools(
+            self._client,
+            fmt,
+            writer=self.storage_config.is_storage_writer,
+            kv_withheld=self._withheld,
+            write_timeout=self.config.write_timeout,
+        )
         self._fallback_budget = _fallback_budget(self.storage_config, int(mem_pool_host.page_size))
         log.info(
             "kvconnect HiCache backend: %s, keys %s*, store %s",
@@ -163,14 +187,15 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Hybrid models' extra pools (Mamba state, sliding window, indexer) are not stored:
-        refused at attach, with SGLang's message (later sidecars arrive here alone)."""
-        if str(getattr(host_pool_name, "value", host_pool_name)) != "kv":
-            raise ConfigError(
-                f"kvconnect stores KV pages only; this model also has a {host_pool_name} host "
-                "pool (hybrid models are not supported yet)"
-            )
+        """Register a hybrid model's sidecar pool (sliding window, Mamba state, indexer, draft;
+        kvconnect/sglang/pools.py) once; the KV pool is the one ``register_mem_pool_host``
+        registered. Raises ConfigError (at attach) for a pool kvconnect does not store."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if PoolName(host_pool_name) is PoolName.KV:
+            return
+        if self._sidecars is None:
+            raise ConfigError("the host KV pool must be registered before its sidecar pools")
+        self._sidecars.register(host_pool, PoolName(host_pool_name))
 
     def clear(self) -> None:
         """Nothing is removed: the store is shared by every engine of the cluster, so one
@@ -181,9 +206,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         """Close the store client (and the embedded store server), give the host pool its
         own ``free`` back (slots still withheld stay out of it). Idempotent."""
         self._client.close()
-        if self._withheld is not None:
-            self._withheld.uninstall()
-            self._withheld = None
+        self._uninstall()
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -283,6 +306,48 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
             self._unexpected(_Trouble.BATCH_SET)
             return [False] * len(keys)
 
+    # ------------------------------------------------------------------- hybrid models (v2)
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The KV pages stored from the first, narrowed to the prefix lengths every sidecar
+        pool can restore by its hit policy (no hit while the store is unhealthy)."""
+        try:
+            kv_pages = self.batch_exists(keys, extra_info)
+            if self._sidecars is None:
+                raise ConfigError("the host KV pool is not registered yet")
+            return self._sidecars.exists(keys, kv_pages, pool_transfers or [])
+        except StoreError as exc:
+            self._store_trouble(_Trouble.EXISTS, exc)
+        except Exception:
+            self._unexpected(_Trouble.BATCH_EXISTS_V2)
+        return PoolTransferResult(0, {}, [])
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[PoolName, list[bool]]:
+        """Read sidecar pages into their pools by ``read_timeout``; per pool, True for each
+        page that arrived whole (SGLang uses each pool's leading run)."""
+        try:
+            return self._sidecar_io(transfers, write=False)
+        except Exception:
+            self._unexpected(_Trouble.BATCH_GET_V2)
+            return _misses(transfers)
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[PoolName, list[bool]]:
+        """Write sidecar pages from their pools; False for pages not stored."""
+        try:
+            return self._sidecar_io(transfers, write=True)
+        except Exception:
+            self._unexpected(_Trouble.BATCH_SET_V2)
+            return _misses(transfers)
+
     # ------------------------------------------------------------------- legacy (copy) API
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
@@ -323,10 +388,46 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
 
     # ------------------------------------------------------------------------------ helpers
 
+    def _sidecar_io(
+        self, transfers: list[PoolTransfer], *, write: bool
+    ) -> dict[PoolName, list[bool]]:
+        sidecars = self._sidecars
+        if sidecars is None:
+            raise ConfigError("the host KV pool is not registered yet")
+        outcome: Outcome = sidecars.set(transfers) if write else sidecars.get(transfers)
+        if outcome.withheld:
+            self._warn(
+                _Trouble.UNSETTLED,
+                "kvconnect: %d sidecar page(s) still in transfer past the deadline; their host "
+                "slots are withheld from SGLang until the transfer lets go",
+                outcome.withheld,
+            )
+        self._set_healthy(not outcome.unavailable)
+        return outcome.results
+
+    def _uninstall(self) -> None:
+        """Give the host pools their own ``free`` back (at detach or a new KV pool)."""
+        if self._sidecars is not None:
+            self._sidecars.close()
+            self._sidecars = None
+        if self._withheld is not None:
+            self._withheld.uninstall()
+            self._withheld = None
+
+    def _page_meta(self, host_indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Pointers and sizes of every object of the pages at ``host_indices`` (SGLang's order:
+        page by page; split heads, ``page_head``: shard by shard within a page)."""
+        pool = self.mem_pool_host
+        if self._head_split > 1:
+            return pool.get_split_heads_page_buffer_meta(host_indices, self._head_split)  # type: ignore[no-any-return]
+        return pool.get_page_buffer_meta(host_indices)  # type: ignore[no-any-return]
+
     def _transfer(self, keys: list[str], host_indices: torch.Tensor, *, write: bool) -> list[bool]:
         naming = self._require_keys()
         assert self._memory is not None
-        region, offsets, sizes = self._memory.locate(host_indices)
+        pointers, page_sizes = self._page_meta(host_indices)
+        sizes = [int(size) for size in page_sizes]
+        region, offsets = self._memory.locate(pointers, sizes)
         object_keys = naming.keys(keys)
         if len(offsets) != len(object_keys):
             raise ConfigError(
@@ -356,7 +457,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
     def _read(
         self,
         object_keys: list[str],
-        region: MemoryRegion,
+        region: Regions,
         offsets: list[int],
         sizes: list[int],
         pages: int,
@@ -511,39 +612,8 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         log.log(logging.DEBUG if quiet else logging.WARNING, message, *args, exc_info=exc_info)
 
 
-class _PoolMemory:
-    """The host pool's backing tensor, registered once; page pointers → offsets in it.
-    ``head_split``: each page's K and V are cut into that many head shards (``page_head``)."""
-
-    def __init__(self, client: StoreClient, host_pool: Any, head_split: int = 1) -> None:
-        self._pool = host_pool
-        self._head_split = head_split
-        buffer = host_pool.kv_buffer
-        if not isinstance(buffer, torch.Tensor) or not buffer.is_contiguous():
-            raise ConfigError("the host KV pool has no contiguous kv_buffer tensor to register")
-        if head_split > 1 and host_pool.head_num % head_split:
-            raise ConfigError(
-                f"tp_lcm_size cuts this rank's {host_pool.head_num} KV heads into "
-                f"{head_split} shards: it must divide them"
-            )
-        self.region: MemoryRegion = client.register(buffer)
-        self._start = self.region.address
-        self._end = self._start + self.region.length
-
-    def locate(self, host_indices: torch.Tensor) -> tuple[MemoryRegion, list[int], list[int]]:
-        """Offsets and sizes in the registered pool of every object of the pages at
-        ``host_indices`` (SGLang's ``get_page_buffer_meta`` order: page by page; split heads:
-        shard by shard within a page)."""
-        if self._head_split > 1:
-            meta = self._pool.get_split_heads_page_buffer_meta(host_indices, self._head_split)
-        else:
-            meta = self._pool.get_page_buffer_meta(host_indices)
-        pointers, sizes = meta
-        offsets = [pointer - self._start for pointer in pointers]
-        for pointer, size in zip(pointers, sizes, strict=True):
-            if pointer < self._start or pointer + size > self._end:
-                raise ConfigError(f"page memory at {pointer:#x} is outside the registered pool")
-        return self.region, offsets, list(sizes)
+def _misses(transfers: list[PoolTransfer]) -> dict[PoolName, list[bool]]:
+    return {transfer.name: [False] * len(transfer.keys or []) for transfer in transfers}
 
 
 class _Reading(threading.local):

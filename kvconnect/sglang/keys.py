@@ -13,7 +13,9 @@ different TP sizes can share pages: the heads are cut into ``tp_lcm_size`` shard
 extra-config key, the least common multiple of the TP sizes; else this instance's TP size)
 and each shard is a K and a V object named by its place among all heads, not by the rank. A
 TP-1 instance with ``tp_lcm_size`` 2 writes shards 0 and 1 of every page; rank 1 of a TP-2
-instance reads shard 1.
+instance reads shard 1. Hybrid models' sidecar
+pools (sliding window, Mamba state, indexer, draft) store their share of a page under the same
+prefix with the pool in the suffix (:func:`sidecar_keys`).
 """
 
 from __future__ import annotations
@@ -78,14 +80,7 @@ class PageKeys:
 
 def page_keys(fmt: PageFormat) -> PageKeys:
     """The key scheme of one rank for pages of ``fmt``."""
-    model = fmt.model.replace("/", "--")
-    namespace = f"{fmt.namespace}/" if fmt.namespace else ""
-    prefix = f"{namespace}sglang/{model}/{fmt.layout}/{fmt.dtype}/p{fmt.page_size}/"
-    where = f"/pp{fmt.pp_rank}" if fmt.pp_size > 1 else ""
-    if fmt.cp_size > 1:
-        where += f"/cp{fmt.cp_rank}of{fmt.cp_size}"
-    if fmt.dcp_size > 1:  # decode context parallelism shards the tokens of a page
-        where += f"/dcp{fmt.dcp_rank}of{fmt.dcp_size}"
+    prefix, where = _placement(fmt)
     if fmt.mla:
         return PageKeys(prefix, (f"{where}/kv",))
     if fmt.layout == "page_head":  # shards of all heads: the same names at every TP size
@@ -95,3 +90,43 @@ def page_keys(fmt: PageFormat) -> PageKeys:
     else:
         names = [f"{where}/tp{fmt.tp_rank}of{fmt.tp_size}"]
     return PageKeys(prefix, tuple(f"{name}/{kv}" for name in names for kv in ("k", "v")))
+
+
+def _placement(fmt: PageFormat) -> tuple[str, str]:
+    """The key prefix of ``fmt``'s pages, and the part of a suffix naming the rank's share
+    of a page that is not its TP shard (pipeline stage, context-parallel ranks)."""
+    model = fmt.model.replace("/", "--")
+    namespace = f"{fmt.namespace}/" if fmt.namespace else ""
+    prefix = f"{namespace}sglang/{model}/{fmt.layout}/{fmt.dtype}/p{fmt.page_size}/"
+    where = f"/pp{fmt.pp_rank}" if fmt.pp_size > 1 else ""
+    if fmt.cp_size > 1:
+        where += f"/cp{fmt.cp_rank}of{fmt.cp_size}"
+    if fmt.dcp_size > 1:  # decode context parallelism shards the tokens of a page
+        where += f"/dcp{fmt.dcp_rank}of{fmt.dcp_size}"
+    return prefix, where
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarFormat:
+    """What determines a sidecar pool's bytes for a page, besides the page's format.
+
+    ``name`` is SGLang's pool name (``swa``, ``mamba``, ``indexer``, ``draft``…); ``objects``
+    the pool's objects per page (its ``get_page_buffer_meta`` ranges for one page); ``shared``
+    whether every TP rank holds the same bytes (MLA-shaped pools: one object set, no rank).
+    """
+
+    name: str
+    layout: str
+    dtype: str
+    objects: int
+    shared: bool
+
+
+def sidecar_keys(fmt: PageFormat, pool: SidecarFormat) -> PageKeys:
+    """The key scheme of one rank for a sidecar pool's share of pages of ``fmt``: the page's
+    prefix, then the pool's name, layout and dtype, so no pool's objects can be taken for the
+    KV's (``/k``, ``/v``, ``/kv``) or another pool's."""
+    prefix, where = _placement(fmt)
+    shard = where if pool.shared else f"{where}/tp{fmt.tp_rank}of{fmt.tp_size}"
+    tag = f"{shard}/{pool.name}.{pool.layout}.{pool.dtype}"
+    return PageKeys(prefix, tuple(f"{tag}/{i}" for i in range(pool.objects)))

@@ -49,6 +49,7 @@ collect_ignore = (
         "test_bench_sglang.py",
         "test_deadline.py",
         "test_examples.py",
+        "test_hybrid.py",
         "test_metrics.py",
         "test_plugin.py",
     ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +27,10 @@ from sglang.srt.mem_cache.device_pool_info import (
     MHABufferInfo,
     MLABufferInfo,
 )
-from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -39,6 +40,9 @@ from sglang.srt.runtime_context import create_context, use_context
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 
 from kvconnect.bench.tiny_llama import write_tiny_llama
+from kvconnect.transfer import TransferOp
+from kvconnect.transfer.batch import Slice
+from kvconnect.transfer.datapath.copying import Copier
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 4, 2, 8, 16
 MLA_WIDTH = 24  # kv_lora_rank 16 + rope 8
@@ -129,6 +133,11 @@ class _DevicePool:
         self.layer_transfer_counter = counter
 
 
+class _MLADevicePool(_DevicePool, MLATokenToKVPool):
+    """A stand-in MLA device pool: the controller tells MLA models (one copy of each page for
+    all ranks) by the device pool's class."""
+
+
 class _Allocator:
     def __init__(self, device_pool: _DevicePool) -> None:
         self._pool = device_pool
@@ -142,24 +151,30 @@ def controller(
     backend: str | None,
     extra_config: dict[str, Any],
     model: str = "test/model",
+    sidecars: Mapping[PoolName, Any] | None = None,
     *,
+    mla: bool = False,
     enable_storage_metrics: bool = False,
 ) -> HybridCacheController:
     """SGLang's production cache controller with ``backend`` attached (its threads run;
-    ``None``: no storage backend, as a server started without L3); ``enable_storage_metrics``
-    as SGLang's ``--enable-metrics`` sets it."""
-    device = _DevicePool()
-    group = HostPoolGroup(
-        [
-            PoolEntry(
-                name=PoolName.KV,
-                host_pool=host_pool,
-                device_pool=device,
-                layer_mapper=lambda i: i,
-                is_primary_index_anchor=True,
-            )
-        ]
-    )
+    ``None``: no storage backend, as a server started without L3). ``sidecars``: a hybrid
+    model's other host pools, by name (the KV pool is the anchor); ``mla``: the model is an
+    MLA model; ``enable_storage_metrics`` as SGLang's ``--enable-metrics`` sets it."""
+    device = _MLADevicePool() if mla else _DevicePool()
+    entries = [
+        PoolEntry(
+            name=PoolName.KV,
+            host_pool=host_pool,
+            device_pool=device,
+            layer_mapper=lambda i: i,
+            is_primary_index_anchor=True,
+        )
+    ]
+    for name, pool in (sidecars or {}).items():
+        entries.append(
+            PoolEntry(name=name, host_pool=pool, device_pool=device, layer_mapper=lambda i: i)
+        )
+    group = HostPoolGroup(entries)
     return HybridCacheController(
         _Allocator(device),
         group,
@@ -174,6 +189,35 @@ def controller(
         model_name=model,
         storage_backend_extra_config=dict(extra_config),
         enable_storage_metrics=enable_storage_metrics,
+    )
+
+
+def dynamic(extra_config: dict[str, Any]) -> dict[str, Any]:
+    """``extra_config`` for the no-patch route: SGLang's ``dynamic`` loader with the
+    zero-copy interface."""
+    return {
+        "backend_name": "kvconnect",
+        "module_path": "kvconnect.sglang",
+        "class_name": "KVConnectStore",
+        "interface_v1": 1,
+        **extra_config,
+    }
+
+
+def rank_storage(master: str, rank: int, mla: bool, **extra: Any) -> HiCacheStorageConfig:
+    """The storage config SGLang gives the backend on TP rank ``rank`` of 2 (MLA or not)."""
+    return HiCacheStorageConfig(
+        tp_rank=rank,
+        tp_size=2,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="ranks/model",
+        extra_config={"master": master, **extra},
     )
 
 
@@ -209,10 +253,14 @@ def backup(
     host_indices: torch.Tensor,
     tokens: list[int],
     hashes: list[str] | None = None,
+    extra_pools: list[PoolTransfer] | None = None,
 ) -> int:
     """Write pages to L3 through the controller's backup thread; tokens it acknowledged.
-    ``hashes``: the pages' hashes when ``tokens`` continue an earlier sequence."""
-    cc.write_storage(host_indices, tokens, hash_value=hashes or page_hashes(tokens))
+    ``hashes``: the pages' hashes when ``tokens`` continue an earlier sequence;
+    ``extra_pools``: the sidecar pools' transfers, as SGLang's radix cache builds them."""
+    cc.write_storage(
+        host_indices, tokens, hash_value=hashes or page_hashes(tokens), extra_pools=extra_pools
+    )
     operation = cc.ack_backup_queue.get(timeout=ACK_TIMEOUT)
     return int(operation.completed_tokens)
 
@@ -227,6 +275,7 @@ class Prefetch:
     seconds: float  # from the hit to the final ack
     terminated: bool = False  # SGLang's verdict came before the final ack
     read_tokens: int = 0  # what the IO thread acknowledged last (after a verdict too)
+    pool_hits: dict[str, int] | None = None  # the sidecar pools' pages read (hybrid models)
 
 
 def prefetch(
@@ -237,14 +286,19 @@ def prefetch(
     stop_after: float | None = None,
     before_read: Callable[[torch.Tensor], None] | None = None,
     verdict: Callable[[Any], bool] | None = None,
+    extra_pools: list[PoolTransfer] | None = None,
 ) -> Prefetch:
     """Run a prefetch as SGLang's scheduler does: hit query, host slots for the hit, acks.
     ``stop_after``: terminate it that many seconds after the first progress ack, as the
     ``timeout`` policy would (the IO thread finishes its batch and stops). ``before_read``:
     called with the host slots given to the prefetch, before its IO starts. ``verdict``:
     asked with the operation while no ack is queued; once True the prefetch is terminated as
-    SGLang's stop policy does, and the tokens acknowledged by then are those SGLang uses."""
-    operation = cc.prefetch(CacheRequestHandle(rid=rid, attempt_id=0), tokens)
+    SGLang's stop policy does, and the tokens acknowledged by then are those SGLang uses.
+    ``extra_pools``: the sidecar pools' transfers; those with slots of their own (a trailing
+    window: SWA, Mamba state) get them once the hit is known, as the radix cache stages them."""
+    operation = cc.prefetch(
+        CacheRequestHandle(rid=rid, attempt_id=0), tokens, extra_pools=extra_pools
+    )
     assert cc.prefetch_hit_queue.get(timeout=ACK_TIMEOUT) is operation
     hit = int(operation.storage_hit_count)
     if hit == 0:
@@ -252,18 +306,25 @@ def prefetch(
     host_indices = cc.alloc_prefetch_host_buffers(operation, hit)
     operation.host_indices = host_indices
     operation.hash_value = operation.hash_value[: len(host_indices) // PAGE]
+    for transfer in extra_pools or []:
+        if transfer.indices_from_pool is None:
+            pool = cc.mem_pool_host.get_pool(transfer.name)
+            transfer.host_indices = pool.alloc(len(transfer.keys or ()) * pool.page_size)
     if before_read is not None:
         before_read(host_indices)
     start = time.monotonic()
     cc.prefetch_buffer.put(operation)
     completed = read = 0
     stopped = judged = False
+    pool_hits = None
     while True:
         ack = _next_ack(cc, operation, None if judged else verdict)
         if ack is None:
             completed, _ = cc.terminate_prefetch(operation)
             stopped = judged = True
             continue
+        if ack.pool_hits is not None:
+            pool_hits = dict(ack.pool_hits)
         if ack.completed_tokens is not None:
             read = int(ack.completed_tokens)
         if ack.completed_tokens is not None and not stopped:
@@ -274,7 +335,7 @@ def prefetch(
                 stopped = True
         if ack.completed_req:
             seconds = time.monotonic() - start
-            return Prefetch(hit, completed, host_indices, seconds, judged, read)
+            return Prefetch(hit, completed, host_indices, seconds, judged, read, pool_hits)
 
 
 def _next_ack(
@@ -333,3 +394,39 @@ def storage_extra_config(args: ServerArgs) -> dict[str, Any]:
         with pytest.raises(_Captured):
             cache.init_hicache(args, None)
     return captured
+
+
+class HeldCopies:
+    """Holds the transport threads' copies that touch chosen host memory until ``let_go``
+    (past the deadline and the settle grace: the request stays unsettled), then performs them
+    — the late write (read) or read (write) SGLang must be protected from. The hold is inside a
+    copy chunk, after the copier checked the request was still pending: a thread stuck in its
+    memcpy, which no deadline can interrupt. Same-host store servers: the backend moves pages
+    with shared-memory copies."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        self.blocked = threading.Event()
+        self.let_go = threading.Event()
+        original = Copier._copy_chunk
+
+        def copy_chunk(copier: Copier, op: TransferOp, chunk: Sequence[Any]) -> None:
+            held = [piece for piece in chunk if self._touches(piece.slice)]
+            rest = [piece for piece in chunk if not self._touches(piece.slice)]
+            if rest:
+                original(copier, op, rest)
+            if held:
+                self.blocked.set()
+                self.let_go.wait()
+                original(copier, op, held)
+
+        monkeypatch.setattr(Copier, "_copy_chunk", copy_chunk)
+
+    def hold_pages(self, pool: Any, slots: torch.Tensor) -> None:
+        """Hold every copy into or out of the pages at ``slots``."""
+        pointers, sizes = pool.get_page_buffer_meta(slots)
+        self.ranges = [(p, p + n) for p, n in zip(pointers, sizes, strict=True)]
+
+    def _touches(self, piece: Slice) -> bool:
+        start = piece.local.address + piece.local_offset
+        return any(low <= start < high for low, high in self.ranges)

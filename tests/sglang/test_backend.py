@@ -7,9 +7,8 @@ prefetch and ack threads in this process over real host KV pools.
 from __future__ import annotations
 
 import signal
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,9 +16,6 @@ import torch
 
 from kvconnect.store import messages as m
 from kvconnect.store.launch import Cluster
-from kvconnect.transfer import TransferOp
-from kvconnect.transfer.batch import Slice
-from kvconnect.transfer.datapath.copying import Copier
 from tests.sglang import harness as h
 from tests.support.waiting import wait_for
 
@@ -34,13 +30,7 @@ def _extra(cluster: Cluster, **settings: Any) -> dict[str, Any]:
 
 def _dynamic(cluster: Cluster, **settings: Any) -> dict[str, Any]:
     """The no-patch route: SGLang's ``dynamic`` loader with the zero-copy interface."""
-    return {
-        "backend_name": "kvconnect",
-        "module_path": "kvconnect.sglang",
-        "class_name": "KVConnectStore",
-        "interface_v1": 1,
-        **_extra(cluster, **settings),
-    }
+    return h.dynamic(_extra(cluster, **settings))
 
 
 @pytest.fixture
@@ -205,42 +195,6 @@ def test_an_unexpected_error_is_a_miss_and_sglang_threads_live_on(cluster: Clust
         cc.detach_storage_backend()
 
 
-class _HeldCopies:
-    """Holds the transport threads' copies that touch chosen host memory until ``let_go``
-    (past the deadline and the settle grace: the request stays unsettled), then performs them
-    — the late write (read) or read (write) SGLang must be protected from. The hold is inside a
-    copy chunk, after the copier checked the request was still pending: a thread stuck in its
-    memcpy, which no deadline can interrupt. Same-host store servers: the backend moves pages
-    with shared-memory copies."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.ranges: list[tuple[int, int]] = []
-        self.blocked = threading.Event()
-        self.let_go = threading.Event()
-        original = Copier._copy_chunk
-
-        def copy_chunk(copier: Copier, op: TransferOp, chunk: Sequence[Any]) -> None:
-            held = [piece for piece in chunk if self._touches(piece.slice)]
-            rest = [piece for piece in chunk if not self._touches(piece.slice)]
-            if rest:
-                original(copier, op, rest)
-            if held:
-                self.blocked.set()
-                self.let_go.wait()
-                original(copier, op, held)
-
-        monkeypatch.setattr(Copier, "_copy_chunk", copy_chunk)
-
-    def hold_pages(self, pool: Any, slots: torch.Tensor) -> None:
-        """Hold every copy into or out of the pages at ``slots``."""
-        pointers, sizes = pool.get_page_buffer_meta(slots)
-        self.ranges = [(p, p + n) for p, n in zip(pointers, sizes, strict=True)]
-
-    def _touches(self, piece: Slice) -> bool:
-        start = piece.local.address + piece.local_offset
-        return any(low <= start < high for low, high in self.ranges)
-
-
 def test_a_read_that_cannot_be_stopped_keeps_its_host_pages_from_reuse(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -250,7 +204,7 @@ def test_a_read_that_cannot_be_stopped_keeps_its_host_pages_from_reuse(
         cluster.add_server("--store-size", str(5 * h.PAGE_BYTES))
         pool = h.mha_pool(pages=40)
         cc = h.controller(pool, "dynamic", _dynamic(cluster, read_timeout=1.0))
-        held = _HeldCopies(monkeypatch)
+        held = h.HeldCopies(monkeypatch)
         try:
             _late_read_lands_only_in_withheld_pages(cluster, cc, pool, held)
         finally:
@@ -259,7 +213,7 @@ def test_a_read_that_cannot_be_stopped_keeps_its_host_pages_from_reuse(
 
 
 def _late_read_lands_only_in_withheld_pages(
-    cluster: Cluster, cc: Any, pool: Any, held: _HeldCopies
+    cluster: Cluster, cc: Any, pool: Any, held: h.HeldCopies
 ) -> None:
     tokens = h.tokens_for(8, seed=21)
     hashes = h.page_hashes(tokens)
@@ -307,7 +261,7 @@ def test_a_write_that_cannot_be_stopped_keeps_its_source_pages_from_reuse(
     pool = h.mha_pool(pages=40)
     cc = h.controller(pool, "dynamic", _dynamic(cluster, write_timeout=1.0))
     backend = cc.storage_backend
-    held = _HeldCopies(monkeypatch)
+    held = h.HeldCopies(monkeypatch)
     try:
         tokens = h.tokens_for(4, seed=23)
         source = pool.alloc(len(tokens))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvconnect.sglang.keys import PageFormat, page_keys
+from kvconnect.sglang.keys import PageFormat, SidecarFormat, page_keys, sidecar_keys
 
 
 def _fmt(**changes: object) -> PageFormat:
@@ -77,3 +77,31 @@ def test_tp_lcm_size_splits_only_page_head_mha_pages() -> None:
     mla = _fmt(layout="page_head", mla=True, tp_lcm_size=4)
     assert mla.head_split == 1
     assert page_keys(mla).objects == 1
+
+
+def test_keys_of_different_pools_and_ranks_never_collide() -> None:
+    # Every pool kind SGLang's hybrid assembler builds, on two TP ranks of an MHA and an MLA
+    # model, with the KV pages' own keys: no two objects share a key, except the shared
+    # (MLA-shaped) pools' and MLA KV's, which are one object for every rank by design.
+    pools = ["swa", "mamba", "indexer", "draft", "draft_swa", "draft_indexer"]
+    owners: dict[str, set[tuple[object, ...]]] = {}
+    for mla in (False, True):
+        for rank in (0, 1):
+            fmt = _fmt(model=f"model-{mla}", mla=mla, tp_rank=rank, tp_size=2)
+            for key in page_keys(fmt).keys(["h1", "h2"]):
+                owners.setdefault(key, set()).add(("kv", mla, rank if not mla else None))
+            for name in pools:
+                shared = mla and name != "mamba"
+                pool = SidecarFormat(name, "page_first", "bfloat16", objects=3, shared=shared)
+                for key in sidecar_keys(fmt, pool).keys(["h1", "h2"]):
+                    owners.setdefault(key, set()).add((name, mla, None if shared else rank))
+    assert all(len(owner) == 1 for owner in owners.values())
+    kv = 2 * 2 * 2 + 2  # MHA: K and V per page and rank; MLA: one per page
+    mha_pools = 6 * 2 * 2 * 3  # pools x ranks x pages x objects
+    mla_pools = 2 * 2 * 3 + 5 * 2 * 3  # the Mamba state per rank, the others shared
+    assert len(owners) == kv + mha_pools + mla_pools
+    # the pool's format is in its keys too
+    fmt = _fmt()
+    base = SidecarFormat("swa", "page_first", "bfloat16", objects=2, shared=False)
+    other = SidecarFormat("swa", "page_first", "float16", objects=2, shared=False)
+    assert not set(sidecar_keys(fmt, base).keys(["h"])) & set(sidecar_keys(fmt, other).keys(["h"]))

@@ -303,19 +303,8 @@ def test_store_and_transfer_sections_reach_the_client_and_its_engine(
 
 
 def _storage(cluster: Cluster, rank: int, mla: bool, **extra: Any) -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(
-        tp_rank=rank,
-        tp_size=2,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=mla,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name="ranks/model",
-        extra_config={"master": cluster.master_endpoint, "namespace": f"ranks-{mla}", **extra},
-    )
+    extra = {"namespace": f"ranks-{mla}", **extra}
+    return h.rank_storage(cluster.master_endpoint, rank, mla, **extra)
 
 
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
@@ -360,8 +349,11 @@ def test_unsupported_pools_are_refused_at_attach_with_the_fix(cluster: Cluster) 
     backend = KVConnectStore(_storage(cluster, 0, False), h.mha_pool())
     try:
         backend.register_mem_host_pool_v2(backend.mem_pool_host, PoolName.KV)  # fine
-        with pytest.raises(ConfigError, match=r"KV pages only.*hybrid"):
-            backend.register_mem_host_pool_v2(h.mha_pool(), PoolName.MAMBA)
+        backend.register_mem_host_pool_v2(h.mha_pool(), PoolName.SWA)  # a hybrid model's
+        with pytest.raises(ConfigError, match="DeepSeek-V4"):
+            backend.register_mem_host_pool_v2(h.mha_pool(), PoolName.DEEPSEEK_V4_C4)
+        with pytest.raises(ConfigError, match="--hicache-mem-layout page_first"):
+            backend.register_mem_host_pool_v2(h.mha_pool("layer_first"), PoolName.DRAFT)
     finally:
         backend.close()
 
