@@ -330,8 +330,9 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[PoolName, list[bool]]:
-        """Read sidecar pages into their pools by ``read_timeout``; per pool, True for each
-        page that arrived whole (SGLang uses each pool's leading run)."""
+        """Read sidecar pages into their pools within the budget of their pages (capped by
+        ``read_timeout``); per pool, True for each page that arrived whole (SGLang uses each
+        pool's leading run)."""
         try:
             return self._sidecar_io(transfers, write=False)
         except Exception:
@@ -394,7 +395,10 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         sidecars = self._sidecars
         if sidecars is None:
             raise ConfigError("the host KV pool is not registered yet")
-        outcome: Outcome = sidecars.set(transfers) if write else sidecars.get(transfers)
+        if write:
+            outcome: Outcome = sidecars.set(transfers)
+        else:
+            outcome = sidecars.get(transfers, self._sidecar_timeout(transfers))
         if outcome.withheld:
             self._warn(
                 _Trouble.UNSETTLED,
@@ -404,6 +408,21 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
             )
         self._set_healthy(not outcome.unavailable)
         return outcome.results
+
+    def _sidecar_timeout(self, transfers: list[PoolTransfer]) -> float:
+        """A sidecar read's bound: the budget of its pages, as a read of KV pages SGLang's
+        verdict does not bound (it never cuts a sidecar read once the KV landed)."""
+        pages = max((len(transfer.keys or ()) for transfer in transfers), default=0)
+        now = time.monotonic()
+        end = read_deadline(
+            self.prefetch_budget,
+            now,
+            pages,
+            operation=None,
+            margin=self.config.deadline_margin,
+            cap=self.config.read_timeout,
+        )
+        return end - now
 
     def _uninstall(self) -> None:
         """Give the host pools their own ``free`` back (at detach or a new KV pool)."""

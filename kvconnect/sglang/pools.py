@@ -253,13 +253,15 @@ class SidecarPools:
         ordered = sorted(restorable)
         return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
 
-    def get(self, transfers: Sequence[PoolTransfer]) -> Outcome:
-        """Read each transfer's pages into its pool by the store client's read deadline; per
-        page, whether it arrived whole (SGLang uses each pool's leading run)."""
+    def get(self, transfers: Sequence[PoolTransfer], timeout: float) -> Outcome:
+        """Read each transfer's pages into its pool within ``timeout`` seconds; per page,
+        whether it arrived whole (SGLang uses each pool's leading run)."""
         batch = self._batch(transfers, write=False)
         if not batch.keys:
             return self._outcome(batch, [], None, write=False)
-        result = self._client.batch_get_into(batch.keys, batch.regions, batch.offsets, batch.sizes)
+        result = self._client.batch_get_into(
+            batch.keys, batch.regions, batch.offsets, batch.sizes, timeout=timeout
+        )
         done = [
             code is Code.OK and got == size
             for code, got, size in zip(result.codes, result.sizes, batch.sizes, strict=True)
