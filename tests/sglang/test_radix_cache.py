@@ -1,0 +1,103 @@
+"""kvconnect as L3 under SGLang's real ``UnifiedRadixCache`` (HiCache), on a real cluster.
+
+Two SGLang instances share one kvconnect store (a master and store servers in their own
+processes): a writer whose write policy backs its KV up to L3, and a reader that prefetches it
+under a prefetch policy; the reader's host pages must hold the writer's device bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvconnect.store.launch import Cluster
+from tests.sglang import harness as h
+from tests.sglang import radix as r
+from tests.support.waiting import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.sglang]
+
+FAST = {"rpc_timeout": 0.5, "breaker_cooldown": 0.5, "transport": "tcp"}
+"""Short kvconnect timeouts; TCP to the store servers (a stopped server then serves nothing:
+same-host shared memory would not need it)."""
+PAGES = 12
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    with Cluster(servers=1, server_size=16 << 20) as c:
+        yield c
+
+
+def _extra(cluster: Cluster, **settings: Any) -> dict[str, Any]:
+    return {"master": cluster.master_endpoint, **FAST, **settings}
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return tmp_path / "model"
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+def test_a_waiting_policy_admits_once_every_page_landed(
+    cluster: Cluster, model_dir: Path, policy: str
+) -> None:
+    args = r.args(model_dir, _extra(cluster, prefetch_threshold=h.PAGE), prefetch_policy=policy)
+    with r.scheduler(args), r.Engine(args) as writer, r.Engine(args) as reader:
+        tokens = h.tokens_for(PAGES)
+        written = writer.insert(tokens, seed=1)
+        writer.settle_backups()
+        assert cluster.stats().keys == 2 * PAGES  # K and V of each page
+        assert reader.host_hit(tokens) == 0
+        handle = reader.run_prefetch("req-1", tokens)
+        assert reader.host_hit(tokens) == len(tokens)
+        assert reader.landed(handle, tokens) == written
+        assert reader.backend.stats.pages_read == PAGES
+
+
+def test_best_effort_admits_at_once_with_what_landed(cluster: Cluster, model_dir: Path) -> None:
+    args = r.args(
+        model_dir, _extra(cluster, prefetch_threshold=h.PAGE), prefetch_policy="best_effort"
+    )
+    with r.scheduler(args), r.Engine(args) as writer, r.Engine(args) as reader:
+        early, late = h.tokens_for(PAGES, seed=1), h.tokens_for(PAGES, seed=2)
+        written = {1: writer.insert(early, seed=1), 2: writer.insert(late, seed=2)}
+        writer.settle_backups()
+        # polled at once: admitted on the first poll, with the leading pages that had landed
+        handle = reader.prefetch("req-early", early)
+        assert reader.poll(handle)
+        landed = reader.landed(handle, early)
+        assert landed == written[1][: len(landed)]
+        # polled after the reads finished: every page is in the tree
+        handle = reader.prefetch("req-late", late)
+        reader.pump(lambda: reader.operation(handle) is None, "the prefetch never finished")
+        assert reader.poll(handle)
+        assert reader.host_hit(late) == len(late)
+        assert reader.landed(handle, late) == written[2]
+
+
+def test_prefetch_threshold(cluster: Cluster, model_dir: Path) -> None:
+    threshold = 8 * h.PAGE
+    args = r.args(model_dir, _extra(cluster, prefetch_threshold=threshold))
+    with r.scheduler(args), r.Engine(args) as writer, r.Engine(args) as reader:
+        short, enough = h.tokens_for(7, seed=1), h.tokens_for(8, seed=2)
+        writer.insert(short, seed=1)
+        written = writer.insert(enough, seed=2)
+        writer.settle_backups()
+        assert cluster.stats().keys == 2 * 15
+        # below the threshold: no prefetch, nothing read (SGLang declines before any lookup)
+        handle = reader.prefetch("req-short", short)
+        assert reader.operation(handle) is None
+        assert reader.poll(handle)
+        assert reader.host_hit(short) == 0
+        assert reader.cache.prefetch_outcome_stats_snapshot()["declined_too_short"] == 1
+        # at the threshold: prefetched
+        handle = reader.run_prefetch("req-enough", enough)
+        assert reader.host_hit(enough) == threshold
+        assert reader.landed(handle, enough) == written
+        assert reader.backend.stats.pages_read == 8
