@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvconnect.store.launch import Cluster
 from tests.sglang import harness as h
@@ -101,3 +102,57 @@ def test_prefetch_threshold(cluster: Cluster, model_dir: Path) -> None:
         assert reader.host_hit(enough) == threshold
         assert reader.landed(handle, enough) == written
         assert reader.backend.stats.pages_read == 8
+
+
+def test_a_stalled_server_mid_batch_gives_exactly_the_leading_pages(model_dir: Path) -> None:
+    # One batch (< 128 pages) whose pages 0..LEADING-1 live on server A and the rest on
+    # server B: A is sized for exactly LEADING pages (full, never evicting), B joins after
+    # they were written.
+    with Cluster(servers=0, master_args=["--master-high-watermark", "1.0"]) as cluster:
+        cluster.add_server("--store-size", str(LEADING * h.PAGE_BYTES))
+        # kvconnect's read deadline below SGLang's budget, so kvconnect answers first
+        extra = _extra(cluster, read_timeout=1.0, prefetch_timeout_base=30, negative_ttl=0)
+        args = r.args(model_dir, {**extra, "prefetch_threshold": h.PAGE})
+        with r.scheduler(args), r.Engine(args) as writer, r.Engine(args) as reader:
+            _partial_reuse(cluster, writer, reader)
+
+
+LEADING = 5
+
+
+def _partial_reuse(cluster: Cluster, writer: r.Engine, reader: r.Engine) -> None:
+    tokens = h.tokens_for(PAGES)
+    leading = LEADING * h.PAGE
+    writer.insert(tokens[:leading], seed=3)
+    writer.settle_backups()
+    slow = cluster.add_server("--store-size", str(16 << 20))
+    written = writer.insert(tokens, seed=3)
+    writer.settle_backups()
+    objects = [s.objects for s in sorted(cluster.stats().segments, key=lambda s: s.capacity)]
+    assert objects == [2 * LEADING, 2 * (PAGES - LEADING)], "A: the leading pages, B: the rest"
+    slow.signal(signal.SIGSTOP)
+    try:
+        handle = reader.run_prefetch("req-stalled", tokens)
+        assert reader.host_hit(tokens) == leading, "exactly the leading pages are in the tree"
+        assert reader.landed(handle, tokens) == written[:LEADING]
+        tail = reader.slots(handle)[leading:]
+        # the tail's slots went back to the pool (over TCP the late read is cancelled, not
+        # withheld): take every free slot for other requests' KV, with a sentinel in it
+        pool = reader.host_pool
+        taken = pool.alloc(pool.available_size())
+        assert bool(torch.isin(tail, taken).all()), "the tail's slots were not freed"
+        assert reader.backend.stats.pages_withheld == 0
+        expected = r.sentinel(pool, taken)
+    finally:
+        slow.signal(signal.SIGCONT)
+    # B answers the stalled read now. The same connection serves a later read: once that one
+    # is done, whatever B still sent for the first has been dealt with.
+    is_tail = torch.isin(taken, tail)
+    others = taken[~is_tail]
+    barrier, kept = others[: PAGES * h.PAGE], torch.cat([taken[is_tail], others[PAGES * h.PAGE :]])
+    pool.free(barrier)
+    again = reader.run_prefetch("req-again", tokens)
+    assert reader.host_hit(tokens) == len(tokens), "the rest is read later"
+    assert reader.landed(again, tokens) == written
+    assert r.page_bytes(pool, kept) == expected[: len(kept) // h.PAGE * h.PAGE_BYTES]
+    pool.free(kept)
