@@ -156,3 +156,49 @@ def _partial_reuse(cluster: Cluster, writer: r.Engine, reader: r.Engine) -> None
     assert reader.landed(again, tokens) == written
     assert r.page_bytes(pool, kept) == expected[: len(kept) // h.PAGE * h.PAGE_BYTES]
     pool.free(kept)
+
+
+def test_a_stalled_read_blocks_neither_the_scheduler_nor_other_lookups(model_dir: Path) -> None:
+    # request 1's pages on server B (stopped), request 2's on server A
+    with Cluster(servers=0, master_args=["--master-high-watermark", "1.0"]) as cluster:
+        cluster.add_server("--store-size", str(PAGES * h.PAGE_BYTES))
+        # the stall ends by SIGCONT, long before either deadline
+        extra = _extra(cluster, read_timeout=60.0, prefetch_timeout_base=120)
+        args = r.args(model_dir, {**extra, "prefetch_threshold": h.PAGE})
+        with r.scheduler(args), r.Engine(args) as writer, r.Engine(args) as reader:
+            _overlap(cluster, writer, reader)
+
+
+def _overlap(cluster: Cluster, writer: r.Engine, reader: r.Engine) -> None:
+    first, second = h.tokens_for(PAGES, seed=1), h.tokens_for(PAGES, seed=2)
+    written = {2: writer.insert(second, seed=2)}
+    writer.settle_backups()
+    slow = cluster.add_server("--store-size", str(16 << 20))
+    written[1] = writer.insert(first, seed=1)
+    writer.settle_backups()
+    slow.signal(signal.SIGSTOP)
+    try:
+        stalled = reader.prefetch("req-stalled", first)
+        operation = reader.operation(stalled)
+        # the IO thread has taken the read (host slots given, queue empty): it is in kvconnect
+        reader.pump(
+            lambda: operation.host_indices is not None and reader.controller.prefetch_buffer.empty(),
+            "the stalled prefetch never started reading",
+        )
+        # meanwhile the scheduler thread runs rounds; admission polls return (not admitted),
+        # and another request's lookup is answered and its host slots are given
+        other = reader.prefetch("req-other", second)
+        other_operation = reader.operation(other)
+        reader.pump(
+            lambda: not reader.poll(stalled) and other_operation.host_indices is not None,
+            "the other request's lookup waited for the stalled read",
+        )
+        assert other_operation.storage_hit_count == len(second)
+        assert reader.operation(stalled) is operation, "the stalled read is still in flight"
+        assert operation.completed_tokens == 0
+        assert reader.backend.stats.pages_read == 0
+    finally:
+        slow.signal(signal.SIGCONT)
+    reader.pump(lambda: reader.poll(stalled) and reader.poll(other), "prefetches never ended")
+    assert reader.landed(stalled, first) == written[1]
+    assert reader.landed(other, second) == written[2]
