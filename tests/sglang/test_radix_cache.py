@@ -202,3 +202,26 @@ def _overlap(cluster: Cluster, writer: r.Engine, reader: r.Engine) -> None:
     reader.pump(lambda: reader.poll(stalled) and reader.poll(other), "prefetches never ended")
     assert reader.landed(stalled, first) == written[1]
     assert reader.landed(other, second) == written[2]
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_each_write_policy_backs_pages_up_to_the_store(
+    cluster: Cluster, model_dir: Path, policy: str
+) -> None:
+    args = r.args(model_dir, _extra(cluster, prefetch_threshold=h.PAGE), write_policy=policy)
+    with r.scheduler(args), r.Engine(args) as writer, r.Engine(args) as reader:
+        tokens = h.tokens_for(PAGES)
+        written = writer.insert(tokens, seed=4)
+        writer.settle_backups()
+        if policy == "write_through_selective":
+            assert cluster.stats().keys == 0, "backed up on the second hit only"
+            assert writer.insert(tokens, seed=4) == written  # the prefix is hit again
+        elif policy == "write_back":
+            assert cluster.stats().keys == 0, "backed up on eviction only"
+            writer.evict_device()
+        writer.settle_backups()
+        assert cluster.stats().keys == 2 * PAGES
+        assert writer.backend.stats.pages_written == PAGES
+        handle = reader.run_prefetch("req-1", tokens)
+        assert reader.host_hit(tokens) == len(tokens)
+        assert reader.landed(handle, tokens) == written
