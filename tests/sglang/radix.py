@@ -35,7 +35,7 @@ from sglang.srt.mem_cache.pool_host import common, mha
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-from sglang.srt.runtime_context import get_parallel
+from sglang.srt.runtime_context import get_parallel, get_serving
 from sglang.srt.server_args import ServerArgs
 
 from tests.sglang import harness as h
@@ -162,6 +162,21 @@ class Engine:
     def backend(self) -> Any:
         """The kvconnect backend SGLang built (None once detached)."""
         return self.controller.storage_backend
+
+    def detach(self) -> None:
+        """``DELETE /hicache/storage-backend``: what the scheduler's handler calls."""
+        ok, message = self.cache.detach_storage_backend()
+        assert ok, message
+
+    def attach(self, extra_config: dict[str, Any]) -> None:
+        """``PUT /hicache/storage-backend`` with kvconnect (``dynamic`` route): what the
+        scheduler's handler calls."""
+        ok, message = self.cache.attach_storage_backend(
+            storage_backend="dynamic",
+            storage_backend_extra_config_json=json.dumps({**DYNAMIC, **extra_config}),
+            served_model_name=get_serving().served_model_name,
+        )
+        assert ok, message
 
     # --------------------------------------------------------------------------- writing
 

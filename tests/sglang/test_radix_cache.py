@@ -19,6 +19,7 @@ import torch
 from kvconnect.store.launch import Cluster
 from tests.sglang import harness as h
 from tests.sglang import radix as r
+from tests.support import leaks
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.sglang]
@@ -225,3 +226,52 @@ def test_each_write_policy_backs_pages_up_to_the_store(
         handle = reader.run_prefetch("req-1", tokens)
         assert reader.host_hit(tokens) == len(tokens)
         assert reader.landed(handle, tokens) == written
+
+
+def test_detach_with_a_read_in_flight_then_attach_again(cluster: Cluster, model_dir: Path) -> None:
+    extra = _extra(cluster, read_timeout=1.0, prefetch_timeout_base=30, prefetch_threshold=h.PAGE)
+    args = r.args(model_dir, extra)
+    tokens = h.tokens_for(PAGES)
+    with r.scheduler(args):
+        with r.Engine(args) as writer:
+            written = writer.insert(tokens, seed=5)
+            writer.settle_backups()
+        with r.Engine(args) as reader:
+            _detach_and_attach(cluster, reader, extra, tokens, written)
+    assert leaks.wait_no_kvconnect_threads() == []
+
+
+def _detach_and_attach(
+    cluster: Cluster, reader: r.Engine, extra: dict[str, Any], tokens: list[int], written: Any
+) -> None:
+    server = cluster.servers[0]
+    server.signal(signal.SIGSTOP)
+    try:
+        handle = reader.prefetch("req-in-flight", tokens)
+        operation = reader.operation(handle)
+        reader.pump(
+            lambda: operation.host_indices is not None and reader.controller.prefetch_buffer.empty(),
+            "the prefetch never started reading",
+        )
+        backend = reader.backend
+        reader.detach()  # SGLang joins its IO thread: it leaves kvconnect by the read deadline
+        assert reader.backend is None and not reader.cache.enable_storage
+        # the closed backend leaves no thread that could still write into the pool
+        assert leaks.wait_no_kvconnect_threads(timeout=10) == []
+        assert backend.stats.errors == 0 and backend.stats.pages_read == 0
+        # the interrupted prefetch's slots (SGLang keeps them) and every free slot get a
+        # sentinel: nothing may change them when the server resumes
+        pool = reader.host_pool
+        taken = pool.alloc(pool.available_size())
+        expected = r.sentinel(pool, torch.cat([operation.host_indices, taken]))
+    finally:
+        server.signal(signal.SIGCONT)
+    pool.free(taken[: PAGES * h.PAGE])  # room for the prefetch below
+    kept = torch.cat([operation.host_indices, taken[PAGES * h.PAGE :]])
+    reader.attach(extra)
+    assert reader.backend is not None and reader.backend is not backend
+    again = reader.run_prefetch("req-after-attach", tokens)
+    assert reader.host_hit(tokens) == len(tokens)
+    assert reader.landed(again, tokens) == written
+    assert r.page_bytes(pool, kept) == expected[: len(kept) // h.PAGE * h.PAGE_BYTES]
+    pool.free(taken[PAGES * h.PAGE :])
