@@ -249,6 +249,11 @@ class Engine:
         info = self.cache.ongoing_prefetch.get(handle)
         return None if info is None else info.operation
 
+    def lookup(self, tokens: list[int]) -> int:
+        """Tokens of ``tokens`` L3 holds, by SGLang's own probe (``query_storage_hit_length``)."""
+        root = self.cache.root_node_handle()
+        return int(self.cache.query_storage_hit_length(root, array("q", tokens)))
+
     def host_hit(self, tokens: list[int]) -> int:
         """Tokens of ``tokens`` the tree holds on the host only (``host_hit_length``)."""
         return int(self.cache.match_prefix(MatchPrefixParams(key=_key(tokens))).host_hit_length)

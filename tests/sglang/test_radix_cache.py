@@ -24,9 +24,15 @@ from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.sglang]
 
-FAST = {"rpc_timeout": 0.5, "breaker_cooldown": 0.5, "transport": "tcp"}
+FAST = {
+    "rpc_timeout": 0.5,
+    "breaker_cooldown": 0.5,
+    "transport": "tcp",
+    "transfer": {"connect_timeout": 1.0},
+}
 """Short kvconnect timeouts; TCP to the store servers (a stopped server then serves nothing:
-same-host shared memory would not need it)."""
+same-host shared memory would not need it). A connection being set up to a stopped server
+delays closing the client by up to ``connect_timeout``."""
 PAGES = 12
 
 
@@ -275,3 +281,63 @@ def _detach_and_attach(
     assert reader.landed(again, tokens) == written
     assert r.page_bytes(pool, kept) == expected[: len(kept) // h.PAGE * h.PAGE_BYTES]
     pool.free(taken[PAGES * h.PAGE :])
+
+
+def test_a_dead_store_means_local_only_then_recovery_by_itself(
+    cluster: Cluster, model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    failures = 3
+    # a cool-down longer than the calls below: they all fail fast, none is a probe
+    extra = _extra(
+        cluster, breaker_failures=failures, breaker_cooldown=2.0, prefetch_threshold=h.PAGE
+    )
+    args = r.args(model_dir, extra)
+    with r.scheduler(args), r.Engine(args) as writer, r.Engine(args) as reader:
+        before = h.tokens_for(4, seed=1)
+        writer.insert(before, seed=1)
+        writer.settle_backups()
+        assert cluster.stats().keys == 2 * 4
+        caplog.set_level(logging.DEBUG, logger="kvconnect")
+        cluster.master.kill()
+        for server in cluster.servers:
+            server.kill()
+        # each failed lookup is a miss; after breaker_failures of them, local-only
+        for i in range(failures):
+            reader.run_prefetch(f"req-down-{i}", before)
+            assert reader.host_hit(before) == 0
+        assert reader.backend.local_only
+        # many more prefetches and backups while it lasts: misses and skipped writes, no
+        # exception into SGLang's threads, no log line per call
+        for i in range(10):
+            reader.run_prefetch(f"req-local-{i}", before)
+            writer.insert(h.tokens_for(1, seed=100 + i), seed=100 + i)
+            writer.settle_backups()
+        assert reader.host_hit(before) == 0
+        assert writer.backend.local_only
+        for engine in (reader, writer):
+            controller = engine.controller
+            threads = (controller.prefetch_thread, controller.prefetch_io_aux_thread)
+            assert all(t.is_alive() for t in (*threads, controller.backup_thread))
+            assert engine.backend.stats.errors == 0
+        warnings = [
+            rec for rec in caplog.records
+            if rec.name.startswith("kvconnect") and rec.levelno >= logging.WARNING
+        ]
+        assert len(warnings) <= 6, [rec.getMessage() for rec in warnings]
+        # the store returns on the same ports, empty: SGLang's next lookups probe it
+        cluster.restart_master()
+        for server in cluster.servers:
+            server.start()
+        wait_for(lambda: len(cluster.stats().segments) == 1, "the server did not register")
+        for engine in (reader, writer):
+            wait_for(
+                lambda engine=engine: engine.lookup(before) == 0 and not engine.backend.local_only,
+                "no recovery",
+            )
+        after = h.tokens_for(PAGES, seed=2)
+        written = writer.insert(after, seed=2)
+        writer.settle_backups()
+        assert cluster.stats().keys == 2 * PAGES
+        handle = reader.run_prefetch("req-up", after)
+        assert reader.host_hit(after) == len(after)
+        assert reader.landed(handle, after) == written
