@@ -262,7 +262,7 @@ class Engine:
         """The host slots SGLang gave the prefetch ``handle`` (for the whole hit)."""
         slots = self._operations[handle].host_indices
         assert slots is not None, "no host slots: the prefetch had no hit"
-        return slots  # type: ignore[no-any-return]
+        return slots
 
     def landed(self, handle: CacheRequestHandle, tokens: list[int]) -> list[bytes]:
         """The bytes of the pages the prefetch put into the tree as the host hit of

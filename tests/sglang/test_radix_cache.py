@@ -189,7 +189,9 @@ def _overlap(cluster: Cluster, writer: r.Engine, reader: r.Engine) -> None:
         operation = reader.operation(stalled)
         # the IO thread has taken the read (host slots given, queue empty): it is in kvconnect
         reader.pump(
-            lambda: operation.host_indices is not None and reader.controller.prefetch_buffer.empty(),
+            lambda: (
+                operation.host_indices is not None and reader.controller.prefetch_buffer.empty()
+            ),
             "the stalled prefetch never started reading",
         )
         # meanwhile the scheduler thread runs rounds; admission polls return (not admitted),
@@ -256,15 +258,19 @@ def _detach_and_attach(
         handle = reader.prefetch("req-in-flight", tokens)
         operation = reader.operation(handle)
         reader.pump(
-            lambda: operation.host_indices is not None and reader.controller.prefetch_buffer.empty(),
+            lambda: (
+                operation.host_indices is not None and reader.controller.prefetch_buffer.empty()
+            ),
             "the prefetch never started reading",
         )
         backend = reader.backend
         reader.detach()  # SGLang joins its IO thread: it leaves kvconnect by the read deadline
-        assert reader.backend is None and not reader.cache.enable_storage
+        assert reader.backend is None
+        assert not reader.cache.enable_storage
         # the closed backend leaves no thread that could still write into the pool
         assert leaks.wait_no_kvconnect_threads(timeout=10) == []
-        assert backend.stats.errors == 0 and backend.stats.pages_read == 0
+        assert backend.stats.errors == 0
+        assert backend.stats.pages_read == 0
         # the interrupted prefetch's slots (SGLang keeps them) and every free slot get a
         # sentinel: nothing may change them when the server resumes
         pool = reader.host_pool
@@ -275,7 +281,8 @@ def _detach_and_attach(
     pool.free(taken[: PAGES * h.PAGE])  # room for the prefetch below
     kept = torch.cat([operation.host_indices, taken[PAGES * h.PAGE :]])
     reader.attach(extra)
-    assert reader.backend is not None and reader.backend is not backend
+    assert reader.backend is not None
+    assert reader.backend is not backend
     again = reader.run_prefetch("req-after-attach", tokens)
     assert reader.host_hit(tokens) == len(tokens)
     assert reader.landed(again, tokens) == written
@@ -320,7 +327,8 @@ def test_a_dead_store_means_local_only_then_recovery_by_itself(
             assert all(t.is_alive() for t in (*threads, controller.backup_thread))
             assert engine.backend.stats.errors == 0
         warnings = [
-            rec for rec in caplog.records
+            rec
+            for rec in caplog.records
             if rec.name.startswith("kvconnect") and rec.levelno >= logging.WARNING
         ]
         assert len(warnings) <= 6, [rec.getMessage() for rec in warnings]
