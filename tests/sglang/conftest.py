@@ -45,6 +45,7 @@ collect_ignore = (
     if HAVE_SGLANG
     else [
         "harness.py",
+        "radix.py",
         "test_backend.py",
         "test_bench_sglang.py",
         "test_deadline.py",
@@ -52,5 +53,6 @@ collect_ignore = (
         "test_hybrid.py",
         "test_metrics.py",
         "test_plugin.py",
+        "test_radix_cache.py",
     ]
 )
