@@ -97,21 +97,27 @@ def read_deadline(
     * ``timeout`` policy, the operation known: its start plus its budget, or SGLang's verdict
       if that is known and earlier, less the margin (every batch of the operation shares this
       end).
-    * Otherwise there is no SGLang deadline to beat (``wait_complete``, ``best_effort`` —
-      whose early stop arrives as a termination — or the operation unknown): ``now`` plus the
-      budget of this read's pages, a bound of the same shape.
+    * ``timeout`` policy, the operation unknown (the plugin is not loaded): ``now`` plus the
+      budget of this read's pages, less the margin — SGLang's clock started earlier, so this
+      may still lose to its verdict.
+    * Otherwise there is no SGLang deadline to beat (``wait_complete``, ``best_effort``, whose
+      early stop arrives as a termination): ``now`` plus the budget of this read's pages, a
+      bound of the same shape.
 
     The margin is at most a quarter of the budget, so a small budget still leaves most of it
     for the read. ``cap`` (``read_timeout``), if set, bounds the read from ``now``.
     """
-    if operation is not None and budget.policy is PrefetchPolicy.TIMEOUT:
+    if budget.policy is not PrefetchPolicy.TIMEOUT:
+        end = now + budget.seconds(pages)
+    elif operation is not None:
         allowed = budget.seconds(operation.pages)
         end = operation.start + allowed
         if operation.verdict is not None:
             end = min(end, operation.verdict)
         end -= min(margin, allowed / 4)
-    else:
-        end = now + budget.seconds(pages)
+    else:  # SGLang's clock started before this read: at least keep the margin
+        allowed = budget.seconds(pages)
+        end = now + allowed - min(margin, allowed / 4)
     if cap is not None:
         end = min(end, now + cap)
     return max(end, now)

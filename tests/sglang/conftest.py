@@ -10,6 +10,8 @@ import importlib.util
 import os
 import warnings
 
+import pytest
+
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 
 if os.environ.get("KVCONNECT_REQUIRE_SGLANG") == "1" and not HAVE_SGLANG:
@@ -38,6 +40,18 @@ if HAVE_SGLANG:
         )
         import sglang.srt.managers.cache_controller
         import sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller  # noqa: F401
+
+
+@pytest.fixture(scope="session")
+def plugins_loaded() -> None:
+    """What SGLang does first in every process: run the installed plugins (kvconnect's only;
+    its hooks then stay for the session, as in an SGLang process)."""
+    from sglang.srt.plugins import load_plugins
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SGLANG_PLUGINS", "kvconnect")
+        load_plugins()
+
 
 # Without SGLang only the pure tests (keys, configuration) are collected.
 collect_ignore = (

@@ -46,14 +46,15 @@ def test_without_a_verdict_to_beat_each_read_gets_the_budget_of_its_pages() -> N
     for policy in (PrefetchPolicy.WAIT_COMPLETE, PrefetchPolicy.BEST_EFFORT):
         budget = PrefetchBudget(policy, 1.0, 0.0625)
         assert read_deadline(budget, 150.0, 16, operation=operation, margin=0.25, cap=None) == 152.0
-    # the operation unknown (no plugin): the same per-read bound, under any policy
-    assert read_deadline(DEFAULT, 150.0, 16, operation=None, margin=0.25, cap=None) == 152.0
+    # the operation unknown (no plugin): the same per-read bound, less the margin under the
+    # timeout policy (SGLang's clock started before this read)
+    assert read_deadline(DEFAULT, 150.0, 16, operation=None, margin=0.25, cap=None) == 151.75
 
 
 def test_read_timeout_caps_and_the_margin_never_eats_a_small_budget() -> None:
     operation = Operation(start=100.0, pages=300)
     assert read_deadline(DEFAULT, 101.0, 128, operation=operation, margin=0.25, cap=2.0) == 103.0
-    assert read_deadline(DEFAULT, 101.0, 16, operation=None, margin=0.25, cap=5.0) == 103.0
+    assert read_deadline(DEFAULT, 101.0, 16, operation=None, margin=0.25, cap=5.0) == 102.75
     tiny = PrefetchBudget(PrefetchPolicy.TIMEOUT, 0.2, 0.0)
     small = Operation(start=100.0, pages=4)
     assert read_deadline(tiny, 100.0, 4, operation=small, margin=0.25, cap=None) == pytest.approx(

@@ -12,23 +12,18 @@ from typing import Any
 
 import pytest
 import torch
-from sglang.srt.plugins import load_plugins
 
 from kvconnect.sglang.deadline import PrefetchBudget
 from kvconnect.store.launch import Cluster, Process
 from tests.sglang import harness as h
 
-pytestmark = [pytest.mark.integration, pytest.mark.sglang]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.sglang,
+    pytest.mark.usefixtures("plugins_loaded"),  # as in every SGLang process
+]
 
 PAGES, ON_A = 300, 200  # server A holds pages 0-199: batch 2 (pages 128-255) is split
-
-
-@pytest.fixture(scope="module", autouse=True)
-def plugins_loaded() -> None:
-    """What SGLang does first in every process: run the installed plugins (kvconnect's only)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SGLANG_PLUGINS", "kvconnect")
-        load_plugins()
 
 
 @dataclass

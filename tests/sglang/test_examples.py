@@ -12,13 +12,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang.srt.plugins import load_plugins
 from sglang.srt.server_args import prepare_server_args
 
 from kvconnect.bench.tiny_llama import write_tiny_llama
@@ -85,15 +83,6 @@ EXAMPLE_INTENTS = [
         tp_size=8,
     ),
 ]
-
-
-@pytest.fixture(scope="module")
-def plugins_loaded() -> Iterator[None]:
-    """What SGLang does first in every process: run the installed plugins (kvconnect's)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SGLANG_PLUGINS", "kvconnect")
-        load_plugins()
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.unified_cache.storage_attachment import StorageAttachment
 from sglang.srt.mem_cache.unified_radix_cache import _StoragePrefetchWait
-from sglang.srt.plugins import load_plugins
 from sglang.srt.runtime_context import get_memory
 from sglang.srt.server_args import prepare_server_args
 
@@ -36,14 +35,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.sglang]
 def cluster() -> Iterator[Cluster]:
     with Cluster(servers=1, server_size=32 << 20) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def plugins_loaded() -> None:
-    """What SGLang does first in every process: run the installed plugins (kvconnect's only)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SGLANG_PLUGINS", "kvconnect")
-        load_plugins()
 
 
 def test_sglang_own_parser_accepts_kvconnect(plugins_loaded: None) -> None:

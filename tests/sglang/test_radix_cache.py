@@ -23,7 +23,12 @@ from tests.sglang import radix as r
 from tests.support import leaks
 from tests.support.waiting import wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.sglang]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.sglang,
+    pytest.mark.usefixtures("plugins_loaded"),  # as in every SGLang process
+]
+
 
 FAST = {
     "rpc_timeout": 0.5,
@@ -119,8 +124,8 @@ def test_a_stalled_server_mid_batch_gives_exactly_the_leading_pages(model_dir: P
     # they were written.
     with Cluster(servers=0, master_args=["--master-high-watermark", "1.0"]) as cluster:
         cluster.add_server("--store-size", str(LEADING * h.PAGE_BYTES))
-        # kvconnect's read deadline below SGLang's budget, so kvconnect answers first
-        extra = _extra(cluster, read_timeout=1.0, prefetch_timeout_base=30, negative_ttl=0)
+        # SGLang's default budget: kvconnect's derived deadline answers before its verdict
+        extra = _extra(cluster, negative_ttl=0)
         args = r.args(model_dir, {**extra, "prefetch_threshold": h.PAGE})
         with r.scheduler(args), r.Engine(args) as writer, r.Engine(args) as reader:
             _partial_reuse(cluster, writer, reader)
@@ -236,7 +241,7 @@ def test_each_write_policy_backs_pages_up_to_the_store(
 
 
 def test_detach_with_a_read_in_flight_then_attach_again(cluster: Cluster, model_dir: Path) -> None:
-    extra = _extra(cluster, read_timeout=1.0, prefetch_timeout_base=30, prefetch_threshold=h.PAGE)
+    extra = _extra(cluster, prefetch_threshold=h.PAGE)
     args = r.args(model_dir, extra)
     tokens = h.tokens_for(PAGES)
     with r.scheduler(args):
