@@ -135,8 +135,8 @@ def _sglang_process() -> None:
     )
 
 
-def host_pool(shape: Shape, pages: int) -> Any:
-    """A real ``page_first`` MHA host pool of ``pages`` pages in ordinary (unpinned) memory."""
+def host_pool(shape: Shape, pages: int, layout: str = "page_first") -> Any:
+    """A real MHA host pool of ``pages`` pages in ordinary (unpinned) memory."""
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
@@ -165,7 +165,7 @@ def host_pool(shape: Shape, pages: int) -> Any:
         host_to_device_ratio=2.0,
         host_size=0,
         page_size=shape.page_tokens,
-        layout="page_first",
+        layout=layout,
         pin_memory=False,  # pinning needs a CUDA driver
         device="cpu",
         device_capacity_tokens=DEVICE_TOKENS,
@@ -175,7 +175,7 @@ def host_pool(shape: Shape, pages: int) -> Any:
     )
 
 
-class _DevicePool:
+class DevicePool:
     """The device-pool surface the controller's constructor touches."""
 
     def __init__(self, layers: int) -> None:
@@ -188,11 +188,13 @@ class _DevicePool:
         self.layer_transfer_counter = counter
 
 
-class _Allocator:
-    def __init__(self, device_pool: _DevicePool) -> None:
+class Allocator:
+    """The allocator surface the controller's constructor touches: its device pool."""
+
+    def __init__(self, device_pool: DevicePool) -> None:
         self._pool = device_pool
 
-    def get_kvcache(self) -> _DevicePool:
+    def get_kvcache(self) -> DevicePool:
         return self._pool
 
 
@@ -204,7 +206,7 @@ def controller(pool: Any, shape: Shape, backend: str, extra: dict[str, Any]) -> 
     )
     from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
 
-    device = _DevicePool(shape.layers)
+    device = DevicePool(shape.layers)
     entry = PoolEntry(
         name=PoolName.KV,
         host_pool=pool,
@@ -213,7 +215,7 @@ def controller(pool: Any, shape: Shape, backend: str, extra: dict[str, Any]) -> 
         is_primary_index_anchor=True,
     )
     return HybridCacheController(
-        _Allocator(device),
+        Allocator(device),
         HostPoolGroup([entry]),
         transfer_layer_id_max=shape.layers,
         page_size=shape.page_tokens,

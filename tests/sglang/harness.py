@@ -22,9 +22,6 @@ import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 from sglang.srt.mem_cache.device_pool_info import (
-    KVBufferLayout,
-    KVBuffers,
-    MHABufferInfo,
     MLABufferInfo,
 )
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
@@ -39,6 +36,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.runtime_context import create_context, use_context
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 
+from kvconnect.bench import sglang as bench
 from kvconnect.bench.tiny_llama import write_tiny_llama
 from kvconnect.transfer import TransferOp
 from kvconnect.transfer.batch import Slice
@@ -57,36 +55,7 @@ def mha_pool(
     layout: str = "page_first", pages: int = 800, heads: int = HEADS
 ) -> MHATokenToKVPoolHost:
     """A real MHA host pool in ordinary (unpinned) memory, of one rank's ``heads`` KV heads."""
-    k = tuple(torch.zeros(DEVICE_TOKENS, heads, HEAD_DIM, dtype=DTYPE) for _ in range(LAYERS))
-    v = tuple(torch.zeros(DEVICE_TOKENS, heads, HEAD_DIM, dtype=DTYPE) for _ in range(LAYERS))
-    info = MHABufferInfo(
-        buffers=KVBuffers(
-            k=k,
-            v=v,
-            k_data_ptrs=torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64),
-            v_data_ptrs=torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64),
-            layout=KVBufferLayout.NHD,
-        ),
-        page_size=PAGE,
-        head_num=heads,
-        head_dim=HEAD_DIM,
-        v_head_dim=HEAD_DIM,
-        dtype=DTYPE,
-        device=torch.device("cpu"),
-    )
-    return MHATokenToKVPoolHost(
-        info,
-        host_to_device_ratio=2.0,
-        host_size=0,
-        page_size=PAGE,
-        layout=layout,
-        pin_memory=False,  # pinning needs a CUDA driver
-        device="cpu",
-        device_capacity_tokens=DEVICE_TOKENS,
-        start_layer=0,
-        end_layer=LAYERS - 1,
-        host_token_capacity=pages * PAGE,
-    )
+    return bench.host_pool(bench.Shape(LAYERS, heads, HEAD_DIM, PAGE), pages, layout)
 
 
 def mla_pool(layout: str = "page_first", pages: int = 200) -> MLATokenToKVPoolHost:
@@ -120,30 +89,9 @@ def mla_pool(layout: str = "page_first", pages: int = 200) -> MLATokenToKVPoolHo
     )
 
 
-class _DevicePool:
-    """The device-pool surface the controller's constructor touches."""
-
-    def __init__(self) -> None:
-        self.device = torch.device("cpu")
-        self.layer_num = LAYERS
-        self.start_layer = 0
-        self.end_layer = LAYERS - 1
-
-    def register_layer_transfer_counter(self, counter: Any) -> None:
-        self.layer_transfer_counter = counter
-
-
-class _MLADevicePool(_DevicePool, MLATokenToKVPool):
+class _MLADevicePool(bench.DevicePool, MLATokenToKVPool):
     """A stand-in MLA device pool: the controller tells MLA models (one copy of each page for
     all ranks) by the device pool's class."""
-
-
-class _Allocator:
-    def __init__(self, device_pool: _DevicePool) -> None:
-        self._pool = device_pool
-
-    def get_kvcache(self) -> _DevicePool:
-        return self._pool
 
 
 def controller(
@@ -160,7 +108,7 @@ def controller(
     ``None``: no storage backend, as a server started without L3). ``sidecars``: a hybrid
     model's other host pools, by name (the KV pool is the anchor); ``mla``: the model is an
     MLA model; ``enable_storage_metrics`` as SGLang's ``--enable-metrics`` sets it."""
-    device = _MLADevicePool() if mla else _DevicePool()
+    device = _MLADevicePool(LAYERS) if mla else bench.DevicePool(LAYERS)
     entries = [
         PoolEntry(
             name=PoolName.KV,
@@ -176,7 +124,7 @@ def controller(
         )
     group = HostPoolGroup(entries)
     return HybridCacheController(
-        _Allocator(device),
+        bench.Allocator(device),
         group,
         transfer_layer_id_max=LAYERS,
         page_size=PAGE,
