@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvconnect.sglang.plugin import DYNAMIC_ROUTE
 from kvconnect.store.launch import Cluster
 
 STORAGE_BATCH = 128  # pages per backend call: SGLang's STORAGE_BATCH_SIZE
@@ -331,10 +332,7 @@ def _per_process(data: int) -> int:
 def _kvconnect_extra(master: str, transport: str, namespace: str) -> dict[str, Any]:
     """SGLang's ``dynamic`` route to kvconnect with the zero-copy interface."""
     return {
-        "backend_name": "kvconnect",
-        "module_path": "kvconnect.sglang",
-        "class_name": "KVConnectStore",
-        "interface_v1": 1,
+        **DYNAMIC_ROUTE,
         "master": master,
         "transport": transport,
         "namespace": namespace,

@@ -39,6 +39,14 @@ SGLANG_VERSION = "0.5.23"
 """The SGLang release whose internals the plugin patches."""
 NAME = "kvconnect"
 BACKEND = ("kvconnect.sglang.backend", "KVConnectStore")
+DYNAMIC_ROUTE = {
+    "backend_name": NAME,
+    "module_path": "kvconnect.sglang",
+    "class_name": BACKEND[1],
+    "interface_v1": 1,
+}
+"""The extra-config keys that select kvconnect through SGLang's ``dynamic`` loader, with the
+zero-copy interface (no plugin needed)."""
 
 _FACTORY = "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory"
 _ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"

@@ -38,6 +38,7 @@ from sglang.srt.server_args import ServerArgs, prepare_server_args
 
 from kvconnect.bench import sglang as bench
 from kvconnect.bench.tiny_llama import write_tiny_llama
+from kvconnect.sglang.plugin import DYNAMIC_ROUTE
 from kvconnect.transfer import TransferOp
 from kvconnect.transfer.batch import Slice
 from kvconnect.transfer.datapath.copying import Copier
@@ -143,13 +144,7 @@ def controller(
 def dynamic(extra_config: dict[str, Any]) -> dict[str, Any]:
     """``extra_config`` for the no-patch route: SGLang's ``dynamic`` loader with the
     zero-copy interface."""
-    return {
-        "backend_name": "kvconnect",
-        "module_path": "kvconnect.sglang",
-        "class_name": "KVConnectStore",
-        "interface_v1": 1,
-        **extra_config,
-    }
+    return {**DYNAMIC_ROUTE, **extra_config}
 
 
 def rank_storage(master: str, rank: int, mla: bool, **extra: Any) -> HiCacheStorageConfig:

@@ -38,17 +38,11 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.runtime_context import get_parallel, get_serving
 from sglang.srt.server_args import ServerArgs
 
+from kvconnect.sglang.plugin import DYNAMIC_ROUTE
 from tests.sglang import harness as h
 from tests.support.waiting import wait_for
 
 DEVICE_TOKENS = 64 * h.PAGE  # the host pool gets twice that (SGLang's default ratio)
-DYNAMIC = {
-    "backend_name": "kvconnect",
-    "module_path": "kvconnect.sglang",
-    "class_name": "KVConnectStore",
-    "interface_v1": 1,
-}
-"""SGLang's no-patch route to kvconnect (the ``dynamic`` backend, zero-copy interface)."""
 SETTLE_TIMEOUT = 30.0
 
 
@@ -66,7 +60,7 @@ def args(
         *("--page-size", str(h.PAGE), "--hicache-io-backend", "direct"),
         *("--hicache-mem-layout", "page_first_direct"),
         *("--hicache-storage-backend", "dynamic"),
-        *("--hicache-storage-backend-extra-config", json.dumps({**DYNAMIC, **extra_config})),
+        *("--hicache-storage-backend-extra-config", json.dumps({**DYNAMIC_ROUTE, **extra_config})),
         *("--hicache-storage-prefetch-policy", prefetch_policy),
         *("--hicache-write-policy", write_policy),
     )
@@ -173,7 +167,7 @@ class Engine:
         scheduler's handler calls."""
         ok, message = self.cache.attach_storage_backend(
             storage_backend="dynamic",
-            storage_backend_extra_config_json=json.dumps({**DYNAMIC, **extra_config}),
+            storage_backend_extra_config_json=json.dumps({**DYNAMIC_ROUTE, **extra_config}),
             served_model_name=get_serving().served_model_name,
         )
         assert ok, message

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvconnect.sglang.deadline import PrefetchBudget
+from kvconnect.sglang.plugin import DYNAMIC_ROUTE
 from kvconnect.store.launch import Cluster, Process
 from tests.sglang import harness as h
 
@@ -48,10 +49,7 @@ def _stored(cluster: Cluster, **budget: float) -> _Stored:
     B. Over TCP: a stopped server serves nothing."""
     pool = h.mha_pool()
     extra = {
-        "backend_name": "kvconnect",
-        "module_path": "kvconnect.sglang",
-        "class_name": "KVConnectStore",
-        "interface_v1": 1,
+        **DYNAMIC_ROUTE,
         "master": cluster.master_endpoint,
         "transport": "tcp",
         "rpc_timeout": 0.5,

@@ -19,6 +19,7 @@ from sglang.srt.runtime_context import get_parallel
 
 from kvconnect.errors import ConfigError
 from kvconnect.sglang.backend import KVConnectStore
+from kvconnect.sglang.plugin import DYNAMIC_ROUTE
 from kvconnect.store.launch import Cluster
 from tests.sglang import harness as h
 
@@ -26,12 +27,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.sglang]
 
 HEADS = 4  # KV heads of the model; a TP-2 rank holds 2
 LCM = 2  # tp_lcm_size: the TP sizes 1 and 2 share pages
-_DYNAMIC = {
-    "backend_name": "kvconnect",
-    "module_path": "kvconnect.sglang",
-    "class_name": "KVConnectStore",
-    "interface_v1": 1,
-}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +44,7 @@ def as_rank(rank: int, tp_size: int) -> AbstractContextManager[Any]:
 @contextmanager
 def instance(cluster: Cluster, tp_size: int, namespace: str) -> Iterator[list[Any]]:
     """The controllers of one SGLang instance's ``tp_size`` ranks, kvconnect attached."""
-    extra = {**_DYNAMIC, "tp_lcm_size": LCM, "master": cluster.master_endpoint}
+    extra = {**DYNAMIC_ROUTE, "tp_lcm_size": LCM, "master": cluster.master_endpoint}
     controllers: list[HybridCacheController] = []
     try:
         for rank in range(tp_size):

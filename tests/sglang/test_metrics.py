@@ -38,15 +38,7 @@ Scrape = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def _dynamic(master: str, **settings: Any) -> dict[str, Any]:
-    return {
-        "backend_name": "kvconnect",
-        "module_path": "kvconnect.sglang",
-        "class_name": "KVConnectStore",
-        "interface_v1": 1,
-        "master": master,
-        **FAST,
-        **settings,
-    }
+    return h.dynamic({"master": master, **FAST, **settings})
 
 
 def _parse(text: str) -> Scrape:

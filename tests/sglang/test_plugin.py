@@ -24,6 +24,7 @@ from kvconnect.sglang import backend as backend_module
 from kvconnect.sglang import plugin
 from kvconnect.sglang.backend import KVConnectStore
 from kvconnect.sglang.deadline import PrefetchBudget, PrefetchPolicy
+from kvconnect.sglang.plugin import DYNAMIC_ROUTE
 from kvconnect.store.client import StoreClient
 from kvconnect.store.launch import Cluster
 from tests.sglang import harness as h
@@ -137,10 +138,7 @@ def test_sglang_own_extra_config_keys_are_left_to_sglang(cluster: Cluster, tmp_p
     # --file-storage-path makes SGLang add file_storage_path to every backend's extra-config;
     # the prefetch settings are SGLang's too. All reach kvconnect's parser on some path.
     extra = {
-        "backend_name": "kvconnect",
-        "module_path": "kvconnect.sglang",
-        "class_name": "KVConnectStore",
-        "interface_v1": 1,
+        **DYNAMIC_ROUTE,
         "prefetch_threshold": 64,
         "prefetch_timeout_base": 2,
         "master": cluster.master_endpoint,
@@ -171,14 +169,6 @@ def test_sglang_own_extra_config_keys_are_left_to_sglang(cluster: Cluster, tmp_p
         KVConnectStore(_storage(cluster, 0, False, file_storge_path="/x"))
 
 
-_DYNAMIC = {
-    "backend_name": "kvconnect",
-    "module_path": "kvconnect.sglang",
-    "class_name": "KVConnectStore",
-    "interface_v1": 1,
-}
-
-
 @pytest.mark.parametrize("route", ["kvconnect", "dynamic"])
 @pytest.mark.parametrize(
     ("flags", "layout", "io"),
@@ -204,7 +194,7 @@ def test_sglang_resolves_a_page_layout_kvconnect_attaches_to(
     layout: str,
     io: str,
 ) -> None:
-    extra = {"master": cluster.master_endpoint, **(_DYNAMIC if route == "dynamic" else {})}
+    extra = {"master": cluster.master_endpoint, **(DYNAMIC_ROUTE if route == "dynamic" else {})}
     args = h.server_args(
         tmp_path / "model",
         *("--hicache-storage-backend", route),
@@ -231,7 +221,7 @@ def test_sglang_resolves_a_page_layout_kvconnect_attaches_to(
 
 @pytest.mark.parametrize(
     "extra",
-    [{}, {**_DYNAMIC, "module_path": "other.module", "class_name": "Other"}],
+    [{}, {**DYNAMIC_ROUTE, "module_path": "other.module", "class_name": "Other"}],
     ids=["file", "dynamic-other"],
 )
 def test_other_backends_keep_the_layout_they_asked_for(
