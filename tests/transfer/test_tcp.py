@@ -3,8 +3,11 @@ socket, without the engine's routing in between."""
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Iterator
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -119,3 +122,24 @@ def test_a_closed_peer_is_unreachable_and_reported_lost(local: MemoryRegion) -> 
         assert transport.stats().peers == 0
     finally:
         transport.close()
+
+
+def test_close_ends_a_handshake_with_a_peer_that_accepted_but_never_answers(
+    local: MemoryRegion,
+) -> None:
+    # A stopped process: the kernel accepts the connection, nobody answers the handshake.
+    # close() must end it at once, not after connect_timeout, and leave no sender thread.
+    with TransferEngine() as engine, socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        peer = msgspec.structs.replace(engine.segment, endpoints={"tcp": f"127.0.0.1:{port}"})
+        config = engine.config.replace(connect_timeout=600.0)
+        transport = TcpTransport(config, select_datapath("auto"), no_staging, [].append)
+        try:
+            batch = submit_request(transport, peer, TransferOp.READ, local, 1)
+            accepted, _ = silent.accept()  # the sender thread is now in its handshake
+        finally:
+            transport.close()
+        accepted.close()
+        senders = [t for t in threading.enumerate() if t.name.startswith("kvconnect-tcp-send")]
+        assert senders == []
+        assert batch.wait(10) != (TransferStatus.COMPLETED,)

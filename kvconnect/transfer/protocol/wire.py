@@ -26,6 +26,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import Final
 
 import msgspec
@@ -308,14 +309,18 @@ def parse_tcp_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 def open_connection(
-    endpoint: str, token: str | None, timeout: float
+    endpoint: str,
+    token: str | None,
+    timeout: float,
+    opened: Callable[[socket.socket], None] | None = None,
 ) -> tuple[socket.socket, bytes]:
     """Connect to a listener endpoint (``host:port`` or ``@abstract-unix-name``) and handshake,
     both within ``timeout`` seconds in all.
 
     Returns the socket (timeout set to ``timeout``) and the server's engine id. Raises
     PeerUnreachable when nothing answers in time, ProtocolError/AuthenticationError on a bad
-    handshake.
+    handshake. ``opened`` gets the socket before the handshake: shutting it down then ends a
+    handshake with a peer that accepted but does not answer (a stopped process) at once.
     """
     deadline = deadline_after(timeout)
     try:
@@ -329,6 +334,8 @@ def open_connection(
     except OSError as exc:
         raise PeerUnreachable(f"cannot connect to {endpoint}: {exc}") from exc
     try:
+        if opened is not None:
+            opened(sock)
         if sock.family == socket.AF_UNIX:
             until(sock, deadline)
             sock.connect(address)

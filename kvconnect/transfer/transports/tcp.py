@@ -13,6 +13,7 @@ to be another engine fails the channel's queued work at once with PeerUnreachabl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -279,6 +280,8 @@ class _Stream:
         self.channel = channel
         self.number = number
         self._conn: _Connection | None = None
+        self._connecting: socket.socket | None = None  # its handshake is in progress
+        self._closing = False
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -293,12 +296,17 @@ class _Stream:
             self._thread = thread
 
     def close(self) -> None:
-        """Interrupt the current connection and wait for the sender thread to finish."""
+        """Interrupt the current connection (or the handshake of the next) and wait for the
+        sender thread to finish."""
         with self._lock:
+            self._closing = True
             conn = self._conn
+            connecting = self._connecting
             thread = self._thread
         if conn is not None:
             conn.abort()
+        if connecting is not None:
+            _shut(connecting)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
 
@@ -338,9 +346,13 @@ class _Stream:
         endpoint = channel.peer.endpoints.get("tcp")
         if endpoint is None:
             raise PeerUnreachable(f"segment {channel.peer.name} has no TCP endpoint")
-        sock, engine_id = wire.open_connection(
-            endpoint, channel.config.token, channel.config.connect_timeout
-        )
+        try:
+            sock, engine_id = wire.open_connection(
+                endpoint, channel.config.token, channel.config.connect_timeout, self._opened
+            )
+        finally:
+            with self._lock:
+                self._connecting = None
         if engine_id.hex() != channel.peer.engine_id:
             sock.close()
             raise PeerUnreachable(
@@ -351,6 +363,21 @@ class _Stream:
             self._conn = conn
         conn.start()
         return conn
+
+
+    def _opened(self, sock: socket.socket) -> None:
+        # A handshake with a peer that accepted but never answers would hold close() for up
+        # to connect_timeout: close() shuts the socket down instead.
+        with self._lock:
+            self._connecting = sock
+            closing = self._closing
+        if closing:
+            _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 class _Connection:
