@@ -308,6 +308,12 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
 
     # ------------------------------------------------------------------- hybrid models (v2)
 
+    def writes_on_every_rank(self, name: PoolName) -> bool:
+        """Whether this rank must back up pool ``name`` even when it is not the storage writer
+        (a rank-sharded sidecar of an MLA model, e.g. an MHA draft's KV): the plugin tells
+        SGLang's controller, which asks only for its mooncake backend by itself."""
+        return self._sidecars is not None and self._sidecars.rank_sharded(name)
+
     def batch_exists_v2(
         self,
         keys: list[str],

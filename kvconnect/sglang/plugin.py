@@ -1,22 +1,24 @@
 """SGLang plugin: makes ``--hicache-storage-backend kvconnect`` work.
 
 SGLang runs the functions of the ``sglang.srt.plugins`` entry-point group (kvconnect's is
-:func:`register`) before it parses arguments, and again in every scheduler process. SGLang's
-list of storage backends is closed in three places, so the plugin hooks each (through SGLang's
-own ``HookRegistry``):
+:func:`register`) before it parses arguments, and again in every scheduler process. SGLang
+decides several things by backend name; the plugin hooks each (through SGLang's own
+``HookRegistry``):
 
 1. the storage factory builds only names it knows: kvconnect's is added;
 2. the command line accepts only listed names: ``kvconnect`` is added to the choices;
 3. the cache controller picks the zero-copy page functions by name: kvconnect gets them;
 4. argument resolution moves only mooncake's (and npu_memcache's) host pool off ``layer_first``
-   to a page layout: kvconnect's pool is moved the same way (also on the ``dynamic`` route).
+   to a page layout: kvconnect's pool is moved the same way (also on the ``dynamic`` route);
+5. on an MLA model's non-writer ranks, the controller backs up rank-sharded draft pools only
+   for mooncake: kvconnect's rank-sharded sidecars are backed up too.
 
 Two more hooks let kvconnect's reads answer before SGLang's prefetch verdict (docs/sglang.md,
 "Deadlines"), for the literal name and the ``dynamic`` route alike:
 
-4. the controller's page-get function runs inside the backend's ``reading_for(operation)``, so
+6. the controller's page-get function runs inside the backend's ``reading_for(operation)``, so
    the backend learns which prefetch each read serves (its start, its termination);
-5. after the radix cache publishes its storage settings (at start and at every attach), the
+7. after the radix cache publishes its storage settings (at start and at every attach), the
    backend follows its live prefetch policy, budget and timers, those SGLang's verdict uses.
 
 These targets are SGLang internals, so the plugin only patches the version it was built for
@@ -57,6 +59,9 @@ PAGE_LAYOUTS = {"kernel": "page_first", "direct": "page_first_direct"}
 SGLang chooses for mooncake; ``page_first`` needs the kernel io backend)."""
 
 log = logging.getLogger(__name__)
+_BACKUP = (
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController.should_backup"
+)
 _PUBLISH = (
     "sglang.srt.mem_cache.unified_cache.storage_attachment.StorageAttachment.apply_runtime_config"
 )
@@ -82,6 +87,7 @@ def register() -> None:
     HookRegistry.register(_ATTACH, _zero_copy, HookType.AFTER)
     HookRegistry.register(_LAYOUT, _page_layout, HookType.AROUND)
     HookRegistry.register(_PUBLISH, _follow_cache, HookType.AFTER)
+    HookRegistry.register(_BACKUP, _backup_rank_sharded, HookType.AROUND)
 
 
 def _build(
@@ -169,6 +175,15 @@ class RadixCacheClock:
         if started is None:
             return None
         return float(started) + float(wait.timeout_s) + (time.monotonic() - time.perf_counter())
+
+
+def _backup_rank_sharded(original: Any, controller: Any, transfer: Any) -> bool:
+    """SGLang's choice of the sidecars a non-writer rank backs up, plus kvconnect's
+    rank-sharded ones (SGLang names only mooncake for MHA draft pools)."""
+    if original(controller, transfer):
+        return True
+    backend = controller.storage_backend
+    return _is_kvconnect(backend) and bool(backend.writes_on_every_rank(transfer.name))
 
 
 def _is_kvconnect(backend: Any) -> bool:

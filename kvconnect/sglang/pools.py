@@ -214,6 +214,12 @@ class SidecarPools:
             pool.keys.suffixes[0],
         )
 
+    def rank_sharded(self, name: PoolName) -> bool:
+        """Whether ``name`` is a registered pool whose bytes differ by TP rank (every rank
+        writes its own objects)."""
+        pool = self._pools.get(PoolName(name))
+        return pool is not None and not pool.shared
+
     def close(self) -> None:
         """Give the pools their own ``free`` back (slots still withheld stay out). Idempotent."""
         for name, withheld in list(self._withheld.items()):

@@ -9,6 +9,7 @@ kvconnect's v2 methods. The device side is a stand-in (the storage path never to
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import os
 import types
@@ -386,3 +387,28 @@ def _rank_transfers(
         ),
         PoolTransfer(name=other, host_indices=kv_slots, keys=hashes),
     ]
+
+
+@pytest.mark.usefixtures("plugins_loaded")
+def test_a_non_writer_rank_of_an_mla_model_backs_up_its_rank_sharded_draft(
+    cluster: Cluster,
+) -> None:
+    # An MLA model with an MHA-shaped draft (each rank its own heads) and DSA indexer keys
+    # (one copy for all ranks). On a rank that is not the storage writer SGLang's controller
+    # backs up the draft only for its mooncake backend by itself; kvconnect's plugin adds its
+    # own rank-sharded pools, and leaves the shared ones to the writer.
+    kv = h.mla_pool()
+    sidecars = {PoolName.DRAFT: h.mha_pool(), PoolName.INDEXER: _indexer_pool(kv)}
+    cc = _controller(cluster, kv, sidecars, mla=True)
+    try:
+        # SGLang's view of TP rank 1 of 2 (this process plays the only rank)
+        cc.storage_config = dataclasses.replace(cc.storage_config, tp_rank=1, tp_size=2)
+        assert cc.backup_skip
+
+        def backs_up(name: PoolName) -> bool:
+            return bool(cc.should_backup(PoolTransfer(name=name, keys=["h"])))
+
+        assert backs_up(PoolName.DRAFT)
+        assert not backs_up(PoolName.INDEXER)
+    finally:
+        cc.detach_storage_backend()
