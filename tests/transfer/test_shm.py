@@ -4,8 +4,12 @@ that engine's fd socket) and copies, without the engine's routing in between."""
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
+import threading
 from collections.abc import Iterator
 
+import msgspec
 import numpy as np
 
 from kvconnect.errors import AccessDenied
@@ -102,3 +106,36 @@ def test_forget_unmaps_the_peer() -> None:
         )
         assert batch.wait(10) == (TransferStatus.COMPLETED,)
         assert local.view[: MiB - 4096] == pattern(7, MiB).data[4096:]
+
+
+def test_forget_ends_a_handshake_with_a_peer_that_accepted_but_never_answers() -> None:
+    # A stopped same-host process: its fd socket accepts, nobody answers the handshake. Forget
+    # (and close) must end the call at once, not hold the peer's lock for connect_timeout.
+    name = f"kvconnect-test-silent-{os.getpid()}"
+    registry = MemoryRegistry()
+    workers = CopyWorkers(2, 4 * SLICE)
+    with (
+        TransferEngine() as engine,
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent,
+    ):
+        silent.bind("\0" + name)
+        silent.listen()
+        remote = engine.allocate(MiB)
+        peer = msgspec.structs.replace(engine.segment, endpoints={"shm": f"@{name}"})
+        config = engine.config.replace(connect_timeout=120.0)
+        copier = Copier(select_datapath("auto"), no_device)
+        transport = ShmTransport(config, copier, workers, lambda _peer: None)
+        try:
+            local = registry.register(np.zeros(MiB, dtype=np.uint8))
+            batch = submit_request(transport, peer, TransferOp.READ, local, remote.id)
+            accepted, _ = silent.accept()  # a copy worker is now in the handshake
+            forgetting = threading.Thread(target=transport.forget, args=(peer.engine_id,))
+            forgetting.start()
+            forgetting.join(30)  # a quarter of connect_timeout
+            assert not forgetting.is_alive(), "forget waited for the handshake's timeout"
+            assert batch.wait(10) == (TransferStatus.FAILED,)
+            accepted.close()
+        finally:
+            transport.close()
+            workers.close()
+            registry.close()

@@ -350,6 +350,13 @@ def open_connection(
     return sock, engine_id
 
 
+def interrupt(sock: socket.socket) -> None:
+    """Wake a thread blocked on ``sock`` (its call then fails): shut both directions down;
+    nothing if the socket is closed already. Safe from any thread."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
 def control_call(
     sock: socket.socket, request: ControlRequest, deadline: float, frame_id: int = 0
 ) -> tuple[ControlReply, list[int]]:

@@ -131,6 +131,8 @@ class ShmTransport:
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
             watch = self._watch
+        for state in peers:  # the watch thread may be blocked on one of them
+            state.interrupt()
         if watch is not None:
             watch.join(timeout=self._config.connect_timeout + 5)
         for state in peers:
@@ -241,6 +243,10 @@ class _ShmPeer:
         self._config = config
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        # The socket a call under _lock waits on (a handshake or a control call): close()
+        # interrupts it instead of waiting for _lock up to connect_timeout.
+        self._busy: socket.socket | None = None
+        self._closed = False
         self._maps: dict[int, _Mapping] = {}
         self._dead: str | None = None  # why the peer is unusable; each use raises afresh
 
@@ -297,7 +303,16 @@ class _ShmPeer:
                 self._maps.clear()
                 raise
 
+    def interrupt(self) -> None:
+        """End a handshake or control call blocked on an unresponsive peer (e.g. a stopped
+        process) now; the peer is unusable from here on."""
+        self._closed = True
+        busy = self._busy  # read without _lock: its holder may be the blocked call
+        if busy is not None:
+            wire.interrupt(busy)
+
     def close(self) -> None:
+        self.interrupt()
         with self._lock:
             self._dead = self._dead or f"segment {self.peer.name}: closed"
             if self._sock is not None:
@@ -311,14 +326,23 @@ class _ShmPeer:
         endpoint = self.peer.endpoints.get("shm")
         if endpoint is None:
             raise PeerUnreachable(f"segment {self.peer.name} offers no shared-memory endpoint")
-        sock, engine_id = wire.open_connection(
-            endpoint, self._config.token, self._config.connect_timeout
-        )
+        try:
+            sock, engine_id = wire.open_connection(
+                endpoint, self._config.token, self._config.connect_timeout, self._calling
+            )
+        finally:
+            self._busy = None
         if engine_id.hex() != self.peer.engine_id:
             sock.close()
             raise PeerUnreachable(f"segment {self.peer.name} restarted")
         self._sock = sock
         return sock
+
+    def _calling(self, sock: socket.socket) -> None:
+        # Under _lock: publish the socket a call is about to block on (see interrupt()).
+        self._busy = sock
+        if self._closed:
+            wire.interrupt(sock)
 
     def _map(self, region_id: int) -> _Mapping:
         info = self.peer.region(region_id)
@@ -327,11 +351,14 @@ class _ShmPeer:
         deadline = wire.deadline_after(self._config.connect_timeout)
         sock = self._sock or self._connect()
         try:
+            self._calling(sock)
             reply, fds = wire.control_call(sock, wire.GetRegionFd(region_id), deadline)
         except OSError as exc:
             sock.close()
             self._sock = None
             raise PeerUnreachable(f"segment {self.peer.name}: {exc}") from exc
+        finally:
+            self._busy = None
         try:
             if isinstance(reply, wire.ErrorReply):
                 raise AccessDenied(f"region {region_id}: {reply.message}")

@@ -13,7 +13,6 @@ to be another engine fails the channel's queued work at once with PeerUnreachabl
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -306,7 +305,7 @@ class _Stream:
         if conn is not None:
             conn.abort()
         if connecting is not None:
-            _shut(connecting)
+            wire.interrupt(connecting)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
 
@@ -364,7 +363,6 @@ class _Stream:
         conn.start()
         return conn
 
-
     def _opened(self, sock: socket.socket) -> None:
         # A handshake with a peer that accepted but never answers would hold close() for up
         # to connect_timeout: close() shuts the socket down instead.
@@ -372,12 +370,7 @@ class _Stream:
             self._connecting = sock
             closing = self._closing
         if closing:
-            _shut(sock)
-
-
-def _shut(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
+            wire.interrupt(sock)
 
 
 class _Connection:
