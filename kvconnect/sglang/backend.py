@@ -59,7 +59,7 @@ from kvconnect.sglang.deadline import (
 )
 from kvconnect.sglang.keys import PageFormat, PageKeys, page_keys
 from kvconnect.sglang.metrics import BackendMetrics, moved_bytes
-from kvconnect.sglang.pools import Outcome, PoolMemory, SidecarPools
+from kvconnect.sglang.pools import Outcome, PoolMemory, SidecarPools, SidecarStats
 from kvconnect.sglang.withheld import WithheldSlots
 from kvconnect.store.client import BatchResult, Regions, StoreClient
 from kvconnect.store.config import StoreServerConfig
@@ -215,6 +215,11 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
     def local_only(self) -> bool:
         """Whether the store is considered down (SGLang then runs on its local tiers)."""
         return self.breaker_state is not BreakerState.CLOSED
+
+    @property
+    def sidecar_stats(self) -> SidecarStats | None:
+        """What the sidecar pools of a hybrid model moved (None before attach)."""
+        return self._sidecars.stats if self._sidecars is not None else None
 
     @property
     def breaker_state(self) -> BreakerState:

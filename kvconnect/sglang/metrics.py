@@ -56,6 +56,7 @@ class _Families:
     written_bytes: Counter
     batch_seconds: Histogram
     deadline_expiries: Counter
+    canceled_reads: Counter
     pages_withheld: Counter
     errors: Counter
     breaker_state: Gauge
@@ -104,6 +105,11 @@ def _create_families() -> _Families:
         deadline_expiries=counter(
             "deadline_expiries", "Read batches ended by their deadline with pages still in transfer"
         ),
+        canceled_reads=counter(
+            "canceled_reads",
+            "Read batches stopped because SGLang terminated their prefetch (its verdict, "
+            "best_effort admission, an aborted request)",
+        ),
         pages_withheld=counter(
             "pages_withheld",
             "Pages whose host slots were kept from SGLang until their unstoppable transfer ended",
@@ -151,6 +157,8 @@ class BackendMetrics:
             families.partial_read_pages.labels(**labels).inc(leading)
         if any(code in _EXPIRED for code in codes):
             families.deadline_expiries.labels(**labels).inc()
+        if Code.CANCELED in codes:
+            families.canceled_reads.labels(**labels).inc()
         families.read_bytes.labels(**labels).inc(moved)
         families.batch_seconds.labels(**labels, op="read").observe(seconds)
 

@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from kvconnect.sglang.deadline import PrefetchBudget
+from kvconnect.sglang.metrics import RANK_LABELS
 from kvconnect.sglang.plugin import DYNAMIC_ROUTE
 from kvconnect.store.launch import Cluster, Process
 from tests.sglang import harness as h
@@ -55,7 +57,7 @@ def _stored(cluster: Cluster, **budget: float) -> _Stored:
         "rpc_timeout": 0.5,
         **budget,
     }
-    cc = h.controller(pool, "dynamic", extra)
+    cc = h.controller(pool, "dynamic", extra, enable_storage_metrics=True)
     tokens = h.tokens_for(PAGES, seed=31)
     hashes = h.page_hashes(tokens)
     source = pool.alloc(len(tokens))
@@ -118,6 +120,7 @@ def test_a_terminated_prefetch_stops_at_once_and_nothing_lands_after(cluster: Cl
             tcp = backend._client.engine.stats().transports.get("tcp")
             return tcp is not None and tcp.bytes_read >= ON_A * h.PAGE_BYTES
 
+        canceled_before = _canceled_reads()
         stored.slow.signal(signal.SIGSTOP)
         try:
             result = h.prefetch(cc, "req-ended", stored.tokens, verdict=a_pages_in)
@@ -125,6 +128,7 @@ def test_a_terminated_prefetch_stops_at_once_and_nothing_lands_after(cluster: Cl
             assert result.terminated
             assert result.read_tokens == ON_A * h.PAGE, "the leading pages that arrived"
             assert backend.stats.pages_canceled == 256 - ON_A, "batch 2's pages on B"
+            assert _canceled_reads() - canceled_before == 1
             assert backend.stats.pages_withheld == 0, "the stopped server's reads were aborted"
             assert h.pages_of(pool, result.host_indices)[:ON_A] == stored.pages[:ON_A]
             h.release(cc, result)  # SGLang frees the slots; another request takes them
@@ -142,3 +146,9 @@ def test_a_terminated_prefetch_stops_at_once_and_nothing_lands_after(cluster: Cl
         pool.free(torch.cat([probe, other]))
     finally:
         cc.detach_storage_backend()
+
+
+def _canceled_reads() -> float:
+    """``kvconnect_hicache_canceled_reads_total`` of this process's rank 0."""
+    labels = dict.fromkeys(RANK_LABELS, "0")
+    return REGISTRY.get_sample_value("kvconnect_hicache_canceled_reads_total", labels) or 0.0

@@ -194,7 +194,7 @@ def test_each_sidecar_pool_round_trips_its_bytes(cluster: Cluster, kind: Kind) -
         assert h.pages_of(kv, result.host_indices) == expected_kv
         restored = result.host_indices if not kind.window else wanted.host_indices
         assert _bytes(pool, restored) == expected
-        stats = cc.storage_backend._sidecars.stats
+        stats = cc.storage_backend.sidecar_stats
         assert (stats.pages_read, stats.pages_missed) == (kind.window or PAGES, 0)
         h.release(cc, result)
     finally:
