@@ -17,6 +17,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvconnect.store.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]  # the source tree (examples/ is not installed)
@@ -128,12 +130,19 @@ class Server:
         return parsed
 
     def stats(self) -> dict[str, float]:
-        """kvconnect's connector counters, summed over every report so far."""
+        """kvconnect's connector counters so far, from the server's Prometheus ``/metrics``
+        (``kvconnect_vllm_<name>_total``, summed over engines): unlike the log's reports, they
+        miss no step."""
+        with _open(self.url + "/metrics", timeout=10) as reply:
+            text = reply.read().decode()
         totals: dict[str, float] = {}
-        for report in self.reports():
-            for key, value in report.items():
-                if not key.endswith("_ms"):
-                    totals[key] = totals.get(key, 0) + value
+        for family in text_string_to_metric_families(text):
+            name = family.name.removeprefix("kvconnect_vllm_")
+            if name == family.name or family.type != "counter":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    totals[name] = totals.get(name, 0.0) + sample.value
         return totals
 
     def tail(self, lines: int = 40) -> str:

@@ -27,7 +27,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 from kvconnect.vllm.config import parse_config
 from kvconnect.vllm.layout import RankLayout
@@ -223,6 +226,19 @@ class KVConnectConnector(KVConnectorBase_V1):
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
         return KVConnectStats(data=dict(data)) if data is not None else KVConnectStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        # Lazy: only vLLM's Prometheus logger (API server) needs prometheus_client here.
+        from kvconnect.vllm.metrics import ConnectorPromMetrics
+
+        return ConnectorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

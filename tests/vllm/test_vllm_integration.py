@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
     MultiKVConnectorStats,
@@ -115,6 +116,34 @@ def test_multiconnector_reads_from_prefill_and_its_stats_reach_the_log(
             assert_empty(d)
     finally:
         p.shutdown()
+        d.shutdown()
+
+
+def test_vllms_prometheus_logger_counts_every_steps_stats(tiny_config: Path) -> None:
+    # vLLM's API server builds this from the connector class (build_prom_metrics) and feeds it
+    # every step's stats; its log drops an idle interval's (logged at DEBUG).
+    d = make_scheduler(tiny_config, "kv_consumer", {})
+    try:
+        prom = KVConnectorProm(d.vllm_config, ["model_name", "engine"], {0: ["tiny", "0"]})
+        steps = [
+            {"pd_reads": 1, "pd_failed": 1, "pd_bytes": 0},
+            {"pool_loads": 1, "pool_bytes_loaded": 512},
+        ]
+        for data in steps:
+            prom.observe(KVConnectStats(dict(data)).to_dict(), 0)
+        labels = {"model_name": "tiny", "engine": "0"}
+
+        def total(name: str) -> float | None:
+            return REGISTRY.get_sample_value(f"kvconnect_vllm_{name}_total", labels)
+
+        assert [total(n) for n in ("pd_reads", "pd_failed", "pool_loads", "pool_bytes_loaded")] == [
+            1.0,
+            1.0,
+            1.0,
+            512.0,
+        ]
+        assert total("pool_saves") == 0.0
+    finally:
         d.shutdown()
 
 
