@@ -21,7 +21,8 @@ Phases:
   dropped, and they are prefetched back; whole-operation pages/s and GB/s (backup: queued to
   ack; prefetch: host slots given to the final ack, the hit query excluded) and per-batch
   p50/p99 of SGLang's storage batches (``page_set_func``/``page_get_func`` timed). One warm-up
-  round per backend is not counted.
+  round per backend is not counted; after it the process's heap is collected and frozen once
+  (as a warmed-up SGLang server's ``freeze_gc``).
 * **stall**: pages written, then one store process is SIGSTOPped when the prefetch's first
   read batch ends (mid-prefetch, in SGLang's prefetch thread); SGLang's ``timeout`` policy
   terminates the prefetch at its budget (``prefetch_timeout_base + per_ki_token * tokens``,
@@ -35,6 +36,7 @@ backup or a short prefetch outside the stall phase stops the run.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -520,6 +522,8 @@ def _throughput(
         s.name: {"backup": [], "prefetch": []} for s in systems
     }
     for n in range(rounds + 1):  # round 0 warms every backend up and is not counted
+        if n == 1:
+            _freeze_gc()
         pages = _pages(shape, count, seed=n)
         order = systems if n % 2 == 0 else list(reversed(systems))
         for system in order:
@@ -542,6 +546,15 @@ def _throughput(
         }
         for s in systems
     }
+
+
+def _freeze_gc() -> None:
+    """Collect once and exempt the survivors from later collections, as SGLang's
+    ``freeze_gc`` request does after a server's warm-up. Without it, this process's first
+    full collection of its start-up heap (SGLang, torch: 0.35-0.40 s here) stops whichever
+    backend's storage batch happens to allocate the object that triggers it."""
+    gc.collect()
+    gc.freeze()
 
 
 def _summary(
