@@ -208,13 +208,7 @@ def test_sglang_resolves_a_page_layout_kvconnect_attaches_to(
     backend = KVConnectStore(_storage(cluster, 0, False, namespace=f"resolved-{route}"), pool)
     try:
         assert backend.mem_pool_host is pool
-        hashes = h.page_hashes(h.tokens_for(2, seed=len(flags)))
-        source = pool.alloc(2 * h.PAGE)
-        h.fill(pool, source, seed=len(flags))
-        assert backend.batch_set_v1(hashes, source) == [True, True]
-        target = pool.alloc(2 * h.PAGE)
-        assert backend.batch_get_v1(hashes, target) == [True, True]
-        assert h.pages_of(pool, target) == h.pages_of(pool, source)
+        _round_trip(backend, pool, seed=len(flags))
     finally:
         backend.close()
 
@@ -385,12 +379,17 @@ def test_the_backend_takes_the_cluster_token_from_the_environment(
         pool = h.mha_pool()
         backend = KVConnectStore(_storage(secured, 0, False), pool)
         try:
-            hashes = h.page_hashes(h.tokens_for(2, seed=17))
-            source = pool.alloc(2 * h.PAGE)
-            h.fill(pool, source, seed=17)
-            assert backend.batch_set_v1(hashes, source) == [True, True]
-            target = pool.alloc(2 * h.PAGE)
-            assert backend.batch_get_v1(hashes, target) == [True, True]
-            assert h.pages_of(pool, target) == h.pages_of(pool, source)
+            _round_trip(backend, pool, seed=17)
         finally:
             backend.close()
+
+
+def _round_trip(backend: Any, pool: Any, seed: int) -> None:
+    """Two pages written through ``backend`` and read back into other slots, byte-exact."""
+    hashes = h.page_hashes(h.tokens_for(2, seed=seed))
+    source = pool.alloc(2 * h.PAGE)
+    h.fill(pool, source, seed=seed)
+    assert backend.batch_set_v1(hashes, source) == [True, True]
+    target = pool.alloc(2 * h.PAGE)
+    assert backend.batch_get_v1(hashes, target) == [True, True]
+    assert h.pages_of(pool, target) == h.pages_of(pool, source)
