@@ -95,3 +95,25 @@ def test_module_table_names_every_module() -> None:
     }
     assert sorted(actual - listed) == [], "modules missing from docs/architecture.md"
     assert sorted(listed - actual) == [], "docs/architecture.md lists modules that do not exist"
+
+
+@pytest.mark.parametrize(
+    "script", sorted(p.name for p in (PACKAGE / "bench" / "baselines").glob("*_runner.py"))
+)
+def test_a_runner_script_imports_no_neighbour_in_place_of_a_package(script: str) -> None:
+    # A runner runs as a script in another interpreter: its folder leads sys.path there, so a
+    # neighbour named like a package it imports (mooncake.py) would be imported instead.
+    folder = PACKAGE / "bench" / "baselines"
+    tree = ast.parse((folder / script).read_text())
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    } | {
+        node.module.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level
+    }
+    neighbours = {p.stem for p in folder.glob("*.py")}
+    assert not imported & neighbours

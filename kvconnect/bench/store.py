@@ -29,7 +29,7 @@ import numpy as np
 
 from kvconnect._config import cluster_token
 from kvconnect.bench import master_load
-from kvconnect.bench.baselines.mooncake import find_mooncake_python
+from kvconnect.bench.baselines.mooncake_engine import find_mooncake_python
 from kvconnect.bench.baselines.mooncake_store import MooncakeStoreBaseline
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient

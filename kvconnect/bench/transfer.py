@@ -23,7 +23,7 @@ import numpy as np
 
 from kvconnect.bench.baselines import Baseline
 from kvconnect.bench.baselines.memcpy import MemcpyBaseline
-from kvconnect.bench.baselines.mooncake import MooncakeBaseline, find_mooncake_python
+from kvconnect.bench.baselines.mooncake_engine import MooncakeBaseline, find_mooncake_python
 from kvconnect.bench.baselines.socket_pair import SocketBaseline
 from kvconnect.testing.peer import PeerProcess, pattern
 from kvconnect.transfer import (

@@ -3,7 +3,7 @@
 - :mod:`.socket_pair`: a plain Python socket pair across two processes (``sendall`` of each
   block from the same memory, ``recv_into`` a preallocated buffer), one stream.
 - :mod:`.memcpy`: single-thread memcpy of the same blocks between pre-faulted buffers.
-- :mod:`.mooncake`: Mooncake's TCP transfer engine through ``mooncake_runner.py``, run by an
+- :mod:`.mooncake_engine`: Mooncake's TCP transfer engine through ``mooncake_runner.py``, run by an
   interpreter with the ``mooncake`` package.
 - :mod:`.mooncake_store`: Mooncake Store through ``mooncake_store_runner.py`` (its own master and
   store server), for ``kvconnect bench store``.

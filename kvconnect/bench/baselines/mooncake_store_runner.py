@@ -64,14 +64,11 @@ from typing import Any
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-# Run as a script, its folder leads sys.path, and its neighbour mooncake.py would shadow the
-# mooncake package: the imports below come after that folder is dropped.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import mooncake  # noqa: E402
-import numpy as np  # noqa: E402
-import numpy.typing as npt  # noqa: E402
-from mooncake.store import MooncakeDistributedStore  # noqa: E402
+import mooncake
+import numpy as np
+import numpy.typing as npt
+from mooncake.store import MooncakeDistributedStore
 
 HOST = "127.0.0.1"
 MIB = 1 << 20
