@@ -60,7 +60,7 @@ from kvconnect.sglang.deadline import (
 from kvconnect.sglang.keys import PageFormat, PageKeys, page_keys
 from kvconnect.sglang.metrics import BackendMetrics, moved_bytes
 from kvconnect.sglang.pools import Outcome, PoolMemory, SidecarPools, SidecarStats
-from kvconnect.sglang.withheld import WithheldSlots
+from kvconnect.sglang.withheld import WithheldSlots, pages_with, withhold_unsettled
 from kvconnect.store.client import BatchResult, Regions, StoreClient
 from kvconnect.store.config import StoreServerConfig
 from kvconnect.store.messages import Code
@@ -511,11 +511,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         result = self._client.batch_get_into(
             object_keys, region, offsets, sizes, timeout=end - now, cancel=cancel
         )
-        objects = len(object_keys) // pages
-        codes = result.codes
-        canceled = sum(
-            Code.CANCELED in codes[page * objects : (page + 1) * objects] for page in range(pages)
-        )
+        canceled = len(pages_with(result.codes, len(object_keys) // pages, Code.CANCELED))
         if canceled:
             with self._lock:
                 self.stats.pages_canceled += canceled
@@ -535,28 +531,20 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
         """Keep the host slots of pages with an UNSETTLED object from reuse until their
         transfer settles (before returning to SGLang, which may free them at once)."""
         codes = result.codes
-        pages = len(codes) // objects
-        unsettled = [
-            page
-            for page in range(pages)
-            if Code.UNSETTLED in codes[page * objects : (page + 1) * objects]
-        ]
-        if not unsettled:
+        if Code.UNSETTLED not in codes:
             return
         withheld = self._withheld
         assert withheld is not None  # installed with the pool, before any transfer
-        page_size = len(host_indices) // pages
-        slots = torch.cat([host_indices[p * page_size : (p + 1) * page_size] for p in unsettled])
-        withheld.hold(slots)
-        result.on_settled(lambda: withheld.release(slots))
+        page_size = len(host_indices) // (len(codes) // objects)
+        count = withhold_unsettled([withheld], host_indices, page_size, codes, objects, result)
         with self._lock:
-            self.stats.pages_withheld += len(unsettled)
-        self.metrics.withheld(len(unsettled))
+            self.stats.pages_withheld += count
+        self.metrics.withheld(count)
         self._warn(
             _Trouble.UNSETTLED,
             "kvconnect: %d page(s) still in transfer past the deadline; their host slots are "
             "withheld from SGLang until the transfer lets go",
-            len(unsettled),
+            count,
         )
 
     def _account(

@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from kvconnect.errors import ConfigError
 from kvconnect.sglang.keys import PageFormat, PageKeys, SidecarFormat, sidecar_keys
-from kvconnect.sglang.withheld import WithheldSlots
+from kvconnect.sglang.withheld import WithheldSlots, withhold_unsettled
 from kvconnect.store.client import BatchResult, StoreClient
 from kvconnect.store.messages import Code
 from kvconnect.transfer.memory import MemoryRegion
@@ -351,22 +351,9 @@ class SidecarPools:
     ) -> int:
         """Keep the slots of pages with an UNSETTLED object from reuse until their transfer
         settles, in every pool whose slots they are; pages withheld."""
-        per_page = pool.keys.objects
+        pools = [self._withheld[s] for s in _INDEX_SOURCES[pool.name] if s in self._withheld]
         page_size = int(pool.host_pool.page_size)
-        unsettled = [
-            p
-            for p in range(len(codes) // per_page)
-            if Code.UNSETTLED in codes[p * per_page : (p + 1) * per_page]
-        ]
-        if not unsettled:
-            return 0
-        slots = torch.cat([host_indices[p * page_size : (p + 1) * page_size] for p in unsettled])
-        for source in _INDEX_SOURCES[pool.name]:
-            withheld = self._withheld.get(source)
-            if withheld is not None:
-                withheld.hold(slots)
-                result.on_settled(_releaser(withheld, slots))
-        return len(unsettled)
+        return withhold_unsettled(pools, host_indices, page_size, codes, pool.keys.objects, result)
 
     def _count(self, results: dict[PoolName, list[bool]], write: bool, withheld: int) -> None:
         moved = sum(sum(flags) for flags in results.values())
@@ -394,10 +381,6 @@ def _restorable_prefixes(transfer: PoolTransfer, stored: Sequence[bool]) -> set[
         window = max(1, len(transfer.keys or ()))
         return {end for end in range(1, len(stored) + 1) if all(stored[max(0, end - window) : end])}
     return set()
-
-
-def _releaser(withheld: WithheldSlots, slots: torch.Tensor) -> Callable[[], None]:
-    return lambda: withheld.release(slots)
 
 
 def _buffers_of(host_pool: Any) -> list[torch.Tensor]:

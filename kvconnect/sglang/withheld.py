@@ -11,10 +11,15 @@ settled (``BatchResult.on_settled``, on a transport thread).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+
+from kvconnect.store.client import BatchResult
+from kvconnect.store.messages import Code
 
 
 class WithheldSlots:
@@ -89,3 +94,33 @@ class WithheldSlots:
             keep = torch.tensor(sorted(self._holds), dtype=torch.int64)
             self._free(everything[~torch.isin(everything, keep)])
             self._freed = set(self._holds)
+
+
+def pages_with(codes: Sequence[Code], objects: int, code: Code) -> list[int]:
+    """The pages (of ``objects`` consecutive codes each) with an object of ``code``."""
+    return [
+        page
+        for page in range(len(codes) // objects)
+        if code in codes[page * objects : (page + 1) * objects]
+    ]
+
+
+def withhold_unsettled(
+    pools: Iterable[WithheldSlots],
+    host_indices: torch.Tensor,
+    page_size: int,
+    codes: Sequence[Code],
+    objects: int,
+    result: BatchResult,
+) -> int:
+    """Withhold in each of ``pools`` the host slots of the pages (``page_size`` slots and
+    ``objects`` codes each) with an UNSETTLED object, until ``result`` settles; the pages
+    withheld. Call before SGLang gets the result: it may free the slots at once."""
+    unsettled = pages_with(codes, objects, Code.UNSETTLED)
+    if not unsettled:
+        return 0
+    slots = torch.cat([host_indices[p * page_size : (p + 1) * page_size] for p in unsettled])
+    for withheld in pools:
+        withheld.hold(slots)
+        result.on_settled(functools.partial(withheld.release, slots))
+    return len(unsettled)
