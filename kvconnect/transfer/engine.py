@@ -527,7 +527,8 @@ class TransferEngine(Lifecycle):
         """Drop what this engine keeps for peer segment ``name``: its descriptor and the
         connections and mappings of the engine that served it. For a peer known to be gone
         (its owner replaced or retired it); work still in flight to it fails, and a later
-        request to ``name`` looks it up afresh. Never blocks on the peer."""
+        request to ``name`` looks it up afresh. Waits on no answer from the peer: calls to it
+        are interrupted, and their threads joined."""
         old = self._directory.drop(name)
         if old is None:
             return
