@@ -61,7 +61,8 @@ class Server:
     ``python``: an interpreter with vLLM (default: this one); ``env``: extra variables (e.g. a
     connector's); ``kv_gib``: KV cache size; ``max_len``: the longest prompt + output;
     ``cpus``: the cores its worker is bound to (``VLLM_CPU_OMP_THREADS_BIND``, see
-    :func:`cpu_groups`).
+    :func:`cpu_groups`); ``port``: its HTTP port (0: a free one; a replacement for a killed
+    server takes the killed one's).
     """
 
     def __init__(
@@ -76,9 +77,10 @@ class Server:
         kv_gib: int = 1,
         max_len: int = 4096,
         cpus: str = "auto",
+        port: int = 0,
     ) -> None:
         self.name = name
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"{name}.log"
         args = [

@@ -523,6 +523,18 @@ class TransferEngine(Lifecycle):
         except KVConnectError as exc:
             return exc
 
+    def forget_segment(self, name: str) -> None:
+        """Drop what this engine keeps for peer segment ``name``: its descriptor and the
+        connections and mappings of the engine that served it. For a peer known to be gone
+        (its owner replaced or retired it); work still in flight to it fails, and a later
+        request to ``name`` looks it up afresh. Waits on no answer from the peer: calls to it
+        are interrupted, and their threads joined."""
+        old = self._directory.drop(name)
+        if old is None:
+            return
+        for transport in self._transports.values():
+            transport.forget(old.engine_id)
+
     def _peer_lost(self, peer: SegmentDescriptor) -> None:
         self._directory.forget(peer.name)
 

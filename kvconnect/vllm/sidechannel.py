@@ -3,8 +3,12 @@
 The server runs on one thread in prefill's scheduler process and answers from a handler (it
 must be quick: it takes a lock on the lease table). Clients — decode's scheduler and workers —
 keep one DEALER socket per (thread, endpoint); every call waits at most its timeout and
-raises PeerUnreachable after it. With a cluster token both ends are CURVE-authenticated
-(:mod:`kvconnect.auth`); a message that cannot be decoded or answered costs only itself.
+raises PeerUnreachable after it. A call that fails closes its socket: a DEALER queues what is
+sent to a peer that is down and delivers it once something listens there again (a replacement
+engine would get the dead one's renewals and confirmations), and blocks sending once the queue
+is full; a fresh socket per failure leaves no such backlog and no stale reply. With a cluster
+token both ends are CURVE-authenticated (:mod:`kvconnect.auth`); a message that cannot be
+decoded or answered costs only itself.
 """
 
 from __future__ import annotations
@@ -143,7 +147,26 @@ class SideChannelClient:
         sock = self._socket(endpoint)
         call = next(self._calls)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        sock.send(_encoder.encode(msg.Envelope(msg.PROTOCOL_VERSION, call, request)))
+        try:
+            try:
+                sock.send(
+                    _encoder.encode(msg.Envelope(msg.PROTOCOL_VERSION, call, request)), zmq.NOBLOCK
+                )
+            except zmq.Again as exc:  # only a socket that queued many unanswered calls
+                raise PeerUnreachable(f"prefill side channel {endpoint} takes no calls") from exc
+            return self._reply(sock, endpoint, request, call, deadline)
+        except (PeerUnreachable, ProtocolError):
+            self._discard(endpoint, sock)
+            raise
+
+    def _reply(
+        self,
+        sock: zmq.Socket[bytes],
+        endpoint: str,
+        request: msg.Request,
+        call: int,
+        deadline: float,
+    ) -> msg.Reply:
         while True:
             wait = int((deadline - time.monotonic()) * 1000)
             if wait <= 0 or not sock.poll(wait, zmq.POLLIN):
@@ -157,6 +180,21 @@ class SideChannelClient:
                 raise ProtocolError(f"malformed reply from {endpoint}: {exc}") from exc
             if reply.call == call:  # older replies belong to calls that timed out
                 return reply.body
+
+    def open_sockets(self) -> int:
+        """Sockets open now, over every thread (what a leak would grow)."""
+        with self._lock:
+            return len(self._sockets)
+
+    def _discard(self, endpoint: str, sock: zmq.Socket[bytes]) -> None:
+        """Close the calling thread's socket to ``endpoint`` (its next call opens a new one)."""
+        sockets: dict[str, zmq.Socket[bytes]] = self._local.sockets
+        if sockets.get(endpoint) is sock:
+            del sockets[endpoint]
+        with self._lock:
+            if sock in self._sockets:  # close() may have closed it already
+                self._sockets.remove(sock)
+                sock.close(0)
 
     def release(self) -> None:
         """Close the calling thread's sockets (for a thread that ends; its next call, if

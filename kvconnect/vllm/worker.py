@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvconnect.errors import ConfigError, KVConnectError
+from kvconnect.errors import KVConnectError
 from kvconnect.store.client import StoreClient
 from kvconnect.store.messages import Code
 from kvconnect.transfer import TransferOp, TransferRequest, TransferStatus
@@ -45,6 +45,7 @@ from kvconnect.vllm.layout import (
     compat_hash,
     range_pairs,
 )
+from kvconnect.vllm.peers import PeerLayouts, PeerReplaced
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
 from kvconnect.vllm.pool import PoolKeys, pool_keys
 from kvconnect.vllm.sidechannel import SideChannelClient
@@ -143,8 +144,7 @@ class ConnectorWorker:
         )
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._peers: dict[str, msg.LayoutReply] = {}
-        self._refused: dict[str, str] = {}  # prefill engine → why its KV is never read
+        self.peers = PeerLayouts(self._client, on_evict=self._forget_peer)
         self.layout: RankLayout | None = None
         self._regions: dict[int, MemoryRegion] = {}
         self._load_errors: set[int] = set()
@@ -364,7 +364,8 @@ class ConnectorWorker:
                     job.request_id, _Kind.RECV, False, job.local_blocks, 0, seconds, refused=refused
                 )
             )
-            self._give_up(remote.endpoint, remote.request_id)
+            if not isinstance(exc, PeerReplaced):  # else its blocks went with the old engine
+                self._give_up(remote.endpoint, remote.request_id)
             return
         requests = self._read_requests(mine, theirs, job)
         nbytes = sum(r.length for r in requests)
@@ -386,9 +387,8 @@ class ConnectorWorker:
         outcome = _Outcome(job.request_id, _Kind.RECV, ok, failed, moved, seconds, io_seconds)
         unsettled = TransferStatus.PENDING in statuses
         self._report_settled(outcome, unsettled, batch.add_settled_callback)
-        if not read:
-            with self._lock:  # a restarted prefill may reuse its engine id: ask again next time
-                self._peers.pop(remote.engine_id, None)
+        if not read:  # the prefill may be gone: ask its endpoint who serves it next time
+            self.peers.read_failed(remote.endpoint, remote.engine_id)
             errors = [e for e in batch.errors if e is not None]
             problem = errors[0] if errors else statuses
             log.error(
@@ -410,41 +410,34 @@ class ConnectorWorker:
         return requests
 
     def _peer_layout(self, endpoint: str, engine_id: str, tp_size: int) -> RankLayout:
-        """The prefill rank this rank reads from (asked once per prefill engine). Raises
+        """The prefill rank this rank reads from (its layouts cached by :attr:`peers`). Raises
         IncompatiblePeer when that engine's KV means something else here: decided and logged
-        once per engine, at first contact."""
-        with self._lock:
-            reply = self._peers.get(engine_id)
-            refusal = self._refused.get(engine_id)
-        if refusal is not None:
-            raise IncompatiblePeer(refusal)
-        if reply is None:
-            answer = self._client.call(endpoint, msg.GetLayout())
-            if not isinstance(answer, msg.LayoutReply):
-                raise ConfigError(f"prefill {endpoint} has no KV layout to offer: {answer!r}")
-            reply = answer
-            if reply.engine_id != engine_id:
-                raise ConfigError(
-                    f"{endpoint} is engine {reply.engine_id}, not {engine_id} (restarted?)"
-                )
-            with self._lock:
-                self._peers[engine_id] = reply
+        once per engine, at first contact; PeerReplaced when another engine serves the
+        endpoint now."""
+        reply = self.peers.get(endpoint, engine_id)
         assert self.layout is not None
         if tp_size != self.format.tp_size or len(reply.ranks) != self.format.tp_size:
             theirs_tp = f"{tp_size} ({len(reply.ranks)} ranks)"
-            self._refuse(engine_id, f"tp_size: {theirs_tp} at the peer, {self.format.tp_size} here")
+            here = self.format.tp_size
+            self._refuse(endpoint, engine_id, f"tp_size: {theirs_tp} at the peer, {here} here")
         theirs = reply.ranks[self.format.tp_rank]
         problem = check_compatible(self.layout, theirs)
         if problem is not None and self.config.enforce_compat:
-            self._refuse(engine_id, problem)
+            self._refuse(endpoint, engine_id, problem)
         return theirs
 
-    def _refuse(self, engine_id: str, problem: str) -> None:
+    def _forget_peer(self, reply: msg.LayoutReply) -> None:
+        """A prefill engine is gone for good (replaced or aged out of :attr:`peers`): drop the
+        transfer engine's state for its segments, unless a cached engine still names them
+        (a replacement listening where the old one did: the transfer engine notices that
+        change on its own)."""
+        gone = {rank.segment for rank in reply.ranks.values()} - self.peers.segments()
+        for segment in gone:
+            self.engine.forget_segment(segment)
+
+    def _refuse(self, endpoint: str, engine_id: str, problem: str) -> None:
         refusal = f"prefill engine {engine_id} has an incompatible KV format ({problem})"
-        with self._lock:
-            first = engine_id not in self._refused
-            self._refused[engine_id] = refusal
-        if first:
+        if self.peers.refuse(endpoint, engine_id, refusal):
             log.error(
                 "%s: reading none of its KV; its requests are recomputed (or fail, per "
                 "kv_load_failure_policy)",

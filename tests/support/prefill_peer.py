@@ -11,7 +11,8 @@ Tests put it beside a decode worker to stop (SIGSTOP) or kill a real prefill::
 
 The child prints one hello line (side-channel port, pid, engine id), then answers one JSON
 command per line until stdin closes: ``hold``, ``renewals`` (Renew calls received, by request
-id), ``digest``.
+id), ``calls`` (side-channel calls received, by kind), ``digest``. Given a ``port``, a new peer
+replaces a killed one at the same side-channel endpoint (with another engine id).
 """
 
 from __future__ import annotations
@@ -64,10 +65,13 @@ def block_digest(caches: Mapping[str, Any], blocks: Sequence[int]) -> str:
 class PrefillPeer(ChildProcess):
     """Start ``python -m tests.support.prefill_peer`` and talk to it."""
 
-    def __init__(self, *, seed: int, lease: float = 30.0, timeout: float = 60.0) -> None:
-        """``seed``: the KV cache's contents (:func:`kv_caches`); ``lease``: prefill's lease."""
+    def __init__(
+        self, *, seed: int, lease: float = 30.0, port: int = 0, timeout: float = 60.0
+    ) -> None:
+        """``seed``: the KV cache's contents (:func:`kv_caches`); ``lease``: prefill's lease;
+        ``port``: the side channel's (0: a free one)."""
         args = [sys.executable, "-m", "tests.support.prefill_peer"]
-        args += ["--seed", str(seed), "--lease", str(lease)]
+        args += ["--seed", str(seed), "--lease", str(lease), "--port", str(port)]
         super().__init__(args, env=child_env(), timeout=timeout)
         self.port: int = self.hello["port"]
         self.engine_id: str = self.hello["engine_id"]
@@ -86,6 +90,10 @@ class PrefillPeer(ChildProcess):
         """How many Renew calls named each request so far."""
         return dict(self.call({"cmd": "renewals"})["renewals"])
 
+    def calls(self) -> dict[str, int]:
+        """How many side-channel calls of each kind (``GetLayout``, ``Renew``…) arrived."""
+        return dict(self.call({"cmd": "calls"})["calls"])
+
     def digest(self, blocks: Sequence[int]) -> str:
         """:func:`block_digest` of the peer's KV cache."""
         return str(self.call({"cmd": "digest", "blocks": list(blocks)})["digest"])
@@ -100,11 +108,13 @@ class PrefillPeer(ChildProcess):
 class _CountingService(PrefillService):
     """The real service, counting the renewals it answers (what the tests observe)."""
 
-    def __init__(self, engine_id: str, lease: float) -> None:
-        super().__init__(engine_id, "127.0.0.1", 0, lease, token=cluster_token(None, "", False))
+    def __init__(self, engine_id: str, lease: float, port: int) -> None:
+        super().__init__(engine_id, "127.0.0.1", port, lease, token=cluster_token(None, "", False))
         self.renewals: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
 
     def _handle(self, request: msg.Request) -> msg.Reply:
+        self.calls[type(request).__name__] += 1
         if isinstance(request, msg.Renew):
             self.renewals.update(request.request_ids)
         return super()._handle(request)
@@ -115,11 +125,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--lease", type=float, default=30.0)
+    parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     caches = kv_caches(args.seed)
     worker = ConnectorWorker(VllmConnectorConfig.from_mapping({"transport": "tcp"}), FORMAT, BLOCKS)
     engine_id = f"prefill-{os.getpid()}"  # decode knows prefill engines by their id
-    service = _CountingService(engine_id, args.lease)
+    service = _CountingService(engine_id, args.lease, args.port)
     try:
         service.set_layouts({0: worker.register(caches)})
         service.start()
@@ -132,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 service.hold(command["request_id"], readers=1)
             elif command["cmd"] == "renewals":
                 reply = {"renewals": dict(service.renewals)}
+            elif command["cmd"] == "calls":
+                reply = {"calls": dict(service.calls)}
             elif command["cmd"] == "digest":
                 reply = {"digest": block_digest(caches, command["blocks"])}
             print(json.dumps(reply), flush=True)

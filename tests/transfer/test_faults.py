@@ -303,6 +303,26 @@ def test_idle_channels_retire_and_come_back(peer: PeerProcess) -> None:
         assert local.view == pattern(8, MiB).data
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_forgotten_segment_leaves_no_connection_mapping_or_descriptor(
+    peer: PeerProcess, transport: str
+) -> None:
+    """What a user of the engine calls for a peer it knows is gone (kvconnect.vllm: a prefill
+    replaced or aged out): the peer's state goes at once; the name is looked up afresh."""
+    with TransferEngine(TransferConfig(transport=transport)) as engine:
+        local = engine.register(np.zeros(MiB, dtype=np.uint8))
+        engine.forget_segment("never-seen:1")  # nothing known: nothing to do
+        engine.read(local, 0, peer.name, peer.regions["shared"], 0, MiB)
+        assert engine.stats().transports[transport].peers == 1
+        engine.forget_segment(peer.name)
+        assert engine.stats().transports[transport].peers == 0
+        assert engine._directory.cached(peer.name) is None
+        local.view[:] = b"\0" * MiB
+        engine.read(local, 0, peer.name, peer.regions["shared"], 0, MiB)
+        assert engine.stats().transports[transport].peers == 1
+        assert local.view == pattern(7, MiB).data
+
+
 def test_dead_same_host_peer_is_unmapped_while_idle() -> None:
     with TransferEngine(TransferConfig(transport="shm")) as engine:
         local = engine.register(np.zeros(MiB, dtype=np.uint8))

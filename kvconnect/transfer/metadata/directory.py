@@ -71,3 +71,11 @@ class SegmentDirectory:
         the next :meth:`resolve` looks it up again."""
         with self._lock:
             self._cache.pop(name, None)
+
+    def drop(self, name: str) -> SegmentDescriptor | None:
+        """Forget everything about ``name`` (its peer is gone for good): the cached and the
+        last known descriptor. Returns the last known one (None if there was none)."""
+        with self._lock:
+            cached = self._cache.pop(name, None)
+            known = self._known.pop(name, None)
+        return known or cached
