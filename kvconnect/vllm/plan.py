@@ -8,26 +8,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvconnect.vllm.groups import GroupBlocks
 from kvconnect.vllm.params import RemotePrefill
 
 
 @dataclass(frozen=True, slots=True)
 class RecvJob:
-    """Decode: read ``remote_blocks`` of a prefill engine into ``local_blocks``."""
+    """Decode: read ``remote_blocks`` of a prefill engine into ``local_blocks``: per KV-cache
+    group, pairwise (equal lengths)."""
 
     request_id: str
     remote: RemotePrefill
-    local_blocks: tuple[int, ...]
-    remote_blocks: tuple[int, ...]
+    local_blocks: GroupBlocks
+    remote_blocks: GroupBlocks
 
 
 @dataclass(frozen=True, slots=True)
 class PoolJob:
-    """Load (or save) the blocks named by ``hashes`` into (from) ``blocks``."""
+    """Load (or save) the blocks named by ``hashes`` into (from) ``blocks``: per KV-cache
+    group, one block per hash (``blocks[g][i]`` holds group ``g``'s part of ``hashes[i]``),
+    :data:`~kvconnect.vllm.groups.NULL_BLOCK` where the group moves nothing (positions a
+    sliding window does not need)."""
 
     request_id: str
     hashes: tuple[str, ...]
-    blocks: tuple[int, ...]
+    blocks: GroupBlocks
 
 
 @dataclass(frozen=True, slots=True)
