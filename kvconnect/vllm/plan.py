@@ -48,5 +48,6 @@ class StepPlan:
     """Held requests whose blocks may be freed now: held in this plan or an earlier one (decode
     may confirm, give up, or let the lease lapse before prefill's next step)."""
     preempted: tuple[str, ...] = ()
-    """Requests preempted this step while their blocks were being saved: the forward pass
+    """Requests preempted this step while their blocks were being saved, or whose save
+    started last step reads sliding-window blocks vLLM may free this step: the forward pass
     must not overwrite those blocks before the saves finished."""

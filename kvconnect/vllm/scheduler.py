@@ -92,6 +92,7 @@ class ConnectorScheduler:
         self._pool_hits: dict[str, _PoolHit] = {}  # by request
         self._pooled: dict[str, int] = {}  # request → leading blocks known to be in the pool
         self._saving: set[str] = set()  # requests with a save planned (their frees wait)
+        self._window_saves: set[str] = set()  # saves planned last step that read window blocks
         self._recv: list[RecvJob] = []
         self._load: list[PoolJob] = []
         self._held: list[str] = []
@@ -224,15 +225,22 @@ class ConnectorScheduler:
         a request's blocks per group, position by position; ``preempted``: requests whose
         blocks were taken back this step."""
         save = self._plan_saves(scheduled, block_ids_of) if self._pool is not None else ()
+        # vLLM frees the blocks a window left behind while the request runs (not through
+        # request_finished): a save begun last step may still read them.
+        protected = {*preempted, *self._window_saves} & self._saving
         plan = StepPlan(
             recv=tuple(self._recv),
             load=tuple(self._load),
             save=save,
             held=tuple(self._held),
             released=tuple(self._prefill.take_released()) if self._prefill else (),
-            preempted=tuple(rid for rid in preempted if rid in self._saving),
+            preempted=tuple(sorted(protected)),
         )
         self._recv, self._load, self._held = [], [], []
+        sliding = [i for i, g in enumerate(self._groups) if g.kind is GroupKind.SLIDING]
+        self._window_saves = {
+            job.request_id for job in save if any(any(job.blocks[i]) for i in sliding)
+        }
         return plan
 
     def _plan_saves(

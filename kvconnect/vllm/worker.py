@@ -180,9 +180,10 @@ class ConnectorWorker:
             with threads_on(self.config.io_cpu_set):
                 self._start_pool(layers)
         log.info(
-            "kvconnect registered %d KV layers (%d blocks) as segment %s",
+            "kvconnect registered %d KV layers (%d blocks) in %d KV-cache groups as segment %s",
             len(layers),
             self._num_blocks,
+            len({layer.group for layer in layers}),
             self.engine.name,
         )
         return self.layout
@@ -280,7 +281,10 @@ class ConnectorWorker:
             recving.add(outcome.request_id)
             if not outcome.ok:
                 failed.add(outcome.request_id)
-                self._load_errors.update(outcome.failed_blocks)
+                # Block ids are per KV-cache group: vLLM takes failed blocks of one group only
+                # (with several it fails on them; the failed request says it all).
+                if len(set(self._layer_groups.values())) <= 1:
+                    self._load_errors.update(outcome.failed_blocks)
         sending = {rid for rid, waits in self._holds.items() if not waits}
         for rid in sending:
             del self._holds[rid]
