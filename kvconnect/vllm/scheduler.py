@@ -136,6 +136,12 @@ class ConnectorScheduler:
             )
             if remote.num_tokens is not None:
                 total = min(total, remote.num_tokens)
+            if len(remote.block_ids) != len(self._groups):
+                log.error(
+                    "%s: prefill has %d KV-cache groups, this engine %d: computing locally",
+                    request.request_id, len(remote.block_ids), len(self._groups),
+                )  # fmt: skip
+                return 0, False
             return _async(total - num_computed)
         if self._pool is None:
             return 0, False
@@ -191,13 +197,8 @@ class ConnectorScheduler:
         num_external: int,
     ) -> RecvJob | None:
         """Decode's read of prefill's blocks into ``block_ids`` (the new ones per group), or
-        None when nothing is to be read."""
+        None when nothing is to be read (``matched_tokens`` refused prefill's groups)."""
         if num_external <= 0 or len(remote.block_ids) != len(self._groups):
-            if num_external > 0:
-                log.error(
-                    "%s: prefill has %d KV-cache groups, this engine %d: computing locally",
-                    rid, len(remote.block_ids), len(self._groups),
-                )  # fmt: skip
             return None
         local = transferable(self._groups, block_ids)
         # A full group loads only the positions after decode's own prefix hit.
@@ -208,8 +209,6 @@ class ConnectorScheduler:
             for g, ids in zip(self._groups, local, strict=True)
         ]
         mine, theirs = pair_tails(local, remote.block_ids, counts)
-        if not any(mine):
-            return None
         return RecvJob(rid, remote, mine, theirs)
 
     # -------------------------------------------------------------------------------- steps

@@ -285,3 +285,25 @@ def test_the_pool_keeps_no_mamba_states(
                 assert not plan_of(output).save
             _step_until(engine, lambda: not s.requests, "a never finished")
             assert_empty(s)
+
+
+def test_a_prefill_with_other_kv_cache_groups_is_computed_locally(tiny_config: Path) -> None:
+    params = {  # a full-attention-only prefill (one group), this decode has two
+        "do_remote_prefill": True,
+        "remote_block_ids": [[1, 2, 3, 4, 5]],
+        "remote_engine_id": "other",
+        "remote_request_id": "p1",
+        "remote_host": "127.0.0.1",
+        "remote_port": free_port(),
+        "tp_size": 1,
+        "remote_num_tokens": 80,
+    }
+    fast = {"rpc_timeout": 0.5}
+    with _engine(tiny_config, "kv_consumer", "swa", seed=None, extra=fast) as decode:
+        d, dw, _ = decode
+        d.add_request(make_request("d1", list(PROMPT), max_tokens=2, params=params))
+        output, _ = step(d, worker=dw)
+        assert not plan_of(output).recv
+        assert output.num_scheduled_tokens == {"d1": 80}
+        _step_until(decode, lambda: not d.requests, "d1 never finished")
+        assert_empty(d)
