@@ -136,11 +136,9 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        block_ids_of = self._block_ids_of
-
         plan = self._scheduler.build_plan(
             scheduler_output.num_scheduled_tokens,
-            block_ids_of,
+            self._block_ids_of,
             scheduler_output.preempted_req_ids or (),
         )
         return KVConnectMetadata(plan)

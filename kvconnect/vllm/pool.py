@@ -3,14 +3,16 @@
 A block of one TP rank is ``layers x chunks`` store objects (each layer's K|V ranges are
 separate memory), keyed by vLLM's block hash (chained over the prefix, so a key names the
 whole prefix up to its block) plus what makes bytes interchangeable: model and the rank's KV
-format (the compatibility hash: dtype, block size, layout, TP size).
+format (the compatibility hash: dtype, block size, layout, TP size). In hybrid models a layer's
+objects exist only where its KV-cache group saved the block (a sliding window: near the end
+of a prompt); a hit is what every group can use (:func:`~kvconnect.vllm.groups.usable_hit`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvconnect.errors import StoreError
 from kvconnect.store.client import StoreClient
@@ -27,7 +29,7 @@ class PoolKeys:
     prefix: str
     layers: int
     chunks: int
-    groups: tuple[int, ...] = field(default=())
+    groups: tuple[int, ...] = ()
     """The KV-cache group of each layer (empty: all in group 0)."""
 
     @property

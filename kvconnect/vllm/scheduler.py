@@ -258,9 +258,10 @@ class ConnectorScheduler:
             self._saving.add(rid)
             full = min(request.num_prompt_tokens // self._block_size, len(request.block_hashes))
             skip = self._pooled.get(rid, 0)
-            if full > skip:
+            ids = block_ids_of(rid)
+            if full > skip and len(ids) == len(self._groups):
                 hashes = tuple(h.hex() for h in request.block_hashes[skip:full])
-                blocks = pool_blocks(self._groups, block_ids_of(rid), skip, full, self._block_size)
+                blocks = pool_blocks(self._groups, ids, skip, full, self._block_size)
                 jobs.append(PoolJob(rid, hashes, blocks))
         return tuple(jobs)
 
