@@ -35,10 +35,17 @@ class Shape:
 
 
 def write_tiny_llama(
-    path: Path, *, shape: Shape | None = None, weights: bool = True, seed: int = 0
+    path: Path,
+    *,
+    shape: Shape | None = None,
+    weights: bool = True,
+    seed: int = 0,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write the model into ``path`` (created); ``weights=False`` writes only the config and
-    tokenizer (enough for vLLM's scheduler)."""
+    tokenizer (enough for vLLM's scheduler). ``sliding_window`` (tokens) makes it hybrid like
+    Gemma 3: every other layer (the odd ones) attends within that window, so vLLM's hybrid
+    allocator gives it a full-attention and a sliding-window KV-cache group."""
     shape = shape or Shape()
     path.mkdir(parents=True, exist_ok=True)
     config = {
@@ -60,6 +67,11 @@ def write_tiny_llama(
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    if sliding_window is not None:
+        config["sliding_window"] = sliding_window
+        config["layer_types"] = [
+            "sliding_attention" if layer % 2 else "full_attention" for layer in range(shape.layers)
+        ]
     (path / "config.json").write_text(json.dumps(config))
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     _write_tokenizer(path)

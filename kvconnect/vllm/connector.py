@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -83,8 +84,9 @@ class KVConnectStats(KVConnectorStats):
         return not self.data
 
 
-class KVConnectConnector(KVConnectorBase_V1):
-    """Prefill/decode disaggregation (pull) and a shared prefix pool on kvconnect."""
+class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
+    """Prefill/decode disaggregation (pull) and a shared prefix pool on kvconnect, for every
+    KV-cache group of hybrid models (vLLM keeps its hybrid allocator on)."""
 
     def __init__(
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
@@ -97,7 +99,9 @@ class KVConnectConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from kvconnect.vllm.roles import build_scheduler
 
-            self._scheduler, self._services = build_scheduler(self._config, vllm_config)
+            self._scheduler, self._services = build_scheduler(
+                self._config, vllm_config, kv_cache_config
+            )
         else:
             from kvconnect.vllm.roles import build_worker
 
@@ -111,27 +115,39 @@ class KVConnectConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.matched_tokens(request, num_computed_tokens)
 
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        assert self._scheduler is not None
+        return self._scheduler.loaded_groups(request)
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        block_ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        self._scheduler.after_alloc(request, block_ids, num_external_tokens)
+        new = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else []
+        self._scheduler.after_alloc(
+            request,
+            new,
+            lambda: self._block_ids_of(request.request_id),
+            num_external_tokens,
+        )
+
+    def _block_ids_of(self, request_id: str) -> tuple[list[int], ...]:
+        """A request's blocks per KV-cache group, position by position."""
+        manager = getattr(self, "_kv_cache_manager", None)
+        return tuple(manager.get_block_ids(request_id)) if manager is not None else ()
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        manager = getattr(self, "_kv_cache_manager", None)
-
-        def block_ids_of(request_id: str) -> list[int]:
-            return list(manager.get_block_ids(request_id)[0]) if manager is not None else []
-
         plan = self._scheduler.build_plan(
             scheduler_output.num_scheduled_tokens,
-            block_ids_of,
+            self._block_ids_of,
             scheduler_output.preempted_req_ids or (),
         )
         return KVConnectMetadata(plan)
 
     def on_new_request(self, request: Any) -> None:
         assert self._scheduler is not None
+        backoff = self._scheduler.prefill_backoff(request)
+        if backoff:
+            _drop_prompt_tail(request, backoff)
         self._scheduler.on_new_request(request)
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -140,6 +156,11 @@ class KVConnectConnector(KVConnectorBase_V1):
 
     def request_finished(
         self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
@@ -249,6 +270,18 @@ class KVConnectConnector(KVConnectorBase_V1):
     def _plan(self) -> StepPlan:
         meta = self._get_connector_metadata()
         return meta.plan if isinstance(meta, KVConnectMetadata) else StepPlan()
+
+
+def _drop_prompt_tail(request: Any, count: int) -> None:
+    """Prefill computes ``request``'s prompt but its last ``count`` tokens (and samples one
+    token, which the proxy drops): decode computes them. Called once, when vLLM adds the
+    request (before anything was scheduled)."""
+    if request.prompt_token_ids is None:  # prompt embeddings: computed whole
+        return
+    del request.prompt_token_ids[-count:]
+    del request._all_token_ids[-count:]
+    request.num_prompt_tokens -= count
+    request.max_tokens = 1
 
 
 def _register() -> None:

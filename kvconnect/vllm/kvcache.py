@@ -9,6 +9,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from kvconnect.errors import ConfigError
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
@@ -16,11 +18,16 @@ from kvconnect.vllm.layout import LayerLayout
 
 
 def register_kv_caches(
-    engine: TransferEngine, kv_caches: Mapping[str, Any], num_blocks: int
+    engine: TransferEngine,
+    kv_caches: Mapping[str, Any],
+    num_blocks: int,
+    groups: Mapping[str, int] | None = None,
 ) -> tuple[list[LayerLayout], dict[int, MemoryRegion]]:
     """Register every storage behind ``kv_caches`` once; returns each layer's layout (in
-    layer-name order) and the regions by id. Raises ConfigError for a layout whose blocks are
-    not made of contiguous ranges."""
+    layer-name order, tagged with its KV-cache group from ``groups``, 0 if absent) and the
+    regions by id. Raises ConfigError for a layout whose blocks are not made of contiguous
+    ranges. Mamba layers come as vLLM 0.32/0.33 give them, one int8 ``[blocks, …]`` view of
+    their state pages: the same kind of layout as attention's."""
     regions: dict[int, MemoryRegion] = {}
     by_storage: dict[int, MemoryRegion] = {}
     layers: list[LayerLayout] = []
@@ -33,7 +40,8 @@ def register_kv_caches(
             flat = tensor.new_empty(0, dtype=_uint8()).set_(storage)
             region = by_storage[base] = engine.register(flat)
             regions[region.id] = region
-        layers.append(describe_layer(name, tensor, region.id, tensor.data_ptr() - base, num_blocks))
+        layer = describe_layer(name, tensor, region.id, tensor.data_ptr() - base, num_blocks)
+        layers.append(msgspec.structs.replace(layer, group=(groups or {}).get(name, 0)))
     return layers, regions
 
 

@@ -16,7 +16,7 @@ import msgspec
 
 from kvconnect.errors import ConfigError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: layers carry their KV-cache group
 """kvconnect's own block format (what :class:`LayerLayout` describes)."""
 
 
@@ -62,6 +62,8 @@ class LayerLayout(msgspec.Struct, frozen=True, array_like=True):
     """Their strides in elements: with the shape, the order of the bytes (NHD vs HND)."""
     dtype: str = ""
     """Element type."""
+    group: int = 0
+    """The vLLM KV-cache group whose block ids index this layer."""
 
     def block_offset(self, chunk: int, block: int) -> int:
         """Offset in the region of ``block``'s bytes of ``chunk``."""
@@ -73,7 +75,15 @@ class LayerLayout(msgspec.Struct, frozen=True, array_like=True):
         return self.block_stride == self.block_bytes
 
 
-_LAYER_FORMAT = ("name", "chunks", "block_bytes", "block_shape", "block_strides", "dtype")
+_LAYER_FORMAT = (
+    "name",
+    "chunks",
+    "block_bytes",
+    "block_shape",
+    "block_strides",
+    "dtype",
+    "group",
+)
 """The fields of a layer that give its bytes their meaning (the others say where they are)."""
 
 
@@ -108,10 +118,26 @@ def block_runs(local: Sequence[int], remote: Sequence[int]) -> list[tuple[int, i
     return runs
 
 
+def block_ranges(layer: LayerLayout, blocks: Sequence[int]) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each of ``blocks`` (ids of the layer's KV-cache group) in the
+    layer's region, block by block, chunk by chunk within a block."""
+    return [
+        (layer.block_offset(chunk, block), layer.block_bytes)
+        for block in blocks
+        for chunk in range(layer.chunks)
+    ]
+
+
 def range_pairs(
-    local: LayerLayout, remote: LayerLayout, runs: Sequence[tuple[int, int, int]]
+    local: LayerLayout,
+    remote: LayerLayout,
+    local_blocks: Sequence[int],
+    remote_blocks: Sequence[int],
 ) -> list[tuple[int, int, int]]:
-    """``(local_offset, remote_offset, length)`` covering ``runs`` of blocks in one layer."""
+    """``(local_offset, remote_offset, length)`` covering ``remote_blocks`` of one layer read
+    into ``local_blocks`` (pairwise; block ids of the layer's KV-cache group), runs of
+    consecutive blocks merged where both sides are dense."""
+    runs = block_runs(local_blocks, remote_blocks)
     pairs: list[tuple[int, int, int]] = []
     merge = local.dense and remote.dense
     for chunk in range(local.chunks):

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvconnect.vllm.groups import GroupBlocks
+
 log = logging.getLogger(__name__)
 
 
@@ -22,7 +24,8 @@ class RemotePrefill:
     request_id: str
     host: str
     port: int
-    block_ids: tuple[int, ...]
+    block_ids: GroupBlocks
+    """Per KV-cache group, the blocks holding what decode needs."""
     tp_size: int
     num_tokens: int | None
 
@@ -67,15 +70,16 @@ def prefill_params(
     request_id: str,
     host: str,
     port: int,
-    block_ids: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
     tp_size: int,
     num_tokens: int,
 ) -> dict[str, Any]:
-    """What prefill's ``request_finished`` returns for decode (via the proxy)."""
+    """What prefill's ``request_finished`` returns for decode (via the proxy); ``block_ids``
+    per KV-cache group."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
-        "remote_block_ids": [list(block_ids)],
+        "remote_block_ids": [list(ids) for ids in block_ids],
         "remote_engine_id": engine_id,
         "remote_request_id": request_id,
         "remote_host": host,
@@ -99,10 +103,21 @@ def _integer(value: Any, key: str) -> int:
     return value
 
 
-def _block_ids(value: Any) -> tuple[int, ...]:
+_MAX_GROUPS = 64  # hostile input: vLLM models have a handful of KV-cache groups
+
+
+def _block_ids(value: Any) -> GroupBlocks:
     # vLLM 0.33 sends one list per KV cache group, older ones a flat list.
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
-        value = value[0]
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"remote_block_ids must be a non-empty list, got {value!r}")
-    return tuple(_integer(v, "remote_block_ids") for v in value)
+    if isinstance(value, list) and value and not isinstance(value[0], list):
+        value = [value]
+    if (
+        not isinstance(value, list)
+        or not 0 < len(value) <= _MAX_GROUPS
+        or not all(isinstance(ids, list) for ids in value)
+        or not any(value)
+    ):
+        raise ValueError(
+            f"remote_block_ids must be a list of block id lists per KV-cache group, not all "
+            f"empty; got {value!r}"
+        )
+    return tuple(tuple(_integer(v, "remote_block_ids") for v in ids) for ids in value)

@@ -8,26 +8,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvconnect.vllm.groups import GroupBlocks
 from kvconnect.vllm.params import RemotePrefill
 
 
 @dataclass(frozen=True, slots=True)
 class RecvJob:
-    """Decode: read ``remote_blocks`` of a prefill engine into ``local_blocks``."""
+    """Decode: read ``remote_blocks`` of a prefill engine into ``local_blocks``: per KV-cache
+    group, pairwise (equal lengths)."""
 
     request_id: str
     remote: RemotePrefill
-    local_blocks: tuple[int, ...]
-    remote_blocks: tuple[int, ...]
+    local_blocks: GroupBlocks
+    remote_blocks: GroupBlocks
 
 
 @dataclass(frozen=True, slots=True)
 class PoolJob:
-    """Load (or save) the blocks named by ``hashes`` into (from) ``blocks``."""
+    """Load (or save) the blocks named by ``hashes`` into (from) ``blocks``: per KV-cache
+    group, one block per hash (``blocks[g][i]`` holds group ``g``'s part of ``hashes[i]``),
+    :data:`~kvconnect.vllm.groups.NULL_BLOCK` where the group moves nothing (positions a
+    sliding window does not need)."""
 
     request_id: str
     hashes: tuple[str, ...]
-    blocks: tuple[int, ...]
+    blocks: GroupBlocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,5 +48,6 @@ class StepPlan:
     """Held requests whose blocks may be freed now: held in this plan or an earlier one (decode
     may confirm, give up, or let the lease lapse before prefill's next step)."""
     preempted: tuple[str, ...] = ()
-    """Requests preempted this step while their blocks were being saved: the forward pass
+    """Requests preempted this step while their blocks were being saved, or whose save
+    started last step reads sliding-window blocks vLLM may free this step: the forward pass
     must not overwrite those blocks before the saves finished."""

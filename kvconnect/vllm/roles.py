@@ -8,6 +8,7 @@ from typing import Any
 from kvconnect.store.client import StoreClient
 from kvconnect.vllm.affinity import threads_on
 from kvconnect.vllm.config import VllmConnectorConfig
+from kvconnect.vllm.groups import FULL_ONLY, Group, GroupKind
 from kvconnect.vllm.layout import RankLayout
 from kvconnect.vllm.pd import LeaseKeeper, PrefillService
 from kvconnect.vllm.pool import StorePoolIndex, pool_keys
@@ -41,6 +42,7 @@ class SchedulerServices:
                     tp_rank=rank,
                     layers=len(layout.layers),
                     chunks=layout.layers[0].chunks if layout.layers else 1,
+                    groups=[layer.group for layer in layout.layers],
                 )
                 for rank, layout in sorted(layouts.items())
             )
@@ -51,16 +53,46 @@ class SchedulerServices:
                 service.close()
 
 
+def kv_cache_groups(kv_cache_config: Any) -> tuple[Group, ...]:
+    """vLLM's KV-cache groups as the connector sees them (one full-attention group when vLLM
+    gives no config)."""
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        return FULL_ONLY
+    groups: list[Group] = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            groups.append(Group(GroupKind.SLIDING, spec.sliding_window))
+        elif isinstance(spec, MambaSpec):
+            groups.append(Group(GroupKind.STATE))
+        else:  # full attention and its kinds (MLA, …): every block of the prefix
+            groups.append(Group(GroupKind.FULL))
+    return tuple(groups)
+
+
+def layer_groups(kv_cache_config: Any) -> dict[str, int]:
+    """The KV-cache group of every layer vLLM allocates KV for."""
+    if kv_cache_config is None:
+        return {}
+    return {
+        name: index
+        for index, group in enumerate(kv_cache_config.kv_cache_groups)
+        for name in group.layer_names
+    }
+
+
 def build_scheduler(
-    config: VllmConnectorConfig, vllm_config: Any
+    config: VllmConnectorConfig, vllm_config: Any, kv_cache_config: Any
 ) -> tuple[ConnectorScheduler, SchedulerServices]:
     """The scheduler side, its services started (their threads on ``io_cpus`` if set)."""
     with threads_on(config.io_cpu_set):
-        return _build_scheduler(config, vllm_config)
+        return _build_scheduler(config, vllm_config, kv_cache_config)
 
 
 def _build_scheduler(
-    config: VllmConnectorConfig, vllm_config: Any
+    config: VllmConnectorConfig, vllm_config: Any, kv_cache_config: Any
 ) -> tuple[ConnectorScheduler, SchedulerServices]:
     transfer = vllm_config.kv_transfer_config
     parallel = vllm_config.parallel_config
@@ -82,7 +114,7 @@ def _build_scheduler(
         if config.pool:
             services.store = StoreClient(config.store, config.transfer_config(token))
             services.store.start()
-            services.pool = StorePoolIndex(services.store)
+            services.pool = StorePoolIndex(services.store, vllm_config.cache_config.block_size)
     except BaseException:
         services.close()
         raise
@@ -94,6 +126,7 @@ def _build_scheduler(
         prefill=services.prefill,
         keeper=services.keeper,
         pool=services.pool,
+        groups=kv_cache_groups(kv_cache_config),
     )
     return scheduler, services
 
@@ -120,4 +153,4 @@ def build_worker(
         attention_backend=",".join(backends),
         kv_layout=cache.get_resolved_kv_cache_layout().name,
     )
-    return ConnectorWorker(config, fmt, kv_cache_config.num_blocks)
+    return ConnectorWorker(config, fmt, kv_cache_config.num_blocks, layer_groups(kv_cache_config))

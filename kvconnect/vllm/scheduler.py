@@ -2,7 +2,8 @@
 each step. Pure decisions (no torch, no vLLM imports); the services it is given do the I/O.
 
 Runs in vLLM's engine-core process, on the scheduler thread. vLLM objects come in duck-typed
-(:class:`RequestView`); block ids come in as plain lists.
+(:class:`RequestView`); block ids come in as plain lists, one per KV-cache group
+(:mod:`kvconnect.vllm.groups`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,20 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from kvconnect.vllm.params import prefill_params, remote_prefill, wants_remote_decode
+from kvconnect.vllm.groups import (
+    FULL_ONLY,
+    Group,
+    GroupKind,
+    pair_tails,
+    pool_blocks,
+    transferable,
+)
+from kvconnect.vllm.params import (
+    RemotePrefill,
+    prefill_params,
+    remote_prefill,
+    wants_remote_decode,
+)
 from kvconnect.vllm.pd import LeaseKeeper, PrefillService
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
 
@@ -36,8 +50,9 @@ class RequestView(Protocol):
 class PoolIndex(Protocol):
     """Which prefix blocks the shared pool holds."""
 
-    def leading(self, hashes: Sequence[str]) -> int:
-        """How many of ``hashes``, from the first, are stored (0 when the pool is down)."""
+    def leading(self, hashes: Sequence[str], groups: Sequence[Group], first: int) -> int:
+        """How many of ``hashes`` (blocks ``first, first+1, …`` of a prompt), from the first,
+        the pool holds usably for every group (0 when the pool is down)."""
 
 
 class _PoolHit(NamedTuple):
@@ -60,6 +75,7 @@ class ConnectorScheduler:
         prefill: PrefillService | None = None,
         keeper: LeaseKeeper | None = None,
         pool: PoolIndex | None = None,
+        groups: Sequence[Group] = FULL_ONLY,
     ) -> None:
         self._engine_id = engine_id
         self._host = host
@@ -67,16 +83,30 @@ class ConnectorScheduler:
         self._block_size = block_size
         self._prefill = prefill
         self._keeper = keeper
-        self._pool = pool
+        self._groups = tuple(groups)
+        # The pool keeps no Mamba states: a model with a state group computes its prefixes.
+        self._pool = pool if all(g.kind is not GroupKind.STATE for g in groups) else None
+        if pool is not None and self._pool is None:
+            log.warning("the shared pool keeps no Mamba states: pool off for this model")
         self._requests: dict[str, RequestView] = {}
         self._pool_hits: dict[str, _PoolHit] = {}  # by request
         self._pooled: dict[str, int] = {}  # request → leading blocks known to be in the pool
         self._saving: set[str] = set()  # requests with a save planned (their frees wait)
+        self._window_saves: set[str] = set()  # saves planned last step that read window blocks
         self._recv: list[RecvJob] = []
         self._load: list[PoolJob] = []
         self._held: list[str] = []
 
     # ------------------------------------------------------------------------- lookups
+
+    def prefill_backoff(self, request: RequestView) -> int:
+        """Trailing prompt tokens prefill must leave for decode to compute: 1 for a model
+        with a state (Mamba) group, whose state after the whole prompt decode could not
+        step back from (decode recomputes the last prompt token, as for attention, and needs
+        the state before it); 0 otherwise."""
+        state = any(g.kind is GroupKind.STATE for g in self._groups)
+        wanted = self._prefill is not None and wants_remote_decode(request.kv_transfer_params)
+        return 1 if state and wanted and request.num_prompt_tokens > 1 else 0
 
     def on_new_request(self, request: RequestView) -> None:
         self._requests[request.request_id] = request
@@ -106,6 +136,12 @@ class ConnectorScheduler:
             )
             if remote.num_tokens is not None:
                 total = min(total, remote.num_tokens)
+            if len(remote.block_ids) != len(self._groups):
+                log.error(
+                    "%s: prefill has %d KV-cache groups, this engine %d: computing locally",
+                    request.request_id, len(remote.block_ids), len(self._groups),
+                )  # fmt: skip
+                return 0, False
             return _async(total - num_computed)
         if self._pool is None:
             return 0, False
@@ -113,29 +149,33 @@ class ConnectorScheduler:
         if hit is None or hit.computed != num_computed:
             first = num_computed // self._block_size
             hashes = [h.hex() for h in request.block_hashes[first:]]
-            hit = _PoolHit(num_computed, self._pool.leading(hashes) if hashes else 0)
+            blocks = self._pool.leading(hashes, self._groups, first) if hashes else 0
+            hit = _PoolHit(num_computed, blocks)
             self._pool_hits[request.request_id] = hit
         return _async(hit.blocks * self._block_size)
 
+    def loaded_groups(self, request: RequestView) -> tuple[int, ...]:
+        """vLLM's ``get_loaded_kv_cache_group_ids``: the groups whose blocks a load of
+        ``request`` fills (every group: PD moves each, a pool hit covers each)."""
+        return tuple(range(len(self._groups)))
+
     def after_alloc(
-        self, request: RequestView, block_ids: Sequence[int], num_external: int
+        self,
+        request: RequestView,
+        block_ids: Sequence[Sequence[int]],
+        all_block_ids: Callable[[], Sequence[Sequence[int]]],
+        num_external: int,
     ) -> None:
-        """vLLM's ``update_state_after_alloc``: ``block_ids`` are the request's new blocks."""
+        """vLLM's ``update_state_after_alloc``: ``block_ids`` are the request's new blocks per
+        group, ``all_block_ids`` gives all its blocks per group, position by position."""
         rid = request.request_id
         params = request.kv_transfer_params
         remote = remote_prefill(params)
         if remote is not None and params is not None and self._keeper is not None:
             params["do_remote_prefill"] = False  # one transfer per request, even if preempted
-            count = min(len(block_ids), len(remote.block_ids))
-            if num_external > 0 and count > 0:
-                self._recv.append(
-                    RecvJob(
-                        rid,
-                        remote,
-                        tuple(block_ids[:count]),
-                        remote.block_ids[len(remote.block_ids) - count :],
-                    )
-                )
+            job = self._recv_job(rid, remote, block_ids, num_external)
+            if job is not None:
+                self._recv.append(job)
             else:  # everything was here already: prefill may free its blocks now
                 self._keeper.give_up(rid, remote)
             return
@@ -143,36 +183,69 @@ class ConnectorScheduler:
         if hit is None or num_external <= 0:
             return
         first = hit.computed // self._block_size
-        count = min(num_external // self._block_size, len(block_ids))
-        hashes = tuple(h.hex() for h in request.block_hashes[first : first + count])
-        self._load.append(PoolJob(rid, hashes, tuple(block_ids[:count])))
-        self._pooled[rid] = first + count
+        end = min(first + num_external // self._block_size, len(request.block_hashes))
+        hashes = tuple(h.hex() for h in request.block_hashes[first:end])
+        blocks = pool_blocks(self._groups, all_block_ids(), first, end, self._block_size)
+        self._load.append(PoolJob(rid, hashes, blocks))
+        self._pooled[rid] = end
+
+    def _recv_job(
+        self,
+        rid: str,
+        remote: RemotePrefill,
+        block_ids: Sequence[Sequence[int]],
+        num_external: int,
+    ) -> RecvJob | None:
+        """Decode's read of prefill's blocks into ``block_ids`` (the new ones per group), or
+        None when nothing is to be read (``matched_tokens`` refused prefill's groups)."""
+        if num_external <= 0 or len(remote.block_ids) != len(self._groups):
+            return None
+        local = transferable(self._groups, block_ids)
+        # A full group loads only the positions after decode's own prefix hit.
+        counts = [
+            len(ids)
+            if g.kind is not GroupKind.FULL
+            else min(len(ids), -(-num_external // self._block_size))
+            for g, ids in zip(self._groups, local, strict=True)
+        ]
+        mine, theirs = pair_tails(local, remote.block_ids, counts)
+        return RecvJob(rid, remote, mine, theirs)
 
     # -------------------------------------------------------------------------------- steps
 
     def build_plan(
         self,
         scheduled: Mapping[str, int],
-        block_ids_of: Callable[[str], Sequence[int]],
+        block_ids_of: Callable[[str], Sequence[Sequence[int]]],
         preempted: Iterable[str] = (),
     ) -> StepPlan:
         """The workers' jobs for the step about to run. ``scheduled``: tokens per request in
-        this step (``num_computed_tokens`` is still the count before it); ``preempted``:
-        requests whose blocks were taken back this step."""
+        this step (``num_computed_tokens`` is still the count before it); ``block_ids_of``:
+        a request's blocks per group, position by position; ``preempted``: requests whose
+        blocks were taken back this step."""
         save = self._plan_saves(scheduled, block_ids_of) if self._pool is not None else ()
+        # vLLM frees the blocks a window left behind while the request runs (not through
+        # request_finished): a save begun last step may still read them.
+        protected = {*preempted, *self._window_saves} & self._saving
         plan = StepPlan(
             recv=tuple(self._recv),
             load=tuple(self._load),
             save=save,
             held=tuple(self._held),
             released=tuple(self._prefill.take_released()) if self._prefill else (),
-            preempted=tuple(rid for rid in preempted if rid in self._saving),
+            preempted=tuple(sorted(protected)),
         )
         self._recv, self._load, self._held = [], [], []
+        sliding = [i for i, g in enumerate(self._groups) if g.kind is GroupKind.SLIDING]
+        self._window_saves = {
+            job.request_id for job in save if any(any(job.blocks[i]) for i in sliding)
+        }
         return plan
 
     def _plan_saves(
-        self, scheduled: Mapping[str, int], block_ids_of: Callable[[str], Sequence[int]]
+        self,
+        scheduled: Mapping[str, int],
+        block_ids_of: Callable[[str], Sequence[Sequence[int]]],
     ) -> tuple[PoolJob, ...]:
         # A prompt's full blocks are saved once, after the step that completes its prefill.
         jobs: list[PoolJob] = []
@@ -185,10 +258,11 @@ class ConnectorScheduler:
             self._saving.add(rid)
             full = min(request.num_prompt_tokens // self._block_size, len(request.block_hashes))
             skip = self._pooled.get(rid, 0)
-            blocks = block_ids_of(rid)
-            if full > skip and len(blocks) >= full:
+            ids = block_ids_of(rid)
+            if full > skip and len(ids) == len(self._groups):
                 hashes = tuple(h.hex() for h in request.block_hashes[skip:full])
-                jobs.append(PoolJob(rid, hashes, tuple(blocks[skip:full])))
+                blocks = pool_blocks(self._groups, ids, skip, full, self._block_size)
+                jobs.append(PoolJob(rid, hashes, blocks))
         return tuple(jobs)
 
     def on_transfers_done(self, finished_recving: Iterable[str]) -> None:
@@ -198,11 +272,12 @@ class ConnectorScheduler:
                 self._keeper.done(rid)
 
     def request_finished(
-        self, request: RequestView, block_ids: Sequence[int], completed: bool
+        self, request: RequestView, block_ids: Sequence[Sequence[int]], completed: bool
     ) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM's ``request_finished``: whether the blocks stay allocated (the workers report
-        when they may go), and kv_transfer_params for the response. ``completed``: the request
-        finished normally (not aborted)."""
+        """vLLM's ``request_finished_all_groups``: whether the blocks stay allocated (the
+        workers report when they may go), and kv_transfer_params for the response.
+        ``block_ids``: per group (vLLM has freed what sliding windows left behind);
+        ``completed``: the request finished normally (not aborted)."""
         rid = request.request_id
         self._requests.pop(rid, None)
         self._pool_hits.pop(rid, None)
@@ -213,7 +288,8 @@ class ConnectorScheduler:
             self._keeper.give_up(rid, remote)
         delay = rid in self._saving
         self._saving.discard(rid)
-        if not (self._prefill and wants_remote_decode(params) and completed and block_ids):
+        held = transferable(self._groups, block_ids)
+        if not (self._prefill and wants_remote_decode(params) and completed and any(held)):
             return delay, None
         self._prefill.hold(rid, readers=self._tp_size)
         self._held.append(rid)
@@ -222,7 +298,7 @@ class ConnectorScheduler:
             request_id=rid,
             host=self._host,
             port=self._prefill.port,
-            block_ids=block_ids,
+            block_ids=held,
             tp_size=self._tp_size,
             num_tokens=request.num_prompt_tokens,
         )

@@ -33,6 +33,7 @@ from kvconnect.transfer.memory import MemoryRegion
 from kvconnect.vllm import messages as msg
 from kvconnect.vllm.affinity import threads_on
 from kvconnect.vllm.config import VllmConnectorConfig
+from kvconnect.vllm.groups import NULL_BLOCK, GroupBlocks
 from kvconnect.vllm.kvcache import register_kv_caches
 from kvconnect.vllm.lanes import Lanes
 from kvconnect.vllm.layout import (
@@ -40,7 +41,7 @@ from kvconnect.vllm.layout import (
     KVFormat,
     LayerLayout,
     RankLayout,
-    block_runs,
+    block_ranges,
     check_compatible,
     compat_hash,
     range_pairs,
@@ -130,10 +131,18 @@ class WorkerStats:
 class ConnectorWorker:
     """Worker-side state of one TP rank."""
 
-    def __init__(self, config: VllmConnectorConfig, fmt: EngineFormat, num_blocks: int) -> None:
+    def __init__(
+        self,
+        config: VllmConnectorConfig,
+        fmt: EngineFormat,
+        num_blocks: int,
+        layer_groups: Mapping[str, int] | None = None,
+    ) -> None:
+        """``layer_groups``: the KV-cache group of each layer (absent: group 0)."""
         self.config = config
         self.format = fmt
         self._num_blocks = num_blocks
+        self._layer_groups = dict(layer_groups or {})
         token = config.cluster_token()
         self.engine = TransferEngine(config.transfer_config(token))
         self._client = SideChannelClient(config.rpc_timeout, token=token)
@@ -160,7 +169,9 @@ class ConnectorWorker:
         """Register the paged KV tensors and start the engine; returns this rank's layout."""
         with threads_on(self.config.io_cpu_set):
             self.engine.start()
-        layers, self._regions = register_kv_caches(self.engine, kv_caches, self._num_blocks)
+        layers, self._regions = register_kv_caches(
+            self.engine, kv_caches, self._num_blocks, self._layer_groups
+        )
         self._cuda = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
         kv_format = self.format.kv_format()
         compat = compat_hash(kv_format, layers)
@@ -169,9 +180,10 @@ class ConnectorWorker:
             with threads_on(self.config.io_cpu_set):
                 self._start_pool(layers)
         log.info(
-            "kvconnect registered %d KV layers (%d blocks) as segment %s",
+            "kvconnect registered %d KV layers (%d blocks) in %d KV-cache groups as segment %s",
             len(layers),
             self._num_blocks,
+            len({layer.group for layer in layers}),
             self.engine.name,
         )
         return self.layout
@@ -186,6 +198,7 @@ class ConnectorWorker:
             tp_rank=self.format.tp_rank,
             layers=len(layers),
             chunks=layers[0].chunks if layers else 1,
+            groups=[layer.group for layer in layers],
         )
         store = StoreClient(cfg.store, engine=self.engine)
         store.start()
@@ -268,7 +281,10 @@ class ConnectorWorker:
             recving.add(outcome.request_id)
             if not outcome.ok:
                 failed.add(outcome.request_id)
-                self._load_errors.update(outcome.failed_blocks)
+                # Block ids are per KV-cache group: vLLM takes failed blocks of one group only
+                # (with several it fails on them; the failed request says it all).
+                if len(set(self._layer_groups.values())) <= 1:
+                    self._load_errors.update(outcome.failed_blocks)
         sending = {rid for rid, waits in self._holds.items() if not waits}
         for rid in sending:
             del self._holds[rid]
@@ -318,7 +334,7 @@ class ConnectorWorker:
         except Exception:  # reported as a failed transfer
             log.exception("kvconnect %s of %s failed", kind, item.request_id)
             blocks = item.local_blocks if isinstance(item, RecvJob) else item.blocks
-            self._report(_Outcome(item.request_id, kind, False, tuple(blocks)))
+            self._report(_Outcome(item.request_id, kind, False, _real(blocks)))
 
     def _report(self, outcome: _Outcome) -> None:
         """Hand ``outcome`` to the next :meth:`results` (any thread; for a transfer that had
@@ -361,7 +377,13 @@ class ConnectorWorker:
             seconds = time.monotonic() - started
             self._report(
                 _Outcome(
-                    job.request_id, _Kind.RECV, False, job.local_blocks, 0, seconds, refused=refused
+                    job.request_id,
+                    _Kind.RECV,
+                    False,
+                    _real(job.local_blocks),
+                    0,
+                    seconds,
+                    refused=refused,
                 )
             )
             if not isinstance(exc, PeerReplaced):  # else its blocks went with the old engine
@@ -381,7 +403,7 @@ class ConnectorWorker:
             "read %s: %d bytes in %d ranges, %s, %.1f ms (READ %.1f ms)",
             job.request_id, nbytes, len(requests), ok, 1000 * seconds, 1000 * io_seconds,
         )  # fmt: skip
-        failed = () if ok else job.local_blocks
+        failed = () if ok else _real(job.local_blocks)
         moved = nbytes if ok else 0
         # Reported before telling prefill, so a dead prefill delays no recompute.
         outcome = _Outcome(job.request_id, _Kind.RECV, ok, failed, moved, seconds, io_seconds)
@@ -399,11 +421,12 @@ class ConnectorWorker:
     def _read_requests(
         self, mine: RankLayout, theirs: RankLayout, job: RecvJob
     ) -> list[TransferRequest]:
-        runs = block_runs(job.local_blocks, job.remote_blocks)
         requests: list[TransferRequest] = []
         for local, remote in zip(mine.layers, theirs.layers, strict=True):
             region = self._regions[local.region]
-            for lo, ro, length in range_pairs(local, remote, runs):
+            local_blocks = job.local_blocks[local.group]
+            remote_blocks = job.remote_blocks[remote.group]
+            for lo, ro, length in range_pairs(local, remote, local_blocks, remote_blocks):
                 requests.append(
                     TransferRequest(region, lo, theirs.segment, remote.region, ro, length)
                 )
@@ -466,36 +489,44 @@ class ConnectorWorker:
 
     def _pool_ranges(
         self, job: PoolJob
-    ) -> tuple[list[str], list[MemoryRegion], list[int], list[int]]:
+    ) -> tuple[list[str], list[MemoryRegion], list[int], list[int], list[int]]:
+        """The store objects of ``job`` and where each lies: keys, regions, offsets, sizes,
+        and the position in ``job.hashes`` of each."""
         assert self.layout is not None
         assert self._pool_keys is not None
         keys: list[str] = []
         regions: list[MemoryRegion] = []
         offsets: list[int] = []
         sizes: list[int] = []
-        for block_hash, block in zip(job.hashes, job.blocks, strict=True):
-            keys.extend(self._pool_keys.block_keys(block_hash))
-            for layer in self.layout.layers:
-                for chunk in range(layer.chunks):
-                    regions.append(self._regions[layer.region])
-                    offsets.append(layer.block_offset(chunk, block))
-                    sizes.append(layer.block_bytes)
-        return keys, regions, offsets, sizes
+        positions: list[int] = []
+        for position, block_hash in enumerate(job.hashes):
+            for index, layer in enumerate(self.layout.layers):
+                block = job.blocks[layer.group][position]
+                if block == NULL_BLOCK:  # this group moves nothing at this position
+                    continue
+                region = self._regions[layer.region]
+                for chunk, (offset, size) in enumerate(block_ranges(layer, (block,))):
+                    keys.append(self._pool_keys.key(block_hash, index, chunk))
+                    regions.append(region)
+                    offsets.append(offset)
+                    sizes.append(size)
+                    positions.append(position)
+        return keys, regions, offsets, sizes, positions
 
     def _load(self, job: PoolJob) -> None:
         assert self._store is not None
         assert self._pool_keys is not None
         started = time.monotonic()
-        keys, regions, offsets, sizes = self._pool_ranges(job)
+        keys, regions, offsets, sizes, positions = self._pool_ranges(job)
         result = self._store.batch_get_into(
             keys, regions, offsets, sizes, timeout=self.config.pool_read_timeout
         )
-        per_block = self._pool_keys.per_block
-        ok = result.ok()
+        bad = {p for p, ok in zip(positions, result.ok(), strict=True) if not ok}
         failed = tuple(
             block
-            for i, block in enumerate(job.blocks)
-            if not all(ok[i * per_block : (i + 1) * per_block])
+            for group in job.blocks
+            for position, block in enumerate(group)
+            if block != NULL_BLOCK and position in bad
         )
         seconds = time.monotonic() - started
         outcome = _Outcome(
@@ -505,10 +536,16 @@ class ConnectorWorker:
 
     def _save(self, job: PoolJob) -> None:
         assert self._store is not None
-        keys, regions, offsets, sizes = self._pool_ranges(job)
+        keys, regions, offsets, sizes, _ = self._pool_ranges(job)
         result = self._store.batch_put_from(
             keys, regions, offsets, sizes, timeout=self.config.pool_write_timeout
         )
         written = sum(size for size, ok in zip(sizes, result.ok(), strict=True) if ok)
         outcome = _Outcome(job.request_id, _Kind.SAVE, all(result.ok()), (), written)
         self._report_settled(outcome, Code.UNSETTLED in result.codes, result.on_settled)
+
+
+def _real(blocks: GroupBlocks) -> tuple[int, ...]:
+    """The blocks of every group, without vLLM's null placeholders (what a failed transfer
+    reports to vLLM as load errors)."""
+    return tuple(b for group in blocks for b in group if b != NULL_BLOCK)

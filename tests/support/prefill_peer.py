@@ -79,7 +79,7 @@ class PrefillPeer(ChildProcess):
     def remote(self, request_id: str, blocks: Sequence[int]) -> RemotePrefill:
         """What decode learns from ``kv_transfer_params`` about held request ``request_id``."""
         return RemotePrefill(
-            self.engine_id, request_id, "127.0.0.1", self.port, tuple(blocks), 1, None
+            self.engine_id, request_id, "127.0.0.1", self.port, (tuple(blocks),), 1, None
         )
 
     def hold(self, request_id: str) -> None:

@@ -25,7 +25,13 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -48,9 +54,11 @@ def make_scheduler(
     engine_id: str | None = None,
     transfer: Mapping[str, Any] | None = None,
     log_stats: bool = False,
+    groups: str = "full",
 ) -> Scheduler:
     """A scheduler whose connector is kvconnect's (or what ``transfer`` says instead: fields
-    of vLLM's ``KVTransferConfig``), with ``num_blocks`` KV blocks."""
+    of vLLM's ``KVTransferConfig``), with ``num_blocks`` KV blocks and the KV-cache groups of
+    :func:`kv_cache_groups`."""
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32"),
         scheduler_config=SchedulerConfig(
@@ -59,7 +67,12 @@ def make_scheduler(
             max_num_seqs=8,
             max_num_batched_tokens=256,
         ),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        cache_config=CacheConfig(
+            block_size=BLOCK,
+            enable_prefix_caching=True,
+            # vLLM caches Mamba prefixes only in 'align' mode (states at block boundaries)
+            mamba_cache_mode="align" if groups == "mamba" else "none",
+        ),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
             **{
@@ -77,12 +90,7 @@ def make_scheduler(
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32),
-            )
-        ],
+        kv_cache_groups=kv_cache_groups(groups),
     )
     return Scheduler(
         vllm_config=vllm_config,
@@ -91,6 +99,26 @@ def make_scheduler(
         log_stats=log_stats,
         block_size=BLOCK,
     )
+
+
+WINDOW = 24  # tokens of the sliding-window group: its window spans 2 or 3 blocks
+
+
+def kv_cache_groups(kind: str) -> list[KVCacheGroupSpec]:
+    """KV-cache groups of a model: ``full`` (one full-attention layer), ``swa`` (a
+    full-attention layer and a sliding-window one, like Gemma 3) or ``mamba`` (a
+    full-attention layer and a Mamba one, like Granite 4)."""
+    spec = {"num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+    groups = [KVCacheGroupSpec(["model.layers.0.attn"], FullAttentionSpec(BLOCK, **spec))]
+    if kind == "swa":
+        sliding = SlidingWindowSpec(BLOCK, sliding_window=WINDOW, **spec)
+        groups.append(KVCacheGroupSpec(["model.layers.1.attn"], sliding))
+    elif kind == "mamba":
+        mamba = MambaSpec(
+            BLOCK, shapes=((2, 4),), dtypes=(torch.float32,), mamba_cache_mode="align"
+        )
+        groups.append(KVCacheGroupSpec(["model.layers.1.mamba"], mamba))
+    return groups
 
 
 FORMAT = EngineFormat(model="m", dtype="float32", block_size=BLOCK, tp_rank=0, tp_size=1)
@@ -119,22 +147,57 @@ def kv_caches(num_blocks: int, seed: int | None, layout: str = "NHD") -> dict[st
     return caches
 
 
+STATE_BYTES = 32  # the Mamba group's state per block: MambaSpec shapes ((2, 4),) float32
+
+
+def hybrid_caches(num_blocks: int, seed: int | None, groups: str) -> dict[str, torch.Tensor]:
+    """The layers of :func:`kv_cache_groups` ``groups``, random (``seed``) or zeros, as
+    vLLM 0.33 hands them to ``register_kv_caches``: attention layers as in
+    :func:`kv_caches`, a Mamba layer as one int8 ``[blocks, 1, 1, state bytes]`` view."""
+    caches = kv_caches(num_blocks, seed)
+    if groups != "mamba":
+        return caches
+    generator = torch.Generator().manual_seed(seed or 0)
+    shape = (num_blocks, 1, 1, STATE_BYTES)
+    del caches["model.layers.1.attn"]
+    caches["model.layers.1.mamba"] = (
+        torch.randint(-128, 128, shape, generator=generator, dtype=torch.int8)
+        if seed is not None
+        else torch.zeros(shape, dtype=torch.int8)
+    )
+    return caches
+
+
+def layer_groups(groups: str) -> dict[str, int]:
+    """The KV-cache group of each layer of :func:`kv_cache_groups` ``groups``."""
+    specs = kv_cache_groups(groups)
+    return {name: g for g, spec in enumerate(specs) for name in spec.layer_names}
+
+
 @contextmanager
 def kv_worker(
     num_blocks: int = 64,
     seed: int | None = None,
     layout: str = "NHD",
     fmt: EngineFormat = FORMAT,
+    groups: str = "full",
+    extra: Mapping[str, Any] | None = None,
 ) -> Iterator[tuple[ConnectorWorker, dict[str, torch.Tensor]]]:
-    """A real worker side (transfer engine over TCP) with :func:`kv_caches` registered, as
-    ``make_scheduler``'s workers would have."""
-    caches = kv_caches(num_blocks, seed, layout)
+    """A real worker side (transfer engine over TCP) with :func:`kv_caches` registered (or
+    :func:`hybrid_caches` of ``groups``), as ``make_scheduler``'s workers would have;
+    ``extra``: more connector settings."""
+    caches = (
+        kv_caches(num_blocks, seed, layout)
+        if groups == "full"
+        else hybrid_caches(num_blocks, seed, groups)
+    )
     worker = ConnectorWorker(
         VllmConnectorConfig.from_mapping(
-            {"transport": "tcp", "read_timeout": 5.0, "rpc_timeout": 2.0}
+            {"transport": "tcp", "read_timeout": 5.0, "rpc_timeout": 2.0, **(extra or {})}
         ),
         fmt,
         num_blocks,
+        layer_groups(groups),
     )
     try:
         worker.register(caches)

@@ -26,9 +26,9 @@ def test_ranges_cover_every_chunk_of_every_block() -> None:
     # K and V outermost: chunk stride 1000, blocks of 10 bytes 10 apart (dense)
     local = LayerLayout("l", 1, 0, 2, 1000, 100, 10, 10)
     remote = LayerLayout("l", 7, 50, 2, 2000, 200, 10, 10)
-    assert range_pairs(local, remote, [(4, 1, 2)]) == [(40, 60, 20), (1040, 2060, 20)]
+    assert range_pairs(local, remote, [4, 5], [1, 2]) == [(40, 60, 20), (1040, 2060, 20)]
     sparse = LayerLayout("l", 1, 0, 1, 0, 100, 16, 10)  # padded blocks: one range per block
-    assert range_pairs(sparse, sparse, [(0, 2, 2)]) == [(0, 32, 10), (16, 48, 10)]
+    assert range_pairs(sparse, sparse, [0, 1], [2, 3]) == [(0, 32, 10), (16, 48, 10)]
 
 
 def _rank(layer: LayerLayout, **changes: object) -> RankLayout:

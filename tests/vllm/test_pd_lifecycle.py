@@ -102,7 +102,7 @@ def test_a_read_confirmed_before_prefills_next_step_frees_its_blocks(
     # Decode reads and confirms while prefill does not step.
     _step_until(decode, lambda: d.requests["d1"].status != RequestStatus.WAITING_FOR_REMOTE_KVS)
     for name, cache in d_caches.items():
-        for local, remote in zip(job.local_blocks, job.remote_blocks, strict=True):
+        for local, remote in zip(job.local_blocks[0], job.remote_blocks[0], strict=True):
             assert torch.equal(cache[:, local], p_caches[name][:, remote])
     _next_step_frees_prefill(prefill)
     _step_until(decode, lambda: not d.requests)

@@ -97,8 +97,8 @@ def test_remote_prefill_then_decode(
         output, _ = step(d)
         assert d.requests["d1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
         (job,) = plan_of(output).recv
-        assert job.remote_blocks == tuple(params["remote_block_ids"][0])
-        assert len(job.local_blocks) == 3
+        assert job.remote_blocks == (tuple(params["remote_block_ids"][0]),)
+        assert len(job.local_blocks[0]) == 3
         assert output.num_scheduled_tokens == {}, "nothing runs before the KV is in"
         # What decode's worker does after its read: confirm, and prefill lets go.
         endpoint = f"tcp://{params['remote_host']}:{params['remote_port']}"
@@ -191,7 +191,7 @@ def test_load_failure_follows_the_policy(tiny_config: Path, policy: str) -> None
         d.add_request(make_request("d1", PROMPT, max_tokens=2, params=params))
         output, _ = step(d)
         (job,) = plan_of(output).recv
-        output, outputs = step(d, recving=["d1"], failed=["d1"], invalid=job.local_blocks)
+        output, outputs = step(d, recving=["d1"], failed=["d1"], invalid=job.local_blocks[0])
         if policy == "fail":
             assert outputs["d1"].finish_reason is not None
             assert d.requests.get("d1") is None
@@ -240,7 +240,7 @@ def test_shared_pool_hit_loads_the_prefix_and_saves_the_rest(tiny_config: Path) 
             output, _ = step(s)
             (load,) = plan_of(output).load
             assert load.hashes == tuple(h.hex() for h in probe.block_hashes[:2])
-            assert len(load.blocks) == 2
+            assert len(load.blocks[0]) == 2
             step(s, recving=["hit"])
             output, _ = step(s)
             assert output.num_scheduled_tokens == {"hit": len(prompt) - 2 * BLOCK}

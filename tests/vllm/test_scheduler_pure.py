@@ -15,7 +15,7 @@ class _Request:
 
 
 class _Pool:
-    def leading(self, hashes: object) -> int:
+    def leading(self, hashes: object, groups: object, first: int) -> int:
         return 0
 
 
@@ -25,15 +25,15 @@ def test_saves_are_planned_once_and_preempted_saves_are_protected() -> None:
     scheduler = ConnectorScheduler(engine_id="e", host="h", tp_size=1, block_size=4, pool=_Pool())
     request = _Request("r", prompt=10, computed=4)
     scheduler.on_new_request(request)
-    blocks = {"r": [7, 8, 9]}
+    blocks = {"r": [[7, 8, 9]]}
     plan = scheduler.build_plan({"r": 3}, blocks.__getitem__)
     assert plan.save == (), "the prompt is not complete after this step"
     request.num_computed_tokens = 7
     plan = scheduler.build_plan({"r": 3}, blocks.__getitem__)
     (save,) = plan.save  # two full blocks of four tokens
-    assert save.blocks == (7, 8)
+    assert save.blocks == ((7, 8),)
     assert save.hashes == (b"\0\0\0\0".hex(), b"\1\1\1\1".hex())
     assert scheduler.build_plan({"r": 1}, blocks.__getitem__).save == (), "saved once"
     plan = scheduler.build_plan({}, blocks.__getitem__, preempted=["r", "other"])
     assert plan.preempted == ("r",)
-    assert scheduler.request_finished(request, [7, 8, 9], completed=True) == (True, None)
+    assert scheduler.request_finished(request, [[7, 8, 9]], completed=True) == (True, None)

@@ -89,7 +89,7 @@ def test_multiconnector_reads_from_prefill_and_its_stats_reach_the_log(
                 step(d, worker=dw)
                 time.sleep(0.01)
             for name, cache in d_caches.items():
-                for local, remote in zip(job.local_blocks, job.remote_blocks, strict=True):
+                for local, remote in zip(job.local_blocks[0], job.remote_blocks[0], strict=True):
                     assert torch.equal(cache[:, local], p_caches[name][:, remote])
             step(p, worker=pw)
             assert_empty(p)

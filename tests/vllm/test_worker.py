@@ -23,6 +23,7 @@ from kvconnect.transfer import TransferConfig, TransferOp
 from kvconnect.transfer.datapath.copying import Copier
 from kvconnect.vllm import worker as worker_module
 from kvconnect.vllm.config import VllmConnectorConfig, parse_config
+from kvconnect.vllm.groups import FULL_ONLY
 from kvconnect.vllm.params import RemotePrefill
 from kvconnect.vllm.pd import LeaseKeeper, PrefillService
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
@@ -99,8 +100,8 @@ def decode() -> Iterator[tuple[ConnectorWorker, dict[str, Any]]]:
 
 
 def _job(service: PrefillService, local: tuple[int, ...], remote: tuple[int, ...]) -> RecvJob:
-    target = RemotePrefill("prefill", "p1", "127.0.0.1", service.port, remote, 1, None)
-    return RecvJob("d1", target, local, remote)
+    target = RemotePrefill("prefill", "p1", "127.0.0.1", service.port, (remote,), 1, None)
+    return RecvJob("d1", target, (local,), (remote,))
 
 
 def test_decode_reads_prefill_blocks_byte_for_byte(prefill: Any, decode: Any) -> None:
@@ -184,18 +185,18 @@ def test_pool_blocks_round_trip_between_engines(layout: str) -> None:
             source, target = kv_caches(seed=4, layout=layout), kv_caches(None, layout=layout)
             writer.register(source)
             reader.register(target)
-            writer.save(StepPlan(save=(PoolJob("w", ("h1", "h2"), (3, 8)),)))
+            writer.save(StepPlan(save=(PoolJob("w", ("h1", "h2"), ((3, 8),)),)))
             # "w" is preempted: the next forward may overwrite its blocks once protect returns
             writer.protect(StepPlan(preempted=("w",)))
             writer.results(set())
             assert writer.stats.data["pool_bytes_saved"] == 2 * 2 * 512  # blocks x layers x bytes
-            reader.start(StepPlan(load=(PoolJob("r", ("h1", "h2", "h3"), (0, 1, 2)),)))
+            reader.start(StepPlan(load=(PoolJob("r", ("h1", "h2", "h3"), ((1, 2, 5),)),)))
             recving, failed = wait_results(reader)
             assert (recving, failed) == ({"r"}, {"r"}), "h3 was never saved"
-            assert reader.load_errors() == {2}
-            for name in target:
-                assert torch.equal(block(target[name], 0, layout), block(source[name], 3, layout))
-                assert torch.equal(block(target[name], 1, layout), block(source[name], 8, layout))
+            assert reader.load_errors() == {5}
+            for name in target:  # block 0 is vLLM's null block: never a pool block's
+                assert torch.equal(block(target[name], 1, layout), block(source[name], 3, layout))
+                assert torch.equal(block(target[name], 2, layout), block(source[name], 8, layout))
         finally:
             writer.close()
             reader.close()
@@ -217,20 +218,22 @@ def test_a_pool_hit_is_only_blocks_whole_on_every_rank() -> None:
         try:
             layouts = {rank: w.register(kv_caches(seed=rank)) for rank, w in enumerate(ranks)}
             store.start()
-            services.pool = index = StorePoolIndex(store)
+            services.pool = index = StorePoolIndex(store, FORMAT.block_size)
             services.set_layouts(layouts)
-            assert index.leading(hashes) == 0, "nothing saved yet"
+            assert index.leading(hashes, FULL_ONLY, 0) == 0, "nothing saved yet"
             for worker in ranks:
-                worker.save(StepPlan(save=(PoolJob("w", hashes, (3, 4, 5)),)))
+                worker.save(StepPlan(save=(PoolJob("w", hashes, ((3, 4, 5),)),)))
                 worker.protect(StepPlan(preempted=("w",)))  # waits for the save
                 assert worker.results({"w"})[0] == {"w"}
-            assert index.leading(hashes) == 3
+            assert index.leading(hashes, FULL_ONLY, 0) == 3
             rank0 = index.keys[0]
             assert store.remove(rank0.block_keys("h3")[0]).name == "OK"  # layer 0's K of h3
-            assert index.leading(hashes) == 2
+            assert index.leading(hashes, FULL_ONLY, 0) == 2
             rank1 = index.keys[1]
             assert store.remove(rank1.block_keys("h2")[-1]).name == "OK"  # rank 1's h2
-            assert index.leading(hashes) == 1, "the hit stops before the partial block"
+            assert index.leading(hashes, FULL_ONLY, 0) == 1, (
+                "the hit stops before the partial block"
+            )
         finally:
             store.close()
             for worker in ranks:
@@ -373,10 +376,12 @@ def test_a_stopped_prefill_delays_no_other_read_load_or_save() -> None:
         try:
             decode.register(caches)
             stuck.hold("warm")  # decode knows the stuck prefill: its reads hang in the READ
-            decode.start(StepPlan(recv=(RecvJob("warm", stuck.remote("warm", (0,)), (0,), (0,)),)))
+            decode.start(
+                StepPlan(recv=(RecvJob("warm", stuck.remote("warm", (0,)), ((0,),), ((0,),)),))
+            )
             assert wait_results(decode) == ({"warm"}, set())
             hung = tuple(
-                RecvJob(f"s{i}", stuck.remote(f"p{i}", (i,)), (i,), (i,)) for i in range(1, 6)
+                RecvJob(f"s{i}", stuck.remote(f"p{i}", (i,)), ((i,),), ((i,),)) for i in range(1, 6)
             )
             for job in hung:
                 stuck.hold(job.remote.request_id)
@@ -385,13 +390,13 @@ def test_a_stopped_prefill_delays_no_other_read_load_or_save() -> None:
             stopped = True
             decode.start(StepPlan(recv=hung))
             decode.start(
-                StepPlan(recv=(RecvJob("h", healthy.remote("h", (2, 3)), (8, 9), (2, 3)),))
+                StepPlan(recv=(RecvJob("h", healthy.remote("h", (2, 3)), ((8, 9),), ((2, 3),)),))
             )
             assert wait_results(decode) == ({"h"}, set()), "the healthy read comes first"
             assert block_digest(caches, (8, 9)) == healthy.digest((2, 3))
-            decode.save(StepPlan(save=(PoolJob("v", ("x",), (8,)),)))
+            decode.save(StepPlan(save=(PoolJob("v", ("x",), ((8,),)),)))
             wait_sent(decode, "v")
-            decode.start(StepPlan(load=(PoolJob("l", ("x",), (10,)),)))
+            decode.start(StepPlan(load=(PoolJob("l", ("x",), ((10,),)),)))
             assert wait_results(decode) == ({"l"}, set())
             assert block_digest(caches, (10,)) == healthy.digest((2,))
 
@@ -404,7 +409,9 @@ def test_a_stopped_prefill_delays_no_other_read_load_or_save() -> None:
                 done |= recving
             assert done == {job.request_id for job in hung}
             for job in hung:
-                assert block_digest(caches, job.local_blocks) == stuck.digest(job.remote_blocks)
+                assert block_digest(caches, job.local_blocks[0]) == stuck.digest(
+                    job.remote_blocks[0]
+                )
         finally:
             if stopped:
                 os.kill(stuck.pid, signal.SIGCONT)
@@ -559,11 +566,11 @@ def test_pool_transfers_that_cannot_be_stopped_keep_their_blocks_until_they_sett
         worker = ConnectorWorker(config, FORMAT, BLOCKS)
         try:
             worker.register(kv_caches(seed=4))
-            worker.save(StepPlan(save=(PoolJob("w", ("h1",), (3,)),)))
+            worker.save(StepPlan(save=(PoolJob("w", ("h1",), ((3,),)),)))
             wait_sent(worker, "w")
             gate.close()
-            worker.start(StepPlan(load=(PoolJob("r", ("h1",), (0,)),)))
-            worker.save(StepPlan(save=(PoolJob("v", ("h2",), (4,)),)))
+            worker.start(StepPlan(load=(PoolJob("r", ("h1",), ((1,),)),)))
+            worker.save(StepPlan(save=(PoolJob("v", ("h2",), ((4,),)),)))
             for _ in range(2):
                 assert gate.held.acquire(timeout=10), "both copies started"
             steps = Steps(worker, finished={"v"})  # "v" finished: only its save holds it
@@ -579,7 +586,7 @@ def test_pool_transfers_that_cannot_be_stopped_keep_their_blocks_until_they_sett
                 "the load and the save are reported once settled",
             )
             assert (steps.sending, steps.recving, steps.failed) == ({"v"}, {"r"}, {"r"})
-            assert steps.load_errors == {0}
+            assert steps.load_errors == {1}
         finally:
             gate.open()
             worker.close()
