@@ -5,7 +5,7 @@ Tests put it beside a decode worker to stop (SIGSTOP) or kill a real prefill::
 
     with PrefillPeer(seed=1) as prefill:
         prefill.hold("p1")
-        job = RecvJob("d1", prefill.remote("p1", (2,)), (5,), (2,))
+        job = RecvJob("d1", prefill.remote("p1", (2,)), ((5,),), ((2,),))
         ...
         assert prefill.digest((2,)) == block_digest(decode_caches, (5,))
 

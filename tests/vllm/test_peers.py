@@ -66,7 +66,7 @@ def _read(worker: ConnectorWorker, job: RecvJob, timeout: float = 15.0) -> bool:
 def _job(peer: PrefillPeer, rid: str, remote_blocks: tuple[int, ...], local: tuple[int, ...]):
     """A read of ``peer``'s request ``rid``, held there now."""
     peer.hold(rid)
-    return RecvJob(f"d-{rid}", peer.remote(rid, remote_blocks), local, remote_blocks)
+    return RecvJob(f"d-{rid}", peer.remote(rid, remote_blocks), (local,), (remote_blocks,))
 
 
 def _tcp_peers(worker: ConnectorWorker) -> int:
