@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import enum
 import json
+import re
 import statistics
 import subprocess
 import tempfile
@@ -60,6 +61,8 @@ _COUNTED_WAIT = 15.0  # seconds for B's load to show in its counters (one stats 
 _EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 _LOCAL_HITS = "vllm:prefix_cache_hits_total"
 _MOONCAKE_BYTES = "vllm:mooncake_store_operation_bytes_total"
+_MOONCAKE_SECONDS = "vllm:mooncake_store_operation_time_seconds_sum"
+_EXCEPTION = re.compile(r"^[\w.]*(Error|Exception): ")
 
 # Forward passes on CPU are synchronous, so a CUDA event recorded after one has already
 # passed: MooncakeStoreConnector's saves wait on torch.cuda.Event, which has no CPU stand-in.
@@ -97,7 +100,8 @@ class Series(enum.Enum):
 
 
 Sample = dict[str, float]
-"""``ttft`` seconds, ``hit_tokens`` (vLLM's hit counters), ``loaded_bytes`` (the connector's)."""
+"""``ttft`` seconds, ``hit_tokens`` (vLLM's hit counters); ``loaded_bytes`` and
+``load_seconds``: what the connector reports of its loads."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,7 +165,11 @@ def _offset(system: System) -> int:
 
 
 def _show(rnd: int, tokens: int, series: Series, sample: Sample) -> None:
-    extra = ", ".join(f"{k} {v:.0f}" for k, v in sample.items() if k != "ttft")
+    extra = ", ".join(
+        f"load {1000 * v:.1f} ms" if k == "load_seconds" else f"{k} {v:.0f}"
+        for k, v in sample.items()
+        if k != "ttft"
+    )
     ms = 1000 * sample["ttft"]
     print(f"round {rnd} {tokens:5d} tokens {series.value:15s} {ms:9.1f} ms  {extra}", flush=True)
 
@@ -249,10 +257,11 @@ def _start(stack: ExitStack, *servers: Server) -> Server:
 
 
 def _reason(log: str) -> str:
-    """The last exception line of a server's log."""
-    lines = [line.strip() for line in log.splitlines()]
-    errors = [line for line in lines if "Error" in line or "Exception" in line]
-    return (errors or lines or ["exited"])[-1][:300]
+    """The first exception of a server's log (the root cause; later ones re-raise it)."""
+    for line in log.splitlines():
+        if _EXCEPTION.match(line):
+            return line.strip()[:300]
+    return "exited"
 
 
 def _kvconnect(stack: ExitStack, setting: _Setting, core_a: str, core_b: str) -> _Phase:
@@ -276,6 +285,7 @@ def _kvconnect(stack: ExitStack, setting: _Setting, core_a: str, core_b: str) ->
         setting,
         saved=counter("pool_bytes_saved"),
         loaded=counter("pool_bytes_loaded"),
+        load_seconds=counter("pool_load_seconds"),
         hit=Series.KVCONNECT_HIT,
         miss=Series.KVCONNECT_MISS,
     )
@@ -318,15 +328,16 @@ def _mooncake(stack: ExitStack, setting: _Setting, core_a: str, core_b: str) -> 
     reader = setting.server("mooncake-B", transfer, core_b, env)
     _start(stack, writer, reader)
 
-    def counter(operation: str) -> Callable[[Server], float]:
-        return lambda server: server.metric(_MOONCAKE_BYTES, operation=operation)
+    def counter(name: str, operation: str) -> Callable[[Server], float]:
+        return lambda server: server.metric(name, operation=operation)
 
     return _Shared(
         writer,
         reader,
         setting,
-        saved=counter("save_put"),
-        loaded=counter("load_get"),
+        saved=counter(_MOONCAKE_BYTES, "save_put"),
+        loaded=counter(_MOONCAKE_BYTES, "load_get"),
+        load_seconds=counter(_MOONCAKE_SECONDS, "load_get"),
         hit=Series.MOONCAKE_HIT,
         miss=None,
     )
@@ -368,11 +379,12 @@ class _Shared:
         *,
         saved: Callable[[Server], float],
         loaded: Callable[[Server], float],
+        load_seconds: Callable[[Server], float],
         hit: Series,
         miss: Series | None,
     ) -> None:
         self.writer, self.reader, self.setting = writer, reader, setting
-        self.saved, self.loaded = saved, loaded
+        self.saved, self.loaded, self.load_seconds = saved, loaded, load_seconds
         self.hit, self.miss = hit, miss
         warm = tiny_llama.prompt(7, 4 * BLOCK)  # connections, first-use costs of both paths
         self._share(warm, self.setting.block_bytes(4 * BLOCK))
@@ -393,14 +405,20 @@ class _Shared:
 
     def _timed(self, prompt: str, nbytes: int) -> Sample:
         """B's TTFT for ``prompt``, with what B's counters say it loaded (``nbytes`` expected)."""
-        hits, loaded = self.reader.metric(_EXTERNAL_HITS), self.loaded(self.reader)
-        ttft = _ttft(self.reader, prompt)
+        reader = self.reader
+        hits, loaded, seconds = (
+            reader.metric(_EXTERNAL_HITS),
+            self.loaded(reader),
+            self.load_seconds(reader),
+        )
+        ttft = _ttft(reader, prompt)
         if nbytes:
-            _until(lambda: self.loaded(self.reader) - loaded >= nbytes, _COUNTED_WAIT)
+            _until(lambda: self.loaded(reader) - loaded >= nbytes, _COUNTED_WAIT)
         return {
             "ttft": ttft,
-            "hit_tokens": self.reader.metric(_EXTERNAL_HITS) - hits,
-            "loaded_bytes": self.loaded(self.reader) - loaded,
+            "hit_tokens": reader.metric(_EXTERNAL_HITS) - hits,
+            "loaded_bytes": self.loaded(reader) - loaded,
+            "load_seconds": self.load_seconds(reader) - seconds,
         }
 
 
@@ -449,11 +467,15 @@ _RATIOS = (
 
 
 def _summary(samples: list[Sample]) -> dict[str, float] | None:
-    """Median and spread of the TTFTs, in ms."""
+    """Median and spread of the TTFTs, in ms (and the median load the connector reports)."""
     if not samples:
         return None
     ms = [1000 * s["ttft"] for s in samples]
-    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "n": len(ms)}
+    summary = {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms)}
+    loads = [1000 * s["load_seconds"] for s in samples if "load_seconds" in s]
+    if loads:
+        summary["load_median_ms"] = statistics.median(loads)
+    return summary | {"n": len(ms)}
 
 
 def _ratio(ours: list[Sample], theirs: list[Sample]) -> dict[str, float] | None:
@@ -502,7 +524,9 @@ def _print(rows: list[dict[str, Any]], unavailable: dict[str, str]) -> None:
     for row in rows:
         print(f"{row['tokens']} tokens ({row['kv_bytes'] / 2**20:.0f} MiB of KV)")
         for name, s in row["ttft"].items():
-            print(f"  {name:15s} {s['median_ms']:9.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f})")
+            load = f"  (load {s['load_median_ms']:.1f})" if "load_median_ms" in s else ""
+            spread = f"({s['min_ms']:.1f}-{s['max_ms']:.1f})"
+            print(f"  {name:15s} {s['median_ms']:9.1f} {spread}{load}")
         for name, r in row["ratios"].items():
             print(f"  {name:15s} {r['ratio']:9.2f}x ({r['min']:.2f}-{r['max']:.2f})")
     for name, reason in unavailable.items():
