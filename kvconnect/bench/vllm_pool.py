@@ -150,10 +150,10 @@ def run(args: argparse.Namespace) -> int:
             except _Unavailable as exc:
                 unavailable[system.value] = str(exc)
                 print(f"round {rnd} {system.value}: unavailable: {exc}", flush=True)
-    report = _report(samples, unavailable, args, shape)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    summary = report(samples, unavailable, args, shape)
+    Path(args.out).write_text(json.dumps(summary, indent=2))
     if args.plot:
-        plot(report, args.plot)
+        plot(summary, args.plot)
         print(f"plot written to {args.plot}")
     print(f"logs in {work}; report in {args.out}")
     return 0
@@ -489,12 +489,15 @@ def _ratio(ours: list[Sample], theirs: list[Sample]) -> dict[str, float] | None:
     return {"ratio": median, "min": min(rounds), "max": max(rounds)}
 
 
-def _report(
+def report(
     samples: dict[Series, dict[int, list[Sample]]],
     unavailable: dict[str, str],
     args: argparse.Namespace,
     shape: tiny_llama.Shape,
 ) -> dict[str, Any]:
+    """The report (printed, and JSON-able): per prompt length (``args.tokens``), every
+    series' TTFT median and spread, the ratios of kvconnect's hit (and miss) to the others'
+    (of the medians, with the range of the per-round ratios), and the samples."""
     rows = []
     for tokens in args.tokens:
         by_series = {s: samples[s][tokens] for s in Series}
