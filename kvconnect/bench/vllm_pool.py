@@ -252,7 +252,7 @@ def _start(stack: ExitStack, *servers: Server) -> Server:
         try:
             server.wait_ready(_STARTUP)
         except RuntimeError as exc:  # it exited: this system does not run here
-            raise _Unavailable(f"{server.name}: {_reason(server.tail(200))}") from exc
+            raise _Unavailable(f"{server.name}: {_reason(server.tail(400))}") from exc
     return servers[-1]
 
 
