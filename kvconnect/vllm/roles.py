@@ -3,14 +3,16 @@ here that reads vLLM's config objects, besides the facade)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvconnect.store.client import StoreClient
 from kvconnect.vllm.affinity import threads_on
 from kvconnect.vllm.config import VllmConnectorConfig
 from kvconnect.vllm.layout import RankLayout
+from kvconnect.vllm.lookup import PoolLookups
 from kvconnect.vllm.pd import LeaseKeeper, PrefillService
-from kvconnect.vllm.pool import StorePoolIndex, pool_keys
+from kvconnect.vllm.pool import PROBE_TOKENS, StorePoolIndex, fleet_keys
 from kvconnect.vllm.scheduler import ConnectorScheduler
 from kvconnect.vllm.sidechannel import SideChannelClient
 from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
@@ -26,27 +28,19 @@ class SchedulerServices:
         self.keeper: LeaseKeeper | None = None
         self.client: SideChannelClient | None = None
         self.store: StoreClient | None = None
-        self.pool: StorePoolIndex | None = None
+        self.pool: PoolLookups | None = None
 
     def set_layouts(self, layouts: dict[int, RankLayout]) -> None:
         """The workers' KV layouts, by TP rank."""
         if self.prefill is not None:
             self.prefill.set_layouts(layouts)
-        if self.pool is not None:  # a hit needs the blocks of every rank
-            self.pool.keys = tuple(
-                pool_keys(
-                    namespace=self._config.namespace,
-                    model=self._model,
-                    compat=layout.compat,
-                    tp_rank=rank,
-                    layers=len(layout.layers),
-                    chunks=layout.layers[0].chunks if layout.layers else 1,
-                )
-                for rank, layout in sorted(layouts.items())
+        if self.pool is not None:
+            self.pool.index.keys = fleet_keys(
+                namespace=self._config.namespace, model=self._model, layouts=layouts
             )
 
     def close(self) -> None:
-        for service in (self.keeper, self.prefill, self.client, self.store):
+        for service in (self.keeper, self.prefill, self.client, self.pool, self.store):
             if service is not None:
                 service.close()
 
@@ -82,7 +76,8 @@ def _build_scheduler(
         if config.pool:
             services.store = StoreClient(config.store, config.transfer_config(token))
             services.store.start()
-            services.pool = StorePoolIndex(services.store)
+            index = StorePoolIndex(services.store, _probe_hash(vllm_config))
+            services.pool = PoolLookups(index, cpus=config.io_cpu_set)
     except BaseException:
         services.close()
         raise
@@ -96,6 +91,20 @@ def _build_scheduler(
         pool=services.pool,
     )
     return scheduler, services
+
+
+def _probe_hash(vllm_config: Any) -> Callable[[], bytes]:
+    """This instance's hash of the fleet probe's block (vLLM's hash algorithm and seed; asked
+    once vLLM seeded its hashes, on the first lookup)."""
+
+    def probe() -> bytes:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+        hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        return bytes(hash_block_tokens(hash_fn, None, range(PROBE_TOKENS)))
+
+    return probe
 
 
 def build_worker(

@@ -34,10 +34,18 @@ class RequestView(Protocol):
 
 
 class PoolIndex(Protocol):
-    """Which prefix blocks the shared pool holds."""
+    """Which prefix blocks the shared pool holds (:class:`~kvconnect.vllm.lookup.PoolLookups`)."""
 
-    def leading(self, hashes: Sequence[str]) -> int:
-        """How many of ``hashes``, from the first, are stored (0 when the pool is down)."""
+    def ask(self, request_id: str, computed: int, hashes: Sequence[str]) -> int | None:
+        """How many of ``hashes``, from the first, are stored (0 when the pool is down); None
+        while that is being looked up. Never blocks."""
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is known of ``request_id``."""
+
+    @property
+    def usable(self) -> bool:
+        """Whether blocks may be saved."""
 
 
 class _PoolHit(NamedTuple):
@@ -113,7 +121,10 @@ class ConnectorScheduler:
         if hit is None or hit.computed != num_computed:
             first = num_computed // self._block_size
             hashes = [h.hex() for h in request.block_hashes[first:]]
-            hit = _PoolHit(num_computed, self._pool.leading(hashes) if hashes else 0)
+            blocks = self._pool.ask(request.request_id, num_computed, hashes) if hashes else 0
+            if blocks is None:  # vLLM skips the request this step and asks again
+                return None, False
+            hit = _PoolHit(num_computed, blocks)
             self._pool_hits[request.request_id] = hit
         return _async(hit.blocks * self._block_size)
 
@@ -140,6 +151,8 @@ class ConnectorScheduler:
                 self._keeper.give_up(rid, remote)
             return
         hit = self._pool_hits.pop(rid, None)
+        if self._pool is not None:
+            self._pool.forget(rid)
         if hit is None or num_external <= 0:
             return
         first = hit.computed // self._block_size
@@ -159,7 +172,8 @@ class ConnectorScheduler:
         """The workers' jobs for the step about to run. ``scheduled``: tokens per request in
         this step (``num_computed_tokens`` is still the count before it); ``preempted``:
         requests whose blocks were taken back this step."""
-        save = self._plan_saves(scheduled, block_ids_of) if self._pool is not None else ()
+        pool = self._pool
+        save = self._plan_saves(scheduled, block_ids_of) if pool is not None and pool.usable else ()
         plan = StepPlan(
             recv=tuple(self._recv),
             load=tuple(self._load),
@@ -207,6 +221,8 @@ class ConnectorScheduler:
         self._requests.pop(rid, None)
         self._pool_hits.pop(rid, None)
         self._pooled.pop(rid, None)
+        if self._pool is not None:
+            self._pool.forget(rid)
         params = request.kv_transfer_params
         remote = remote_prefill(params)
         if remote is not None and self._keeper is not None:  # never got to load: free them

@@ -22,10 +22,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 from kvconnect.errors import ConfigError, KVConnectError
-from kvconnect.store.client import StoreClient
+from kvconnect.store.client import Span, StoreClient
 from kvconnect.store.messages import Code
 from kvconnect.transfer import TransferOp, TransferRequest, TransferStatus
 from kvconnect.transfer.engine import TransferEngine
@@ -46,7 +46,7 @@ from kvconnect.vllm.layout import (
     range_pairs,
 )
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
-from kvconnect.vllm.pool import PoolKeys, pool_keys
+from kvconnect.vllm.pool import BlockPart, PoolKeys, block_part, block_spans, pool_keys
 from kvconnect.vllm.sidechannel import SideChannelClient
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,23 @@ log = logging.getLogger(__name__)
 _LANE_THREADS = 4  # threads of one lane: the reads from one prefill, pool loads, pool saves
 _LOADS = "pool-load"
 _SAVES = "pool-save"
+
+
+class Fence(Protocol):
+    """Work queued on a device stream up to a point (a ``torch.cuda.Event``)."""
+
+    def synchronize(self) -> None:
+        """Block until that work is done."""
+
+
+def record_fence() -> Fence:
+    """An event recorded on the current CUDA stream (the model's, in ``wait_for_save``)."""
+    import torch
+
+    cuda: Any = torch.cuda  # torch's CUDA API is partly untyped
+    event = cuda.Event()
+    event.record(cuda.current_stream())
+    return cast(Fence, event)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +155,7 @@ class ConnectorWorker:
         self._client = SideChannelClient(config.rpc_timeout, token=token)
         self._store: StoreClient | None = None
         self._pool_keys: PoolKeys | None = None
+        self._part: BlockPart | None = None  # this rank's part of a pool object
         self._lanes = Lanes(
             "vllm", _LANE_THREADS, cpus=config.io_cpu_set, on_exit=self._client.release
         )
@@ -180,13 +198,9 @@ class ConnectorWorker:
         assert self.layout is not None
         cfg = self.config
         self._pool_keys = pool_keys(
-            namespace=cfg.namespace,
-            model=self.format.model,
-            compat=self.layout.compat,
-            tp_rank=self.format.tp_rank,
-            layers=len(layers),
-            chunks=layers[0].chunks if layers else 1,
+            namespace=cfg.namespace, model=self.format.model, compat=self.layout.compat
         )
+        self._part = block_part(layers, self.format.tp_rank, self.format.tp_size)
         store = StoreClient(cfg.store, engine=self.engine)
         store.start()
         self._store = store
@@ -221,16 +235,16 @@ class ConnectorWorker:
             self._release(rid, _Hold.LEASE)
 
     def save(self, plan: StepPlan) -> None:
-        """Start this step's saves; the forward pass that wrote the blocks has run."""
-        if plan.save and self._cuda:
-            import torch  # saves read the device memory the step's kernels wrote
-
-            torch.cuda.current_stream().synchronize()
+        """Start this step's saves, after the forward pass that wrote the blocks: on CUDA its
+        kernels are only queued, so the save waits (on its I/O thread, never here) for an
+        event recorded on the model's stream now."""
+        written = record_fence() if plan.save and self._cuda else None
         for job in plan.save:
             self._saves[job.request_id] = False
             with self._lock:
                 self._saving[job.request_id] = threading.Event()
-            self._lanes.submit(_SAVES, self._guarded(_Kind.SAVE, self._save, job))
+            save = functools.partial(self._save, written=written)
+            self._lanes.submit(_SAVES, self._guarded(_Kind.SAVE, save, job))
 
     def protect(self, plan: StepPlan) -> None:
         """Before the forward pass: wait until the saves of requests preempted this step
@@ -471,51 +485,50 @@ class ConnectorWorker:
 
     # ---------------------------------------------------------------------------- pool
 
-    def _pool_ranges(
-        self, job: PoolJob
-    ) -> tuple[list[str], list[MemoryRegion], list[int], list[int]]:
+    def _pool_spans(self, job: PoolJob) -> tuple[list[str], list[list[Span]]]:
+        """Per block of ``job``: its object's key and this rank's ranges of it, in the
+        object's order (layer by layer, chunk by chunk)."""
         assert self.layout is not None
         assert self._pool_keys is not None
-        keys: list[str] = []
-        regions: list[MemoryRegion] = []
-        offsets: list[int] = []
-        sizes: list[int] = []
-        for block_hash, block in zip(job.hashes, job.blocks, strict=True):
-            keys.extend(self._pool_keys.block_keys(block_hash))
-            for layer in self.layout.layers:
-                for chunk in range(layer.chunks):
-                    regions.append(self._regions[layer.region])
-                    offsets.append(layer.block_offset(chunk, block))
-                    sizes.append(layer.block_bytes)
-        return keys, regions, offsets, sizes
+        keys = [self._pool_keys.block_key(block_hash) for block_hash in job.hashes]
+        layers = self.layout.layers
+        spans = [block_spans(layers, self._regions, block) for block in job.blocks]
+        return keys, spans
 
     def _load(self, job: PoolJob) -> None:
         assert self._store is not None
-        assert self._pool_keys is not None
+        assert self._part is not None
         started = time.monotonic()
-        keys, regions, offsets, sizes = self._pool_ranges(job)
-        result = self._store.batch_get_into(
-            keys, regions, offsets, sizes, timeout=self.config.pool_read_timeout
+        keys, spans = self._pool_spans(job)
+        result = self._store.batch_get_scattered(
+            keys,
+            spans,
+            object_offsets=[self._part.object_offset] * len(keys),
+            timeout=self.config.pool_read_timeout,
         )
-        per_block = self._pool_keys.per_block
-        ok = result.ok()
-        failed = tuple(
-            block
-            for i, block in enumerate(job.blocks)
-            if not all(ok[i * per_block : (i + 1) * per_block])
-        )
+        failed = tuple(block for block, ok in zip(job.blocks, result.ok(), strict=True) if not ok)
         seconds = time.monotonic() - started
         outcome = _Outcome(
             job.request_id, _Kind.LOAD, not failed, failed, sum(result.sizes), seconds
         )
         self._report_settled(outcome, Code.UNSETTLED in result.codes, result.on_settled)
 
-    def _save(self, job: PoolJob) -> None:
+    def _save(self, job: PoolJob, written: Fence | None = None) -> None:
+        """Save ``job``'s blocks once ``written`` (the forward pass that wrote them) is done."""
         assert self._store is not None
-        keys, regions, offsets, sizes = self._pool_ranges(job)
-        result = self._store.batch_put_from(
-            keys, regions, offsets, sizes, timeout=self.config.pool_write_timeout
+        assert self._part is not None
+        if written is not None:
+            written.synchronize()
+        keys, spans = self._pool_spans(job)
+        part = self._part
+        result = self._store.batch_put_gathered(
+            keys,
+            spans,
+            part=part.part,
+            parts=part.parts,
+            object_sizes=[part.object_bytes] * len(keys),
+            object_offsets=[part.object_offset] * len(keys),
+            timeout=self.config.pool_write_timeout,
         )
-        written = sum(size for size, ok in zip(sizes, result.ok(), strict=True) if ok)
-        outcome = _Outcome(job.request_id, _Kind.SAVE, all(result.ok()), (), written)
+        outcome = _Outcome(job.request_id, _Kind.SAVE, all(result.ok()), (), sum(result.sizes))
         self._report_settled(outcome, Code.UNSETTLED in result.codes, result.on_settled)

@@ -31,6 +31,7 @@ from tests.vllm.harness import (
     make_request,
     make_scheduler,
     plan_of,
+    settle_lookups,
     step,
 )
 
@@ -222,21 +223,19 @@ def test_shared_pool_hit_loads_the_prefix_and_saves_the_rest(tiny_config: Path) 
             s.connector.set_xfer_handshake_metadata(
                 {0: KVConnectHandshake(msgspec.msgpack.encode(layout))}
             )
-            keys = pool_keys(
-                namespace="",
-                model=str(tiny_config),
-                compat=layout.compat,
-                tp_rank=0,
-                layers=2,
-                chunks=1,
-            )
+            keys = pool_keys(namespace="", model=str(tiny_config), compat=layout.compat)
             prompt = list(range(100, 156))  # 3 full blocks and 8 tokens
             probe = make_request("probe", prompt)
             for block_hash in probe.block_hashes[:2]:  # the pool has the first two blocks
-                for key in keys.block_keys(block_hash.hex()):
-                    assert store.put(key, b"x" * 64).name == "OK"
+                assert store.put(keys.block_key(block_hash.hex()), b"x" * 64).name == "OK"
 
             s.add_request(make_request("hit", prompt, max_tokens=1))
+            output, _ = step(s)
+            # The lookup runs in the background: vLLM skips the request, the scheduler thread
+            # goes on, and the next step after the answer came in schedules the load.
+            assert output.num_scheduled_tokens == {}, "scheduled before the lookup answered"
+            assert not plan_of(output).load
+            settle_lookups(s)
             output, _ = step(s)
             (load,) = plan_of(output).load
             assert load.hashes == tuple(h.hex() for h in probe.block_hashes[:2])
@@ -252,11 +251,52 @@ def test_shared_pool_hit_loads_the_prefix_and_saves_the_rest(tiny_config: Path) 
             assert_empty(s)
 
             s.add_request(make_request("miss", list(range(200, 240)), max_tokens=1))
+            step(s)
+            settle_lookups(s)
             output, _ = step(s)
             assert not plan_of(output).load
             assert output.num_scheduled_tokens == {"miss": 40}
             assert len(plan_of(output).save[0].hashes) == 2
             step(s, sending=["miss"])
+            assert_empty(s)
+        finally:
+            store.close()
+            s.shutdown()
+
+
+def test_a_fleet_whose_block_hashes_differ_refuses_the_pool_with_one_error(
+    tiny_config: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An instance seeded unlike the fleet (the probe object holds another hash of the fixed
+    probe block) would never hit: it logs one ERROR, looks nothing up and saves nothing."""
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        extra = {"pool": True, "master": cluster.master_endpoint}
+        s = make_scheduler(tiny_config, "kv_both", extra)
+        store = StoreClient(StoreClientConfig(master=cluster.master_endpoint))
+        store.start()
+        try:
+            layout = _layout()
+            s.connector.set_xfer_handshake_metadata(
+                {0: KVConnectHandshake(msgspec.msgpack.encode(layout))}
+            )
+            keys = pool_keys(namespace="", model=str(tiny_config), compat=layout.compat)
+            assert store.put(keys.probe_key, b"another fleet's seed").name == "OK"
+            prompts = {"a": list(range(100, 156)), "b": list(range(200, 256))}
+            for prompt in prompts.values():
+                for block_hash in make_request("probe", prompt).block_hashes:
+                    assert store.put(keys.block_key(block_hash.hex()), b"x" * 64).name == "OK"
+            for rid, prompt in prompts.items():
+                s.add_request(make_request(rid, prompt, max_tokens=1))
+                step(s)
+                settle_lookups(s)
+                output, _ = step(s)
+                assert output.num_scheduled_tokens == {rid: len(prompt)}, "a hit"
+                assert not plan_of(output).load
+                assert not plan_of(output).save, "saved under another fleet's keys"
+                while s.requests:
+                    step(s)
+            refusals = [r for r in caplog.records if "pool refused" in r.getMessage()]
+            assert [r.levelname for r in refusals] == ["ERROR"]
             assert_empty(s)
         finally:
             store.close()
