@@ -89,6 +89,7 @@ def _build_scheduler(
         prefill=services.prefill,
         keeper=services.keeper,
         pool=services.pool,
+        save_generated=config.pool_save_generated,
     )
     return scheduler, services
 

@@ -68,7 +68,9 @@ class ConnectorScheduler:
         prefill: PrefillService | None = None,
         keeper: LeaseKeeper | None = None,
         pool: PoolIndex | None = None,
+        save_generated: bool = False,
     ) -> None:
+        """``save_generated``: also save a finished request's full output blocks."""
         self._engine_id = engine_id
         self._host = host
         self._tp_size = tp_size
@@ -76,10 +78,13 @@ class ConnectorScheduler:
         self._prefill = prefill
         self._keeper = keeper
         self._pool = pool
+        self._save_generated = save_generated
         self._requests: dict[str, RequestView] = {}
         self._pool_hits: dict[str, _PoolHit] = {}  # by request
         self._pooled: dict[str, int] = {}  # request → leading blocks known to be in the pool
         self._saving: set[str] = set()  # requests with a save planned (their frees wait)
+        self._saved: dict[str, int] = {}  # request → leading blocks saved (or already pooled)
+        self._finished_saves: list[PoolJob] = []  # saves of finished requests' output blocks
         self._recv: list[RecvJob] = []
         self._load: list[PoolJob] = []
         self._held: list[str] = []
@@ -173,7 +178,10 @@ class ConnectorScheduler:
         this step (``num_computed_tokens`` is still the count before it); ``preempted``:
         requests whose blocks were taken back this step."""
         pool = self._pool
-        save = self._plan_saves(scheduled, block_ids_of) if pool is not None and pool.usable else ()
+        save: tuple[PoolJob, ...] = ()
+        if pool is not None and pool.usable:
+            save = (*self._plan_saves(scheduled, block_ids_of), *self._finished_saves)
+        self._finished_saves = []
         plan = StepPlan(
             recv=tuple(self._recv),
             load=tuple(self._load),
@@ -200,10 +208,24 @@ class ConnectorScheduler:
             full = min(request.num_prompt_tokens // self._block_size, len(request.block_hashes))
             skip = self._pooled.get(rid, 0)
             blocks = block_ids_of(rid)
+            self._saved[rid] = max(full, skip)
             if full > skip and len(blocks) >= full:
                 hashes = tuple(h.hex() for h in request.block_hashes[skip:full])
                 jobs.append(PoolJob(rid, hashes, tuple(blocks[skip:full])))
         return tuple(jobs)
+
+    def _save_output(self, request: RequestView, block_ids: Sequence[int], saved: int) -> None:
+        """Plan the save of ``request``'s full blocks past the ``saved`` leading ones whose KV
+        was computed (the last sampled token has none yet); its blocks wait for it."""
+        computed = request.num_computed_tokens // self._block_size
+        full = min(computed, len(request.block_hashes), len(block_ids))
+        if full <= saved:
+            return
+        hashes = tuple(h.hex() for h in request.block_hashes[saved:full])
+        self._finished_saves.append(
+            PoolJob(request.request_id, hashes, tuple(block_ids[saved:full]))
+        )
+        self._saving.add(request.request_id)
 
     def on_transfers_done(self, finished_recving: Iterable[str]) -> None:
         """The workers report these requests' KV arrived (or failed)."""
@@ -227,6 +249,9 @@ class ConnectorScheduler:
         remote = remote_prefill(params)
         if remote is not None and self._keeper is not None:  # never got to load: free them
             self._keeper.give_up(rid, remote)
+        saved = self._saved.pop(rid, None)
+        if completed and saved is not None and self._save_generated:
+            self._save_output(request, block_ids, saved)
         delay = rid in self._saving
         self._saving.discard(rid)
         if not (self._prefill and wants_remote_decode(params) and completed and block_ids):

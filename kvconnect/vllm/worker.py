@@ -167,7 +167,7 @@ class ConnectorWorker:
         self._regions: dict[int, MemoryRegion] = {}
         self._load_errors: set[int] = set()
         self._holds: dict[str, set[_Hold]] = {}  # finished request → what its blocks wait for
-        self._saves: dict[str, bool] = {}  # request → its save is done
+        self._saves: dict[str, int] = {}  # request with a save → its saves still running
         self._saving: dict[str, threading.Event] = {}  # saves not reported yet, by request
         self._cuda = False
         self.stats = WorkerStats()
@@ -239,8 +239,8 @@ class ConnectorWorker:
         kernels are only queued, so the save waits (on its I/O thread, never here) for an
         event recorded on the model's stream now."""
         written = record_fence() if plan.save and self._cuda else None
-        for job in plan.save:
-            self._saves[job.request_id] = False
+        for job in plan.save:  # a request may have two: its prompt's and, finished, its output's
+            self._saves[job.request_id] = self._saves.get(job.request_id, 0) + 1
             with self._lock:
                 self._saving[job.request_id] = threading.Event()
             save = functools.partial(self._save, written=written)
@@ -265,7 +265,7 @@ class ConnectorWorker:
         for rid in finished:  # a finished request with a save waits for it, if it runs
             if rid in self._saves:
                 waits = self._holds.setdefault(rid, set())
-                if not self._saves[rid]:
+                if self._saves[rid]:
                     waits.add(_Hold.SAVE)
         recving: set[str] = set()
         failed: set[str] = set()
@@ -276,8 +276,11 @@ class ConnectorWorker:
                 break
             self._account(outcome)
             if outcome.kind is _Kind.SAVE:
-                self._saves[outcome.request_id] = True
-                self._release(outcome.request_id, _Hold.SAVE)
+                rid = outcome.request_id
+                if rid in self._saves:
+                    self._saves[rid] -= 1
+                    if not self._saves[rid]:
+                        self._release(rid, _Hold.SAVE)
                 continue
             recving.add(outcome.request_id)
             if not outcome.ok:

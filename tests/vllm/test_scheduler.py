@@ -301,3 +301,39 @@ def test_a_fleet_whose_block_hashes_differ_refuses_the_pool_with_one_error(
         finally:
             store.close()
             s.shutdown()
+
+
+def test_a_finished_requests_output_blocks_are_saved_with_pool_save_generated(
+    tiny_config: Path,
+) -> None:
+    """Multi-turn: with ``pool_save_generated`` the full blocks of the output (whose KV was
+    computed) are saved once the request finished, and its blocks wait for that save."""
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        extra = {"pool": True, "master": cluster.master_endpoint, "pool_save_generated": True}
+        s = make_scheduler(tiny_config, "kv_both", extra)
+        try:
+            s.connector.set_xfer_handshake_metadata(
+                {0: KVConnectHandshake(msgspec.msgpack.encode(_layout()))}
+            )
+            request = make_request("chat", PROMPT, max_tokens=30)  # 40 + 30 tokens
+            s.add_request(request)
+            step(s)
+            settle_lookups(s)
+            output, _ = step(s)
+            (prompt_save,) = plan_of(output).save
+            assert prompt_save.hashes == tuple(h.hex() for h in request.block_hashes[:2])
+            saves = []
+            while request.status is not RequestStatus.FINISHED_LENGTH_CAPPED:
+                output, _ = step(s, sending=[])
+                saves += plan_of(output).save
+            assert saves == [], "saved before the request finished"
+            output, _ = step(s)
+            (output_save,) = plan_of(output).save
+            # 69 tokens have KV (the last sampled one has none yet): 4 full blocks of 16.
+            assert output_save.hashes == tuple(h.hex() for h in request.block_hashes[2:4])
+            assert output_save.blocks == tuple(s.kv_cache_manager.get_block_ids("chat")[0][2:4])
+            assert "chat" in s.requests, "the output's save holds the blocks"
+            step(s, sending=["chat"])
+            assert_empty(s)
+        finally:
+            s.shutdown()

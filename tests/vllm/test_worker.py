@@ -281,6 +281,41 @@ def test_a_save_on_cuda_waits_for_the_forward_pass_on_its_io_thread(
             worker.close()
 
 
+def test_a_request_with_two_saves_keeps_its_blocks_until_both_are_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A finished request's output save (``pool_save_generated``) may start while its prompt's
+    save still runs: its blocks go back only once both are done."""
+    fences = [Fence(), Fence()]
+    monkeypatch.setattr(worker_module, "record_fence", iter(fences).__next__)
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        config = configured(pool=True, master=cluster.master_endpoint)
+        worker = ConnectorWorker(config, FORMAT, BLOCKS)
+        store = StoreClient(StoreClientConfig(master=cluster.master_endpoint))
+        try:
+            worker.register(kv_caches(seed=7))
+            worker._cuda = True  # each step's saves wait for that step's event
+            store.start()
+            worker.save(StepPlan(save=(PoolJob("w", ("prompt",), (3,)),)))
+            worker.save(StepPlan(save=(PoolJob("w", ("output",), (4,)),)))
+            fences[0].done.set()
+            wait_for(lambda: store.stats().keys == 1, "the prompt's save did not finish")
+            steps = Steps(worker, finished={"w"})
+            wait_for(
+                lambda: steps.step() or worker.stats.data.get("pool_saves") == 1,
+                "the prompt's save was not reported",
+            )
+            assert not steps.sending, "blocks handed back while the output's save reads them"
+            fences[1].done.set()
+            wait_sent(worker, "w")
+            assert store.stats().keys == 2
+        finally:
+            for fence in fences:
+                fence.done.set()
+            store.close()
+            worker.close()
+
+
 class Fence:
     """A CUDA event stand-in whose work ends when the test says."""
 
