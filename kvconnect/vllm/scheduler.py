@@ -164,7 +164,7 @@ class ConnectorScheduler:
         count = min(num_external // self._block_size, len(block_ids))
         hashes = tuple(h.hex() for h in request.block_hashes[first : first + count])
         self._load.append(PoolJob(rid, hashes, tuple(block_ids[:count])))
-        self._pooled[rid] = first + count
+        self._pooled[rid] = first + max(count, hit.blocks)  # the pool has them: no save
 
     # -------------------------------------------------------------------------------- steps
 

@@ -281,6 +281,38 @@ def test_a_save_on_cuda_waits_for_the_forward_pass_on_its_io_thread(
             worker.close()
 
 
+@pytest.mark.gpu
+def test_a_cuda_save_stores_what_the_forward_pass_wrote() -> None:
+    """The model's stream still has the writes of a block queued when ``save`` returns; the
+    stored block is what they wrote (the save waited for their event)."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    expected = kv_caches(seed=8)
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        config = configured(pool=True, master=cluster.master_endpoint)
+        writer = ConnectorWorker(config, FORMAT, BLOCKS)
+        reader = ConnectorWorker(config, FORMAT, BLOCKS)
+        try:
+            caches = {name: torch.zeros_like(t, device="cuda") for name, t in expected.items()}
+            writer.register(caches)
+            target = kv_caches(None)
+            reader.register(target)
+            busy = torch.randn(4096, 4096, device="cuda")
+            for _ in range(20):  # queued ahead of the writes: they land well after save()
+                busy = busy @ busy
+            for name, tensor in expected.items():
+                caches[name].copy_(tensor.pin_memory(), non_blocking=True)
+            writer.save(StepPlan(save=(PoolJob("w", ("h1",), (3,)),)))
+            wait_sent(writer, "w", timeout=60)
+            reader.start(StepPlan(load=(PoolJob("r", ("h1",), (0,)),)))
+            assert wait_results(reader) == ({"r"}, set())
+            for name in expected:
+                assert torch.equal(block(target[name], 0), block(expected[name], 3))
+        finally:
+            writer.close()
+            reader.close()
+
+
 def test_a_request_with_two_saves_keeps_its_blocks_until_both_are_done(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
