@@ -8,7 +8,8 @@ The contract (docs/store.md, "Client API"):
 
 - Invalid *arguments* raise InvalidRequest before anything is sent: lists of different
   lengths, offsets or sizes that are not integers or fall outside their region, a region not
-  registered with this client, a part outside its object.
+  registered with this client, a part outside its object, a key's spans empty (or a span of
+  0 bytes) or more than ``MAX_SPANS`` spans in a batch.
 - Bad *data* is a per-key code, never an exception: a key that is not a non-empty string of
   at most ``MAX_KEY_BYTES`` bytes of UTF-8 without NUL (a lone surrogate cannot be encoded) is
   ``Code.INVALID`` and never leaves the client; so is a size of 0. The other keys of the batch
