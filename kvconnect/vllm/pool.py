@@ -59,9 +59,10 @@ def pool_keys(*, namespace: str, model: str, compat: str) -> PoolKeys:
     return PoolKeys(f"{space}vllm/{model.replace('/', '--')}/{compat[:32]}/")
 
 
-def fleet_keys(*, namespace: str, model: str, layouts: Mapping[int, RankLayout]) -> PoolKeys | None:
-    """The key scheme of an engine with these ranks' layouts, or None (logged as an ERROR)
-    when the ranks' blocks differ in format: their parts would not fit one object."""
+def fleet_keys(*, namespace: str, layouts: Mapping[int, RankLayout]) -> PoolKeys | None:
+    """The key scheme of an engine with these ranks' layouts (the model the workers name, as
+    their keys do), or None (logged as an ERROR) when the ranks' blocks differ in format:
+    their parts would not fit one object."""
     compats = {layout.compat for layout in layouts.values()}
     if len(compats) != 1:
         log.error(
@@ -70,6 +71,7 @@ def fleet_keys(*, namespace: str, model: str, layouts: Mapping[int, RankLayout])
             sorted(compats),
         )
         return None
+    model = next(iter(layouts.values())).format.model
     return pool_keys(namespace=namespace, model=model, compat=compats.pop())
 
 

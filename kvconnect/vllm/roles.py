@@ -21,9 +21,8 @@ from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
 class SchedulerServices:
     """The threads and sockets of the scheduler side; closed together."""
 
-    def __init__(self, config: VllmConnectorConfig, model: str) -> None:
+    def __init__(self, config: VllmConnectorConfig) -> None:
         self._config = config
-        self._model = model
         self.prefill: PrefillService | None = None
         self.keeper: LeaseKeeper | None = None
         self.client: SideChannelClient | None = None
@@ -35,9 +34,7 @@ class SchedulerServices:
         if self.prefill is not None:
             self.prefill.set_layouts(layouts)
         if self.pool is not None:
-            self.pool.index.keys = fleet_keys(
-                namespace=self._config.namespace, model=self._model, layouts=layouts
-            )
+            self.pool.index.keys = fleet_keys(namespace=self._config.namespace, layouts=layouts)
 
     def close(self) -> None:
         for service in (self.keeper, self.prefill, self.client, self.pool, self.store):
@@ -58,7 +55,7 @@ def _build_scheduler(
 ) -> tuple[ConnectorScheduler, SchedulerServices]:
     transfer = vllm_config.kv_transfer_config
     parallel = vllm_config.parallel_config
-    services = SchedulerServices(config, vllm_config.model_config.model)
+    services = SchedulerServices(config)
     token = config.cluster_token()
     try:
         if transfer.is_kv_producer:

@@ -196,20 +196,21 @@ class ConnectorScheduler:
     def _plan_saves(
         self, scheduled: Mapping[str, int], block_ids_of: Callable[[str], Sequence[int]]
     ) -> tuple[PoolJob, ...]:
-        # A prompt's full blocks are saved once, after the step that completes its prefill.
+        # A prompt's full blocks are saved once, after the step that completes its prefill;
+        # only a request with a save planned has its frees wait (a full pool hit has none).
         jobs: list[PoolJob] = []
         for rid, count in scheduled.items():
             request = self._requests.get(rid)
-            if request is None or rid in self._saving:
+            if request is None or rid in self._saved:
                 continue
             if request.num_computed_tokens + count < request.num_prompt_tokens:
                 continue
-            self._saving.add(rid)
             full = min(request.num_prompt_tokens // self._block_size, len(request.block_hashes))
             skip = self._pooled.get(rid, 0)
             blocks = block_ids_of(rid)
             self._saved[rid] = max(full, skip)
             if full > skip and len(blocks) >= full:
+                self._saving.add(rid)
                 hashes = tuple(h.hex() for h in request.block_hashes[skip:full])
                 jobs.append(PoolJob(rid, hashes, tuple(blocks[skip:full])))
         return tuple(jobs)

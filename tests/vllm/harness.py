@@ -126,13 +126,15 @@ def kv_worker(
     seed: int | None = None,
     layout: str = "NHD",
     fmt: EngineFormat = FORMAT,
+    extra: dict[str, Any] | None = None,
 ) -> Iterator[tuple[ConnectorWorker, dict[str, torch.Tensor]]]:
     """A real worker side (transfer engine over TCP) with :func:`kv_caches` registered, as
-    ``make_scheduler``'s workers would have."""
+    ``make_scheduler``'s workers would have (``extra``: more connector settings, e.g. the
+    pool's)."""
     caches = kv_caches(num_blocks, seed, layout)
     worker = ConnectorWorker(
         VllmConnectorConfig.from_mapping(
-            {"transport": "tcp", "read_timeout": 5.0, "rpc_timeout": 2.0}
+            {"transport": "tcp", "read_timeout": 5.0, "rpc_timeout": 2.0, **(extra or {})}
         ),
         fmt,
         num_blocks,

@@ -17,7 +17,7 @@ from kvconnect.vllm.layout import KVFormat, LayerLayout, RankLayout
 from kvconnect.vllm.pool import StorePoolIndex, Verdict, block_part, fleet_keys, pool_keys
 
 pytestmark = pytest.mark.integration
-FORMAT = KVFormat("vllm 0.33.0", "m", "", "bfloat16", 16, 2, "FLASH_ATTN", "NHD")
+FORMAT = KVFormat("vllm 0.33.0", "org/m", "", "bfloat16", 16, 2, "FLASH_ATTN", "NHD")
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +69,11 @@ def test_a_store_that_cannot_answer_leaves_the_verdict_open() -> None:
 def test_ranks_whose_kv_formats_differ_get_no_key_scheme(caplog: pytest.LogCaptureFixture) -> None:
     layer = LayerLayout("l0", 1, 0, 2, 4096, 8, 512, 512)
     same = {r: RankLayout(f"s{r}", "c" * 32, (layer,), FORMAT) for r in (0, 1)}
-    keys = fleet_keys(namespace="", model="org/m", layouts=same)
+    keys = fleet_keys(namespace="", layouts=same)
     assert keys is not None
-    assert keys.block_key("ab", group=1) == f"vllm/org--m/{'c' * 32}/ab/g1"
+    assert keys.block_key("ab", group=1) == f"vllm/org--m/{'c' * 32}/ab/g1"  # model org/m
     differ = {0: same[0], 1: RankLayout("s1", "d" * 32, (layer,), FORMAT)}
-    assert fleet_keys(namespace="", model="m", layouts=differ) is None
+    assert fleet_keys(namespace="", layouts=differ) is None
     assert "pool disabled" in caplog.text
     part = block_part([layer, layer], tp_rank=1, tp_size=2)
     assert (part.part_bytes, part.object_offset, part.object_bytes) == (2048, 2048, 4096)

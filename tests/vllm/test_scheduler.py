@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import torch
 from vllm.v1.request import RequestStatus
 
 from kvconnect.store.client import StoreClient
@@ -23,10 +24,12 @@ from kvconnect.vllm.layout import LayerLayout, RankLayout
 from kvconnect.vllm.pool import pool_keys
 from kvconnect.vllm.sidechannel import SideChannelClient
 from kvconnect.vllm.worker import ConnectorWorker
+from tests.support.waiting import wait_for
 from tests.vllm.harness import (
     BLOCK,
     FORMAT,
     assert_empty,
+    handshake,
     kv_worker,
     make_request,
     make_scheduler,
@@ -223,7 +226,7 @@ def test_shared_pool_hit_loads_the_prefix_and_saves_the_rest(tiny_config: Path) 
             s.connector.set_xfer_handshake_metadata(
                 {0: KVConnectHandshake(msgspec.msgpack.encode(layout))}
             )
-            keys = pool_keys(namespace="", model=str(tiny_config), compat=layout.compat)
+            keys = pool_keys(namespace="", model=layout.format.model, compat=layout.compat)
             prompt = list(range(100, 156))  # 3 full blocks and 8 tokens
             probe = make_request("probe", prompt)
             for block_hash in probe.block_hashes[:2]:  # the pool has the first two blocks
@@ -279,7 +282,7 @@ def test_a_fleet_whose_block_hashes_differ_refuses_the_pool_with_one_error(
             s.connector.set_xfer_handshake_metadata(
                 {0: KVConnectHandshake(msgspec.msgpack.encode(layout))}
             )
-            keys = pool_keys(namespace="", model=str(tiny_config), compat=layout.compat)
+            keys = pool_keys(namespace="", model=layout.format.model, compat=layout.compat)
             assert store.put(keys.probe_key, b"another fleet's seed").name == "OK"
             prompts = {"a": list(range(100, 156)), "b": list(range(200, 256))}
             for prompt in prompts.values():
@@ -337,3 +340,51 @@ def test_a_finished_requests_output_blocks_are_saved_with_pool_save_generated(
             assert_empty(s)
         finally:
             s.shutdown()
+
+
+def test_a_second_instance_loads_the_pooled_prefix_byte_for_byte(tiny_config: Path) -> None:
+    """Real schedulers and real worker sides on two instances sharing a store: the first
+    saves the prompt's blocks, the second is skipped while its lookup runs, then loads them
+    (the KV it gets equals the first instance's) and computes only the rest."""
+    prompt = list(range(300, 356))  # 3 full blocks and 8 tokens
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        extra = {"pool": True, "master": cluster.master_endpoint}
+        first, second = (make_scheduler(tiny_config, "kv_both", extra) for _ in range(2))
+        try:
+            with (
+                kv_worker(seed=3, extra=extra) as (w1, caches1),
+                kv_worker(extra=extra) as (w2, caches2),
+            ):
+                handshake(first, w1)
+                handshake(second, w2)
+                first.add_request(make_request("a", prompt, max_tokens=1))
+                saved = []
+                while first.requests:
+                    output, _ = step(first, worker=w1)
+                    saved += plan_of(output).save
+                    settle_lookups(first)
+                (save,) = saved
+                second.add_request(make_request("b", prompt, max_tokens=1))
+                output, _ = step(second, worker=w2)
+                assert output.num_scheduled_tokens == {}, "scheduled before the lookup answered"
+                settle_lookups(second)
+                loads, computed = [], {}
+
+                def drained() -> bool:  # a full hit leaves nothing to save: nothing held
+                    output, _ = step(second, worker=w2)
+                    loads.extend(plan_of(output).load)
+                    computed.update(output.num_scheduled_tokens)
+                    return not second.requests
+
+                wait_for(drained, "the second instance's request never ended")
+                (load,) = loads
+                assert load.hashes == save.hashes
+                assert computed == {"b": len(prompt) - 3 * BLOCK}, "the pooled prefix recomputed"
+                for name in caches1:
+                    for mine, theirs in zip(load.blocks, save.blocks, strict=True):
+                        assert torch.equal(caches2[name][:, mine], caches1[name][:, theirs])
+            assert_empty(first)
+            assert_empty(second)
+        finally:
+            first.shutdown()
+            second.shutdown()

@@ -218,7 +218,7 @@ def test_a_block_is_one_object_written_as_parts_by_every_rank() -> None:
             for rank in (0, 1)
         ]
         store = StoreClient(StoreClientConfig(master=cluster.master_endpoint))
-        services = SchedulerServices(config, FORMAT.model)
+        services = SchedulerServices(config)
         sources = [kv_caches(seed=10 + rank) for rank in (0, 1)]
         targets = [kv_caches(seed=None) for _ in (0, 1)]
         try:
