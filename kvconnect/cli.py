@@ -57,6 +57,11 @@ _BENCHES = (
     ("transfer", "transfer engine throughput between two processes", "kvconnect.bench.transfer"),
     ("failover", "master failover time with etcd HA", "kvconnect.bench.failover"),
     ("store", "store data path, lookups and master scale", "kvconnect.bench.store"),
+    (
+        "pool-load",
+        "master load of the vLLM pool per block: old vs new keys",
+        "kvconnect.bench.pool_load",
+    ),
     ("vllm", "vLLM prefill/decode: kvconnect vs NIXL", "kvconnect.bench.vllm_pd"),
     ("vllm-pool", "vLLM shared pool: TTFT of a second instance", "kvconnect.bench.vllm_pool"),
     ("sglang", "SGLang HiCache L3: kvconnect vs mooncake and file", "kvconnect.bench.sglang"),

@@ -93,6 +93,20 @@ def test_bench_transfer_reports_kvconnect_and_baselines(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+def test_bench_pool_load_counts_one_object_per_block_against_the_old_scheme(
+    tmp_path: Path,
+) -> None:
+    args = ("--layers", "4", "--tp", "2", "--blocks", "8", "--rounds", "1", "--out", "r.json")
+    _kvconnect("bench", "pool-load", *args, cwd=tmp_path)
+    schemes = json.loads((tmp_path / "r.json").read_text())["schemes"]
+    assert schemes["old"]["objects_per_block"] == 2 * 4 * 2  # ranks x layers x K/V
+    assert schemes["new"]["objects_per_block"] == 1
+    assert schemes["old"]["lookup_keys_per_block"] == 16
+    assert schemes["new"]["lookup_keys_per_block"] == 1
+    assert schemes["new"]["save_rpcs_per_block"] == schemes["old"]["save_rpcs_per_block"]
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_example_two_peers_runs(transport: str, tmp_path: Path) -> None:
     out = subprocess.run(

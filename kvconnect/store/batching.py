@@ -9,10 +9,10 @@ import operator
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from kvconnect.errors import InvalidRequest
-from kvconnect.store.messages import Code, check_key
+from kvconnect.store.messages import MAX_BATCH, Code, check_key
 from kvconnect.transfer.batch import TransferBatch
 from kvconnect.transfer.memory import MemoryRegion
 
@@ -90,19 +90,34 @@ class Part:
         )
 
 
+class Span(NamedTuple):
+    """A range of registered memory: ``size`` bytes of ``region`` at ``offset``."""
+
+    region: MemoryRegion
+    offset: int
+    size: int
+
+
+MAX_SPANS = MAX_BATCH
+"""Most spans one batch may gather or scatter (a transfer request each)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Ranges:
-    """A batch's memory, checked: per key its region, offset and size."""
+    """A batch's memory, checked: per key the spans its bytes go to or come from, in the order
+    of the object's bytes (one span for the plain calls), and their total size.
 
-    regions: list[MemoryRegion]
-    offsets: list[int]
+    ``within`` (scattered reads only): per key the offset in the object of its first byte;
+    such a read moves exactly ``sizes[i]`` bytes of the object, not the whole object."""
+
+    spans: list[tuple[Span, ...]]
     sizes: list[int]
+    within: list[int] | None = None
 
     def take(self, picked: list[int]) -> Ranges:
         """The same for the keys ``picked``."""
-        return Ranges(
-            take(self.regions, picked), take(self.offsets, picked), take(self.sizes, picked)
-        )
+        within = take(self.within, picked) if self.within is not None else None
+        return Ranges(take(self.spans, picked), take(self.sizes, picked), within)
 
 
 def check_ranges(
@@ -112,22 +127,79 @@ def check_ranges(
     sizes: Sequence[int],
     owns: Callable[[MemoryRegion], bool],
 ) -> Ranges:
-    """Each key's region, offset and size (as ints); raises InvalidRequest for a batch that
-    cannot work (``owns``: whether a region is registered with the client's engine)."""
+    """Each key's region, offset and size (as ints) as one span; raises InvalidRequest for a
+    batch that cannot work (``owns``: whether a region is registered with the client's
+    engine)."""
     same_length(keys, offsets=offsets, sizes=sizes)
     regions = [region] * len(keys) if isinstance(region, MemoryRegion) else list(region)
     if len(regions) != len(keys):
         raise InvalidRequest(f"{len(regions)} regions for {len(keys)} keys")
-    for one in set(regions):
+    _check_regions(regions, owns)
+    spans = [
+        Span(one, offset, size)
+        for one, offset, size in zip(
+            regions, integers(offsets, "offsets"), integers(sizes, "sizes"), strict=True
+        )
+    ]
+    for span in spans:
+        _check_span(span)
+    return Ranges([(span,) for span in spans], [span.size for span in spans])
+
+
+def check_spans(
+    keys: list[str],
+    spans: Sequence[Sequence[Span]],
+    owns: Callable[[MemoryRegion], bool],
+    within: Sequence[int] | None = None,
+) -> Ranges:
+    """Each key's spans (a non-empty list or tuple, sizes above 0, at most :data:`MAX_SPANS`
+    in all), as checked :class:`Ranges`; ``within``: per key the object offset of a scattered
+    read. Raises InvalidRequest like :func:`check_ranges`."""
+    same_length(keys, spans=spans)
+    checked: list[tuple[Span, ...]] = []
+    total = 0
+    for one in spans:
+        if not isinstance(one, (list, tuple)) or not one:
+            raise InvalidRequest(f"a key's spans must be a non-empty sequence, got {one!r}")
+        total += len(one)
+        if total > MAX_SPANS:
+            raise InvalidRequest(f"more than {MAX_SPANS} spans in one batch")
+        checked.append(tuple(_span(item) for item in one))
+    _check_regions([span.region for key_spans in checked for span in key_spans], owns)
+    for key_spans in checked:
+        for span in key_spans:
+            _check_span(span)
+            if span.size == 0:
+                raise InvalidRequest("a span of 0 bytes")
+    offsets = None
+    if within is not None:
+        same_length(keys, object_offsets=within)
+        offsets = integers(within, "object_offsets")
+        if any(offset < 0 for offset in offsets):
+            raise InvalidRequest("an object offset below 0")
+    return Ranges(checked, [sum(span.size for span in one) for one in checked], offsets)
+
+
+def _span(item: object) -> Span:
+    if not isinstance(item, tuple) or len(item) != 3:
+        raise InvalidRequest(f"a span is (region, offset, size), got {item!r}")
+    region, offset, size = item
+    return Span(region, integer(offset, "span offsets"), integer(size, "span sizes"))
+
+
+def _check_regions(regions: Iterable[object], owns: Callable[[MemoryRegion], bool]) -> None:
+    distinct: dict[int, object] = {id(one): one for one in regions}  # any object, hashable or not
+    for one in distinct.values():
         if not isinstance(one, MemoryRegion) or not owns(one):
             raise InvalidRequest(f"region {one!r} is not registered with this client's engine")
-    ranges = Ranges(regions, integers(offsets, "offsets"), integers(sizes, "sizes"))
-    for one, offset, size in zip(regions, ranges.offsets, ranges.sizes, strict=True):
-        if offset < 0 or size < 0 or offset + size > one.length:
-            raise InvalidRequest(
-                f"range [{offset}, {offset + size}) is outside the {one.length}-byte region"
-            )
-    return ranges
+
+
+def _check_span(span: Span) -> None:
+    if span.offset < 0 or span.size < 0 or span.offset + span.size > span.region.length:
+        raise InvalidRequest(
+            f"range [{span.offset}, {span.offset + span.size}) is outside the "
+            f"{span.region.length}-byte region"
+        )
 
 
 def all_codes(code: Code, count: int) -> BatchResult:

@@ -8,7 +8,8 @@ The contract (docs/store.md, "Client API"):
 
 - Invalid *arguments* raise InvalidRequest before anything is sent: lists of different
   lengths, offsets or sizes that are not integers or fall outside their region, a region not
-  registered with this client, a part outside its object.
+  registered with this client, a part outside its object, a key's spans empty (or a span of
+  0 bytes) or more than ``MAX_SPANS`` spans in a batch.
 - Bad *data* is a per-key code, never an exception: a key that is not a non-empty string of
   at most ``MAX_KEY_BYTES`` bytes of UTF-8 without NUL (a lone surrogate cannot be encoded) is
   ``Code.INVALID`` and never leaves the client; so is a size of 0. The other keys of the batch
@@ -43,7 +44,7 @@ from kvconnect.errors import (
 from kvconnect.lifecycle import Lifecycle
 from kvconnect.store import batching as b
 from kvconnect.store import messages as m
-from kvconnect.store.batching import BatchResult, Regions
+from kvconnect.store.batching import BatchResult, Regions, Span
 from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.messages import Code, check_key
 from kvconnect.store.resilience import CircuitBreaker, NegativeCache
@@ -53,7 +54,7 @@ from kvconnect.transfer.batch import TransferBatch
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
 
-__all__ = ["BatchResult", "Regions", "StoreClient"]
+__all__ = ["BatchResult", "Regions", "Span", "StoreClient"]
 
 _RETRY = (Code.FAILED, Code.TIMEOUT)  # settled failures: another replica may serve the key
 _CANCEL_POLL = 0.005  # seconds between two questions to a read's cancel hook
@@ -213,7 +214,9 @@ class StoreClient(Lifecycle):
         whose write could not be stopped is UNSETTLED: neither completed nor revoked, the
         master discards it at its ``put_timeout`` and quarantines its space.
         """
-        return self._put(keys, region, offsets, sizes, None, timeout)
+        keys = b.plain_keys(keys)
+        ranges = b.check_ranges(keys, region, offsets, sizes, self.engine.owns)
+        return self._put(keys, ranges, None, timeout)
 
     def batch_put_part_from(
         self,
@@ -233,35 +236,37 @@ class StoreClient(Lifecycle):
         Each object has ``object_sizes[i]`` bytes; this writer stores its ``sizes[i]`` bytes at
         ``object_offsets[i]`` within it. The object becomes readable once all parts are in.
         """
-        b.same_length(keys, sizes=sizes, object_sizes=object_sizes, object_offsets=object_offsets)
-        sizes = b.integers(sizes, "sizes")
-        part, parts = b.integer(part, "part"), b.integer(parts, "parts")
-        if not 0 <= part < parts:
-            raise InvalidRequest(f"part {part} is not in 0..{parts - 1}")
-        info = b.Part(
-            part,
-            parts,
-            b.integers(object_sizes, "object_sizes"),
-            b.integers(object_offsets, "object_offsets"),
-        )
-        for size, within, total in zip(sizes, info.object_offsets, info.object_sizes, strict=True):
-            if within < 0 or within + size > total:
-                raise InvalidRequest(
-                    f"part range [{within}, {within + size}) outside {total} bytes"
-                )
-        return self._put(keys, region, offsets, sizes, info, timeout)
-
-    def _put(
-        self,
-        keys: Sequence[str],
-        region: Regions,
-        offsets: Sequence[int],
-        sizes: Sequence[int],
-        part: b.Part | None,
-        timeout: float | None,
-    ) -> BatchResult:
         keys = b.plain_keys(keys)
         ranges = b.check_ranges(keys, region, offsets, sizes, self.engine.owns)
+        info = _part(ranges.sizes, part, parts, object_sizes, object_offsets)
+        return self._put(keys, ranges, info, timeout)
+
+    def batch_put_gathered(
+        self,
+        keys: Sequence[str],
+        spans: Sequence[Sequence[Span]],
+        *,
+        part: int = 0,
+        parts: int = 1,
+        object_sizes: Sequence[int] | None = None,
+        object_offsets: Sequence[int] | None = None,
+        timeout: float | None = None,
+    ) -> BatchResult:
+        """Like :meth:`batch_put_part_from`, with each key's bytes gathered from several
+        ranges: ``spans[i]``, in order, are the bytes this writer stores at
+        ``object_offsets[i]`` of object ``keys[i]`` (e.g. every layer's K and V of a block).
+        Without ``object_sizes`` each object is exactly its spans (one part at offset 0).
+        ``BatchResult.sizes`` are the bytes of the spans written per key."""
+        keys = b.plain_keys(keys)
+        ranges = b.check_spans(keys, spans, self.engine.owns)
+        totals = ranges.sizes if object_sizes is None else object_sizes
+        within = [0] * len(keys) if object_offsets is None else object_offsets
+        info = _part(ranges.sizes, part, parts, totals, within)
+        return self._put(keys, ranges, info, timeout)
+
+    def _put(
+        self, keys: list[str], ranges: b.Ranges, part: b.Part | None, timeout: float | None
+    ) -> BatchResult:
         deadline = self._clock() + (self.config.io_timeout if timeout is None else timeout)
         picked = b.valid_keys(keys)
         if len(picked) == len(keys):
@@ -360,7 +365,7 @@ class StoreClient(Lifecycle):
         buffer = bytearray(found.results[0].size)
 
         def read_into(region: MemoryRegion) -> BatchResult:
-            ranges = b.Ranges([region], [0], [len(buffer)])
+            ranges = b.Ranges([(b.Span(region, 0, len(buffer)),)], [len(buffer)])
             return self._read([key], ranges, found, start, deadline, None)
 
         result = self._with_region(buffer, read_into)
@@ -393,6 +398,30 @@ class StoreClient(Lifecycle):
         """
         keys = b.plain_keys(keys)
         ranges = b.check_ranges(keys, region, offsets, sizes, self.engine.owns)
+        return self._get(keys, ranges, timeout, cancel)
+
+    def batch_get_scattered(
+        self,
+        keys: Sequence[str],
+        spans: Sequence[Sequence[Span]],
+        *,
+        object_offsets: Sequence[int] | None = None,
+        timeout: float | None = None,
+        cancel: Cancel | None = None,
+    ) -> BatchResult:
+        """Read bytes of ``keys[i]`` from ``object_offsets[i]`` (default 0) on into the ranges
+        ``spans[i]``, in order: exactly their total size, so a reader can take its own part
+        of a multi-part object. A key whose object ends before that range is INVALID (nothing
+        read). Deadline, cancel, replicas and UNSETTLED as for :meth:`batch_get_into`;
+        ``BatchResult.sizes`` are the bytes read per key."""
+        keys = b.plain_keys(keys)
+        within = [0] * len(keys) if object_offsets is None else object_offsets
+        ranges = b.check_spans(keys, spans, self.engine.owns, within)
+        return self._get(keys, ranges, timeout, cancel)
+
+    def _get(
+        self, keys: list[str], ranges: b.Ranges, timeout: float | None, cancel: Cancel | None
+    ) -> BatchResult:
         start = self._clock()
         deadline = start + (self.config.io_timeout if timeout is None else timeout)
         picked = b.valid_keys(keys)
@@ -448,8 +477,8 @@ class StoreClient(Lifecycle):
         results = reply.results
         codes = [r.code for r in results]
         for i, replicas in enumerate(results):
-            if replicas.code is Code.OK and replicas.size > ranges.sizes[i]:
-                codes[i] = Code.TOO_SMALL
+            if replicas.code is Code.OK:
+                codes[i] = _fits(replicas.size, ranges, i)
         attempted = [i for i, code in enumerate(codes) if code is Code.OK]
         todo, replica, unsettled = attempted, 0, []
         while todo:
@@ -467,7 +496,10 @@ class StoreClient(Lifecycle):
             codes = [Code.STALE if code is Code.OK else code for code in codes]
         failed = [keys[i] for i in attempted if codes[i] not in (Code.OK, Code.CANCELED)]
         self._negative.add(failed, self._clock())
-        read = [r.size if code is Code.OK else 0 for r, code in zip(results, codes, strict=True)]
+        read = [
+            _length(r.size, ranges, i) if code is Code.OK else 0
+            for i, (r, code) in enumerate(zip(results, codes, strict=True))
+        ]
         return BatchResult(tuple(codes), tuple(read), tuple(unsettled))
 
     def _read_round(
@@ -488,17 +520,11 @@ class StoreClient(Lifecycle):
             if batch is None:
                 batch = by_left[left] = _Batch([], [], now + (deadline - now) / left)
             loc = replicas.locations[replica]
-            batch.requests.append(
-                TransferRequest(
-                    ranges.regions[i],
-                    ranges.offsets[i],
-                    loc.segment,
-                    loc.region,
-                    loc.offset,
-                    replicas.size,
-                )
-            )
-            batch.owners.append(i)
+            within = ranges.within[i] if ranges.within is not None else 0
+            length = _length(replicas.size, ranges, i)
+            requests = _requests(ranges.spans[i], loc, within, length)
+            batch.requests.extend(requests)
+            batch.owners.extend([i] * len(requests))
         return list(by_left.values())
 
     # ------------------------------------------------------------------------------ helpers
@@ -603,18 +629,66 @@ def _writes(
             continue
         within = part.object_offsets[i] if part else 0
         for loc in placement.locations:
-            writes.requests.append(
-                TransferRequest(
-                    ranges.regions[i],
-                    ranges.offsets[i],
-                    loc.segment,
-                    loc.region,
-                    loc.offset + within,
-                    ranges.sizes[i],
-                )
-            )
-            writes.owners.append(i)
+            requests = _requests(ranges.spans[i], loc, within, ranges.sizes[i])
+            writes.requests.extend(requests)
+            writes.owners.extend([i] * len(requests))
     return writes
+
+
+def _requests(
+    spans: Sequence[Span], loc: m.Location, within: int, length: int
+) -> list[TransferRequest]:
+    """The transfers between ``spans`` (in order) and ``length`` bytes of the replica at
+    ``loc`` from object offset ``within``: the spans' first ``length`` bytes."""
+    requests: list[TransferRequest] = []
+    at = loc.offset + within
+    for span in spans:
+        if length <= 0:
+            break
+        size = min(span.size, length)
+        requests.append(
+            TransferRequest(span.region, span.offset, loc.segment, loc.region, at, size)
+        )
+        at, length = at + size, length - size
+    return requests
+
+
+def _fits(size: int, ranges: b.Ranges, i: int) -> Code:
+    """Whether key ``i``'s read of an object of ``size`` bytes can go ahead: OK, TOO_SMALL (a
+    whole read into less memory) or INVALID (a scattered read past the object's end)."""
+    if ranges.within is None:
+        return Code.TOO_SMALL if size > ranges.sizes[i] else Code.OK
+    return Code.INVALID if ranges.within[i] + ranges.sizes[i] > size else Code.OK
+
+
+def _length(size: int, ranges: b.Ranges, i: int) -> int:
+    """The bytes key ``i``'s read moves from an object of ``size`` bytes."""
+    return size if ranges.within is None else ranges.sizes[i]
+
+
+def _part(
+    sizes: Sequence[int],
+    part: object,
+    parts: object,
+    object_sizes: Sequence[int],
+    object_offsets: Sequence[int],
+) -> b.Part:
+    """One writer's part of each object, checked (InvalidRequest): ``sizes[i]`` bytes at
+    ``object_offsets[i]`` of an object of ``object_sizes[i]`` bytes."""
+    b.same_length(sizes, object_sizes=object_sizes, object_offsets=object_offsets)
+    index, count = b.integer(part, "part"), b.integer(parts, "parts")
+    if not 0 <= index < count:
+        raise InvalidRequest(f"part {index} is not in 0..{count - 1}")
+    info = b.Part(
+        index,
+        count,
+        b.integers(object_sizes, "object_sizes"),
+        b.integers(object_offsets, "object_offsets"),
+    )
+    for size, within, total in zip(sizes, info.object_offsets, info.object_sizes, strict=True):
+        if within < 0 or within + size > total:
+            raise InvalidRequest(f"part range [{within}, {within + size}) outside {total} bytes")
+    return info
 
 
 # What a request's status means for its key, and which outcome wins when a key has several

@@ -84,6 +84,9 @@ class VllmConnectorConfig(Composed):
     """Deadline of one pool load; blocks not in by then are recomputed."""
     pool_write_timeout: float = 10.0
     """Deadline of one pool save (saves never hold up the forward pass)."""
+    pool_save_generated: bool = False
+    """Also save the full blocks of a finished request's output (multi-turn chats resend it
+    as the next prompt); its blocks stay allocated until that save is done."""
     io_cpus: str = ""
     """CPUs for kvconnect's threads in this engine (transfers, side channel, pool), e.g.
     ``"30-31"``; empty: they inherit the CPUs of the thread that starts them (on vLLM's CPU

@@ -3,6 +3,7 @@ here that reads vLLM's config objects, besides the facade)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvconnect.store.client import StoreClient
@@ -10,8 +11,9 @@ from kvconnect.vllm.affinity import threads_on
 from kvconnect.vllm.config import VllmConnectorConfig
 from kvconnect.vllm.groups import FULL_ONLY, Group, GroupKind
 from kvconnect.vllm.layout import RankLayout
+from kvconnect.vllm.lookup import PoolLookups
 from kvconnect.vllm.pd import LeaseKeeper, PrefillService
-from kvconnect.vllm.pool import StorePoolIndex, pool_keys
+from kvconnect.vllm.pool import PROBE_TOKENS, StorePoolIndex, fleet_keys
 from kvconnect.vllm.scheduler import ConnectorScheduler
 from kvconnect.vllm.sidechannel import SideChannelClient
 from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
@@ -20,35 +22,23 @@ from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
 class SchedulerServices:
     """The threads and sockets of the scheduler side; closed together."""
 
-    def __init__(self, config: VllmConnectorConfig, model: str) -> None:
+    def __init__(self, config: VllmConnectorConfig) -> None:
         self._config = config
-        self._model = model
         self.prefill: PrefillService | None = None
         self.keeper: LeaseKeeper | None = None
         self.client: SideChannelClient | None = None
         self.store: StoreClient | None = None
-        self.pool: StorePoolIndex | None = None
+        self.pool: PoolLookups | None = None
 
     def set_layouts(self, layouts: dict[int, RankLayout]) -> None:
         """The workers' KV layouts, by TP rank."""
         if self.prefill is not None:
             self.prefill.set_layouts(layouts)
-        if self.pool is not None:  # a hit needs the blocks of every rank
-            self.pool.keys = tuple(
-                pool_keys(
-                    namespace=self._config.namespace,
-                    model=self._model,
-                    compat=layout.compat,
-                    tp_rank=rank,
-                    layers=len(layout.layers),
-                    chunks=layout.layers[0].chunks if layout.layers else 1,
-                    groups=[layer.group for layer in layout.layers],
-                )
-                for rank, layout in sorted(layouts.items())
-            )
+        if self.pool is not None:
+            self.pool.index.keys = fleet_keys(namespace=self._config.namespace, layouts=layouts)
 
     def close(self) -> None:
-        for service in (self.keeper, self.prefill, self.client, self.store):
+        for service in (self.keeper, self.prefill, self.client, self.pool, self.store):
             if service is not None:
                 service.close()
 
@@ -96,7 +86,7 @@ def _build_scheduler(
 ) -> tuple[ConnectorScheduler, SchedulerServices]:
     transfer = vllm_config.kv_transfer_config
     parallel = vllm_config.parallel_config
-    services = SchedulerServices(config, vllm_config.model_config.model)
+    services = SchedulerServices(config)
     token = config.cluster_token()
     try:
         if transfer.is_kv_producer:
@@ -114,7 +104,13 @@ def _build_scheduler(
         if config.pool:
             services.store = StoreClient(config.store, config.transfer_config(token))
             services.store.start()
-            services.pool = StorePoolIndex(services.store, vllm_config.cache_config.block_size)
+            index = StorePoolIndex(
+                services.store,
+                _probe_hash(vllm_config),
+                groups=kv_cache_groups(kv_cache_config),
+                block_size=vllm_config.cache_config.block_size,
+            )
+            services.pool = PoolLookups(index, cpus=config.io_cpu_set)
     except BaseException:
         services.close()
         raise
@@ -127,8 +123,23 @@ def _build_scheduler(
         keeper=services.keeper,
         pool=services.pool,
         groups=kv_cache_groups(kv_cache_config),
+        save_generated=config.pool_save_generated,
     )
     return scheduler, services
+
+
+def _probe_hash(vllm_config: Any) -> Callable[[], bytes]:
+    """This instance's hash of the fleet probe's block (vLLM's hash algorithm and seed; asked
+    once vLLM seeded its hashes, on the first lookup)."""
+
+    def probe() -> bytes:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+        hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        return bytes(hash_block_tokens(hash_fn, None, range(PROBE_TOKENS)))
+
+    return probe
 
 
 def build_worker(

@@ -48,11 +48,19 @@ class RequestView(Protocol):
 
 
 class PoolIndex(Protocol):
-    """Which prefix blocks the shared pool holds."""
+    """Which prefix blocks the shared pool holds (:class:`~kvconnect.vllm.lookup.PoolLookups`)."""
 
-    def leading(self, hashes: Sequence[str], groups: Sequence[Group], first: int) -> int:
-        """How many of ``hashes`` (blocks ``first, first+1, …`` of a prompt), from the first,
-        the pool holds usably for every group (0 when the pool is down)."""
+    def ask(self, request_id: str, first: int, hashes: Sequence[str]) -> int | None:
+        """How many of ``hashes`` (blocks ``first, first+1, …`` of the request's prompt), from
+        the first, the pool holds usably for every KV-cache group (0 when the pool is down);
+        None while that is being looked up. Never blocks."""
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is known of ``request_id``."""
+
+    @property
+    def usable(self) -> bool:
+        """Whether blocks may be saved."""
 
 
 class _PoolHit(NamedTuple):
@@ -76,7 +84,9 @@ class ConnectorScheduler:
         keeper: LeaseKeeper | None = None,
         pool: PoolIndex | None = None,
         groups: Sequence[Group] = FULL_ONLY,
+        save_generated: bool = False,
     ) -> None:
+        """``save_generated``: also save a finished request's full output blocks."""
         self._engine_id = engine_id
         self._host = host
         self._tp_size = tp_size
@@ -88,11 +98,14 @@ class ConnectorScheduler:
         self._pool = pool if all(g.kind is not GroupKind.STATE for g in groups) else None
         if pool is not None and self._pool is None:
             log.warning("the shared pool keeps no Mamba states: pool off for this model")
+        self._save_generated = save_generated
         self._requests: dict[str, RequestView] = {}
         self._pool_hits: dict[str, _PoolHit] = {}  # by request
         self._pooled: dict[str, int] = {}  # request → leading blocks known to be in the pool
         self._saving: set[str] = set()  # requests with a save planned (their frees wait)
         self._window_saves: set[str] = set()  # saves planned last step that read window blocks
+        self._saved: dict[str, int] = {}  # request → leading blocks saved (or already pooled)
+        self._finished_saves: list[PoolJob] = []  # saves of finished requests' output blocks
         self._recv: list[RecvJob] = []
         self._load: list[PoolJob] = []
         self._held: list[str] = []
@@ -149,7 +162,9 @@ class ConnectorScheduler:
         if hit is None or hit.computed != num_computed:
             first = num_computed // self._block_size
             hashes = [h.hex() for h in request.block_hashes[first:]]
-            blocks = self._pool.leading(hashes, self._groups, first) if hashes else 0
+            blocks = self._pool.ask(request.request_id, first, hashes) if hashes else 0
+            if blocks is None:  # vLLM skips the request this step and asks again
+                return None, False
             hit = _PoolHit(num_computed, blocks)
             self._pool_hits[request.request_id] = hit
         return _async(hit.blocks * self._block_size)
@@ -180,6 +195,8 @@ class ConnectorScheduler:
                 self._keeper.give_up(rid, remote)
             return
         hit = self._pool_hits.pop(rid, None)
+        if self._pool is not None:
+            self._pool.forget(rid)
         if hit is None or num_external <= 0:
             return
         first = hit.computed // self._block_size
@@ -187,7 +204,7 @@ class ConnectorScheduler:
         hashes = tuple(h.hex() for h in request.block_hashes[first:end])
         blocks = pool_blocks(self._groups, all_block_ids(), first, end, self._block_size)
         self._load.append(PoolJob(rid, hashes, blocks))
-        self._pooled[rid] = end
+        self._pooled[rid] = max(end, first + hit.blocks)  # the pool has them: no save
 
     def _recv_job(
         self,
@@ -223,7 +240,11 @@ class ConnectorScheduler:
         this step (``num_computed_tokens`` is still the count before it); ``block_ids_of``:
         a request's blocks per group, position by position; ``preempted``: requests whose
         blocks were taken back this step."""
-        save = self._plan_saves(scheduled, block_ids_of) if self._pool is not None else ()
+        pool = self._pool
+        save: tuple[PoolJob, ...] = ()
+        if pool is not None and pool.usable:
+            save = (*self._plan_saves(scheduled, block_ids_of), *self._finished_saves)
+        self._finished_saves = []
         # vLLM frees the blocks a window left behind while the request runs (not through
         # request_finished): a save begun last step may still read them.
         protected = {*preempted, *self._window_saves} & self._saving
@@ -247,23 +268,41 @@ class ConnectorScheduler:
         scheduled: Mapping[str, int],
         block_ids_of: Callable[[str], Sequence[Sequence[int]]],
     ) -> tuple[PoolJob, ...]:
-        # A prompt's full blocks are saved once, after the step that completes its prefill.
+        # A prompt's full blocks are saved once, after the step that completes its prefill;
+        # only a request with a save planned has its frees wait (a full pool hit has none).
         jobs: list[PoolJob] = []
         for rid, count in scheduled.items():
             request = self._requests.get(rid)
-            if request is None or rid in self._saving:
+            if request is None or rid in self._saved:
                 continue
             if request.num_computed_tokens + count < request.num_prompt_tokens:
                 continue
-            self._saving.add(rid)
             full = min(request.num_prompt_tokens // self._block_size, len(request.block_hashes))
             skip = self._pooled.get(rid, 0)
             ids = block_ids_of(rid)
+            self._saved[rid] = max(full, skip)
             if full > skip and len(ids) == len(self._groups):
+                self._saving.add(rid)
                 hashes = tuple(h.hex() for h in request.block_hashes[skip:full])
                 blocks = pool_blocks(self._groups, ids, skip, full, self._block_size)
                 jobs.append(PoolJob(rid, hashes, blocks))
         return tuple(jobs)
+
+    def _save_output(
+        self, request: RequestView, block_ids: Sequence[Sequence[int]], saved: int
+    ) -> None:
+        """Plan the save of ``request``'s full blocks (per group, position by position) past
+        the ``saved`` leading ones whose KV was computed (the last sampled token has none
+        yet); its blocks wait for it."""
+        computed = request.num_computed_tokens // self._block_size
+        positions = min((len(ids) for ids in block_ids), default=0)
+        full = min(computed, len(request.block_hashes), positions)
+        if full <= saved or len(block_ids) != len(self._groups):
+            return
+        hashes = tuple(h.hex() for h in request.block_hashes[saved:full])
+        blocks = pool_blocks(self._groups, block_ids, saved, full, self._block_size)
+        self._finished_saves.append(PoolJob(request.request_id, hashes, blocks))
+        self._saving.add(request.request_id)
 
     def on_transfers_done(self, finished_recving: Iterable[str]) -> None:
         """The workers report these requests' KV arrived (or failed)."""
@@ -282,10 +321,15 @@ class ConnectorScheduler:
         self._requests.pop(rid, None)
         self._pool_hits.pop(rid, None)
         self._pooled.pop(rid, None)
+        if self._pool is not None:
+            self._pool.forget(rid)
         params = request.kv_transfer_params
         remote = remote_prefill(params)
         if remote is not None and self._keeper is not None:  # never got to load: free them
             self._keeper.give_up(rid, remote)
+        saved = self._saved.pop(rid, None)
+        if completed and saved is not None and self._save_generated:
+            self._save_output(request, block_ids, saved)
         delay = rid in self._saving
         self._saving.discard(rid)
         held = transferable(self._groups, block_ids)

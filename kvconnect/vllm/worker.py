@@ -22,10 +22,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 from kvconnect.errors import KVConnectError
-from kvconnect.store.client import StoreClient
+from kvconnect.store.client import Span, StoreClient
 from kvconnect.store.messages import Code
 from kvconnect.transfer import TransferOp, TransferRequest, TransferStatus
 from kvconnect.transfer.engine import TransferEngine
@@ -41,14 +41,13 @@ from kvconnect.vllm.layout import (
     KVFormat,
     LayerLayout,
     RankLayout,
-    block_ranges,
     check_compatible,
     compat_hash,
     range_pairs,
 )
 from kvconnect.vllm.peers import PeerLayouts, PeerReplaced
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
-from kvconnect.vllm.pool import PoolKeys, pool_keys
+from kvconnect.vllm.pool import BlockPart, PoolKeys, block_part, block_spans, pool_keys
 from kvconnect.vllm.sidechannel import SideChannelClient
 
 log = logging.getLogger(__name__)
@@ -56,6 +55,23 @@ log = logging.getLogger(__name__)
 _LANE_THREADS = 4  # threads of one lane: the reads from one prefill, pool loads, pool saves
 _LOADS = "pool-load"
 _SAVES = "pool-save"
+
+
+class Fence(Protocol):
+    """Work queued on a device stream up to a point (a ``torch.cuda.Event``)."""
+
+    def synchronize(self) -> None:
+        """Block until that work is done."""
+
+
+def record_fence() -> Fence:
+    """An event recorded on the current CUDA stream (the model's, in ``wait_for_save``)."""
+    import torch
+
+    cuda: Any = torch.cuda  # torch's CUDA API is partly untyped
+    event = cuda.Event()
+    event.record(cuda.current_stream())
+    return cast(Fence, event)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +164,8 @@ class ConnectorWorker:
         self._client = SideChannelClient(config.rpc_timeout, token=token)
         self._store: StoreClient | None = None
         self._pool_keys: PoolKeys | None = None
+        # The pool: per KV-cache group, its layers and this rank's part of the group's objects.
+        self._group_parts: dict[int, tuple[tuple[LayerLayout, ...], BlockPart]] = {}
         self._lanes = Lanes(
             "vllm", _LANE_THREADS, cpus=config.io_cpu_set, on_exit=self._client.release
         )
@@ -158,7 +176,7 @@ class ConnectorWorker:
         self._regions: dict[int, MemoryRegion] = {}
         self._load_errors: set[int] = set()
         self._holds: dict[str, set[_Hold]] = {}  # finished request → what its blocks wait for
-        self._saves: dict[str, bool] = {}  # request → its save is done
+        self._saves: dict[str, int] = {}  # request with a save → its saves still running
         self._saving: dict[str, threading.Event] = {}  # saves not reported yet, by request
         self._cuda = False
         self.stats = WorkerStats()
@@ -192,14 +210,15 @@ class ConnectorWorker:
         assert self.layout is not None
         cfg = self.config
         self._pool_keys = pool_keys(
-            namespace=cfg.namespace,
-            model=self.format.model,
-            compat=self.layout.compat,
-            tp_rank=self.format.tp_rank,
-            layers=len(layers),
-            chunks=layers[0].chunks if layers else 1,
-            groups=[layer.group for layer in layers],
+            namespace=cfg.namespace, model=self.format.model, compat=self.layout.compat
         )
+        by_group: dict[int, list[LayerLayout]] = {}
+        for layer in layers:
+            by_group.setdefault(layer.group, []).append(layer)
+        self._group_parts = {
+            group: (tuple(members), block_part(members, self.format.tp_rank, self.format.tp_size))
+            for group, members in sorted(by_group.items())
+        }
         store = StoreClient(cfg.store, engine=self.engine)
         store.start()
         self._store = store
@@ -234,16 +253,16 @@ class ConnectorWorker:
             self._release(rid, _Hold.LEASE)
 
     def save(self, plan: StepPlan) -> None:
-        """Start this step's saves; the forward pass that wrote the blocks has run."""
-        if plan.save and self._cuda:
-            import torch  # saves read the device memory the step's kernels wrote
-
-            torch.cuda.current_stream().synchronize()
-        for job in plan.save:
-            self._saves[job.request_id] = False
+        """Start this step's saves, after the forward pass that wrote the blocks: on CUDA its
+        kernels are only queued, so the save waits (on its I/O thread, never here) for an
+        event recorded on the model's stream now."""
+        written = record_fence() if plan.save and self._cuda else None
+        for job in plan.save:  # a request may have two: its prompt's and, finished, its output's
+            self._saves[job.request_id] = self._saves.get(job.request_id, 0) + 1
             with self._lock:
                 self._saving[job.request_id] = threading.Event()
-            self._lanes.submit(_SAVES, self._guarded(_Kind.SAVE, self._save, job))
+            save = functools.partial(self._save, written=written)
+            self._lanes.submit(_SAVES, self._guarded(_Kind.SAVE, save, job))
 
     def protect(self, plan: StepPlan) -> None:
         """Before the forward pass: wait until the saves of requests preempted this step
@@ -264,7 +283,7 @@ class ConnectorWorker:
         for rid in finished:  # a finished request with a save waits for it, if it runs
             if rid in self._saves:
                 waits = self._holds.setdefault(rid, set())
-                if not self._saves[rid]:
+                if self._saves[rid]:
                     waits.add(_Hold.SAVE)
         recving: set[str] = set()
         failed: set[str] = set()
@@ -275,8 +294,11 @@ class ConnectorWorker:
                 break
             self._account(outcome)
             if outcome.kind is _Kind.SAVE:
-                self._saves[outcome.request_id] = True
-                self._release(outcome.request_id, _Hold.SAVE)
+                rid = outcome.request_id
+                if rid in self._saves:
+                    self._saves[rid] -= 1
+                    if not self._saves[rid]:
+                        self._release(rid, _Hold.SAVE)
                 continue
             recving.add(outcome.request_id)
             if not outcome.ok:
@@ -487,61 +509,62 @@ class ConnectorWorker:
 
     # ---------------------------------------------------------------------------- pool
 
-    def _pool_ranges(
+    def _pool_objects(
         self, job: PoolJob
-    ) -> tuple[list[str], list[MemoryRegion], list[int], list[int], list[int]]:
-        """The store objects of ``job`` and where each lies: keys, regions, offsets, sizes,
-        and the position in ``job.hashes`` of each."""
-        assert self.layout is not None
+    ) -> tuple[list[str], list[list[Span]], list[BlockPart], list[int]]:
+        """The store objects of ``job`` (one per block and KV-cache group that moves it) and
+        for each: its key, this rank's ranges of it in the object's order (layer by layer,
+        chunk by chunk), this rank's part of it, and the block."""
         assert self._pool_keys is not None
         keys: list[str] = []
-        regions: list[MemoryRegion] = []
-        offsets: list[int] = []
-        sizes: list[int] = []
-        positions: list[int] = []
+        spans: list[list[Span]] = []
+        parts: list[BlockPart] = []
+        blocks: list[int] = []
         for position, block_hash in enumerate(job.hashes):
-            for index, layer in enumerate(self.layout.layers):
-                block = job.blocks[layer.group][position]
+            for group, (layers, part) in self._group_parts.items():
+                block = job.blocks[group][position]
                 if block == NULL_BLOCK:  # this group moves nothing at this position
                     continue
-                region = self._regions[layer.region]
-                for chunk, (offset, size) in enumerate(block_ranges(layer, (block,))):
-                    keys.append(self._pool_keys.key(block_hash, index, chunk))
-                    regions.append(region)
-                    offsets.append(offset)
-                    sizes.append(size)
-                    positions.append(position)
-        return keys, regions, offsets, sizes, positions
+                keys.append(self._pool_keys.block_key(block_hash, group))
+                spans.append(block_spans(layers, self._regions, block))
+                parts.append(part)
+                blocks.append(block)
+        return keys, spans, parts, blocks
 
     def _load(self, job: PoolJob) -> None:
         assert self._store is not None
-        assert self._pool_keys is not None
         started = time.monotonic()
-        keys, regions, offsets, sizes, positions = self._pool_ranges(job)
-        result = self._store.batch_get_into(
-            keys, regions, offsets, sizes, timeout=self.config.pool_read_timeout
+        keys, spans, parts, blocks = self._pool_objects(job)
+        result = self._store.batch_get_scattered(
+            keys,
+            spans,
+            object_offsets=[part.object_offset for part in parts],
+            timeout=self.config.pool_read_timeout,
         )
-        bad = {p for p, ok in zip(positions, result.ok(), strict=True) if not ok}
-        failed = tuple(
-            block
-            for group in job.blocks
-            for position, block in enumerate(group)
-            if block != NULL_BLOCK and position in bad
-        )
+        failed = tuple(block for block, ok in zip(blocks, result.ok(), strict=True) if not ok)
         seconds = time.monotonic() - started
         outcome = _Outcome(
             job.request_id, _Kind.LOAD, not failed, failed, sum(result.sizes), seconds
         )
         self._report_settled(outcome, Code.UNSETTLED in result.codes, result.on_settled)
 
-    def _save(self, job: PoolJob) -> None:
+    def _save(self, job: PoolJob, written: Fence | None = None) -> None:
+        """Save ``job``'s blocks once ``written`` (the forward pass that wrote them) is done."""
         assert self._store is not None
-        keys, regions, offsets, sizes, _ = self._pool_ranges(job)
-        result = self._store.batch_put_from(
-            keys, regions, offsets, sizes, timeout=self.config.pool_write_timeout
+        if written is not None:
+            written.synchronize()
+        keys, spans, parts, _ = self._pool_objects(job)
+        rank = self.format.tp_rank
+        result = self._store.batch_put_gathered(
+            keys,
+            spans,
+            part=rank,
+            parts=self.format.tp_size,
+            object_sizes=[part.object_bytes for part in parts],
+            object_offsets=[part.object_offset for part in parts],
+            timeout=self.config.pool_write_timeout,
         )
-        written = sum(size for size, ok in zip(sizes, result.ok(), strict=True) if ok)
-        outcome = _Outcome(job.request_id, _Kind.SAVE, all(result.ok()), (), written)
+        outcome = _Outcome(job.request_id, _Kind.SAVE, all(result.ok()), (), sum(result.sizes))
         self._report_settled(outcome, Code.UNSETTLED in result.codes, result.on_settled)
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from kvconnect.errors import InvalidRequest, StoreError
 from kvconnect.store import messages as m
+from kvconnect.store.batching import MAX_SPANS, BatchResult, Span
 from kvconnect.store.client import StoreClient
 from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Cluster, Process
@@ -418,3 +419,157 @@ def test_a_canceled_read_a_transport_cannot_stop_stays_unsettled(
             assert not settled.is_set()
             copies.release.set()
             wait_for(settled.is_set, "on_settled did not run once the copy let go")
+
+
+# -------------------------------------------------- gathered parts and scattered reads
+
+
+def _pieces(region: MemoryRegion, starts: list[int], size: int) -> list[Span]:
+    return [Span(region, start, size) for start in starts]
+
+
+def test_parts_gathered_from_scattered_ranges_come_back_scattered_byte_for_byte(
+    cluster: Cluster,
+) -> None:
+    # Two writers (TP ranks) each hold their part of every object as 3 ranges spread over
+    # their memory (a block's layers), in an order unlike the memory's.
+    config = StoreClientConfig(master=cluster.master_endpoint)
+    piece, count = 4 * KiB, 2
+    part_bytes = 3 * piece
+    with StoreClient(config) as rank0, StoreClient(config) as rank1, StoreClient(config) as reader:
+        writers = [rank0, rank1]
+        memory = [_filled(w, 20 + n, 16 * piece) for n, w in enumerate(writers)]
+        starts = [[5 * piece, 0, 9 * piece], [2 * piece, 11 * piece, 7 * piece]]
+        keys = [f"gathered-{n}" for n in range(count)]
+
+        def spans(rank: int, obj: int) -> list[Span]:
+            return _pieces(memory[rank], [s + obj * piece for s in starts[rank]], piece)
+
+        def put(rank: int) -> BatchResult:
+            return writers[rank].batch_put_gathered(
+                keys,
+                [spans(rank, obj) for obj in range(count)],
+                part=rank,
+                parts=2,
+                object_sizes=[2 * part_bytes] * count,
+                object_offsets=[rank * part_bytes] * count,
+            )
+
+        first = put(0)
+        assert (first.codes, first.sizes) == ((Code.OK,) * count, (part_bytes,) * count)
+        assert reader.batch_exists(keys) == [False] * count, "half an object is readable"
+        assert reader.get(keys[0]) is None
+        assert put(1).codes == (Code.OK,) * count
+
+        def expected(rank: int, obj: int) -> bytes:
+            return b"".join(
+                bytes(s.region.view[s.offset : s.offset + s.size]) for s in spans(rank, obj)
+            )
+
+        for obj, key in enumerate(keys):
+            assert reader.get(key) == expected(0, obj) + expected(1, obj)
+        # Each rank reads back only its own part, scattered into ranges of its own order.
+        for rank in (0, 1):
+            target = reader.register(np.zeros(16 * piece, dtype=np.uint8))
+            into = [
+                _pieces(target, [(3 * obj + k) * piece for k in (2, 0, 1)], piece)
+                for obj in range(count)
+            ]
+            got = reader.batch_get_scattered(keys, into, object_offsets=[rank * part_bytes] * count)
+            assert (got.codes, got.sizes) == ((Code.OK,) * count, (part_bytes,) * count)
+            for obj in range(count):
+                landed = b"".join(
+                    bytes(target.view[s.offset : s.offset + s.size]) for s in into[obj]
+                )
+                assert landed == expected(rank, obj)
+            untouched = np.frombuffer(target.view, dtype=np.uint8)[6 * piece :]
+            assert not untouched.any(), "a scattered read wrote outside its spans"
+        # One part is stored once: the second put of a complete object is skipped.
+        assert put(0).codes == (Code.EXISTS,) * count
+        assert reader.stats().pending == 0
+
+
+def test_gathered_and_scattered_calls_reject_bad_spans_before_anything_is_sent(
+    client: StoreClient, cluster: Cluster
+) -> None:
+    buffer = _filled(client, 21, 8 * KiB)
+    with StoreClient(StoreClientConfig(master=cluster.master_endpoint)) as other:
+        foreign = other.register(np.zeros(KiB, dtype=np.uint8))
+        bad: list[tuple[Any, str]] = [
+            ([[]], "non-empty"),
+            (["abc"], "non-empty"),
+            ([[(buffer, 0)]], "span is"),
+            ([[Span(buffer, 7 * KiB, 2 * KiB)]], "outside"),
+            ([[Span(buffer, -1, 1)]], "outside"),
+            ([[Span(buffer, 0, 0)]], "0 bytes"),
+            ([[Span(buffer, 0.5, 1)]], "integer"),
+            ([[Span(foreign, 0, 1)]], "not registered"),
+            ([[Span([1], 0, 1)]], "not registered"),
+            ([[Span(buffer, 0, 1)], [Span(buffer, 0, 1)]], "entries"),
+            ([[Span(buffer, 0, 1)] * (MAX_SPANS + 1)], "more than"),
+        ]
+        for spans, problem in bad:
+            with pytest.raises(InvalidRequest, match=problem):
+                client.batch_put_gathered(["a"], spans)
+            with pytest.raises(InvalidRequest, match=problem):
+                client.batch_get_scattered(["a"], spans)
+    one = [[Span(buffer, 0, KiB)]]
+    with pytest.raises(InvalidRequest, match="outside"):
+        client.batch_put_gathered(
+            ["a"], one, part=1, parts=2, object_sizes=[KiB], object_offsets=[KiB]
+        )
+    with pytest.raises(InvalidRequest, match="part"):
+        client.batch_put_gathered(
+            ["a"], one, part=2, parts=2, object_sizes=[KiB], object_offsets=[0]
+        )
+    with pytest.raises(InvalidRequest, match="object offset"):
+        client.batch_get_scattered(["a"], one, object_offsets=[-1])
+    assert client.stats().pending == 0, "nothing reached the master"
+    # Bad data per key: a read past the object's end is INVALID and reads nothing.
+    assert client.batch_put_gathered(["short", "\ud800"], [one[0], one[0]]).codes == (
+        Code.OK,
+        Code.INVALID,
+    )
+    target = client.register(np.full(2 * KiB, 0xEE, dtype=np.uint8))
+    past = client.batch_get_scattered(["short"], [[Span(target, 0, KiB)]], object_offsets=[1])
+    assert (past.codes, past.sizes) == ((Code.INVALID,), (0,))
+    assert bytes(target.view) == b"\xee" * 2 * KiB
+    inside = client.batch_get_scattered(
+        ["short"], [[Span(target, KiB, 100), Span(target, 0, 24)]], object_offsets=[900]
+    )
+    assert (inside.codes, inside.sizes) == ((Code.OK,), (124,))
+    assert bytes(target.view[KiB : KiB + 100]) == bytes(buffer.view[900:1000])
+    assert bytes(target.view[:24]) == bytes(buffer.view[1000:KiB])
+
+
+def test_an_unsettled_gathered_put_and_scattered_read_hold_every_span(
+    held_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with StoreClient(StoreClientConfig(master=held_cluster.master_endpoint)) as client:
+        source = _filled(client, 22, 64 * KiB)
+        spans = [_pieces(source, [32 * KiB, 0], 16 * KiB)]
+        with _holding_copies(monkeypatch) as copies:
+            put = client.batch_put_gathered(["held-parts"], spans, timeout=0.2)
+            assert put.codes == (Code.UNSETTLED,)
+            assert client.stats().pending == 1, "an unsettled put was ended or revoked"
+            settled = threading.Event()
+            put.on_settled(settled.set)
+            assert not settled.is_set()
+            copies.release.set()
+            wait_for(settled.is_set, "on_settled did not run once the copies let go")
+        wait_for(lambda: client.stats().pending == 0, "the pending put never expired", 20)
+        assert client.batch_put_gathered(["held-parts"], spans).codes == (Code.OK,)
+        target = client.register(np.zeros(64 * KiB, dtype=np.uint8))
+        into = [_pieces(target, [0, 48 * KiB], 16 * KiB)]
+        with _holding_copies(monkeypatch) as copies:
+            got = client.batch_get_scattered(["held-parts"], into, timeout=0.2)
+            assert got.codes == (Code.UNSETTLED,)
+            settled = threading.Event()
+            got.on_settled(settled.set)
+            assert not settled.is_set()
+            copies.release.set()
+            wait_for(settled.is_set, "on_settled did not run once the copies let go")
+        again = client.batch_get_scattered(["held-parts"], into)
+        assert again.codes == (Code.OK,)
+        assert bytes(target.view[: 16 * KiB]) == bytes(source.view[32 * KiB : 48 * KiB])
+        assert bytes(target.view[48 * KiB :]) == bytes(source.view[: 16 * KiB])

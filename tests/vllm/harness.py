@@ -39,6 +39,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvconnect.vllm.config import VllmConnectorConfig
 from kvconnect.vllm.connector import KVConnectHandshake, KVConnectMetadata
 from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
+from tests.support.waiting import wait_for
 
 BLOCK = 16
 EOS = 2
@@ -282,6 +283,13 @@ def run(
         ),
     )
     return output, scheduler.update_from_output(output, runner)
+
+
+def settle_lookups(scheduler: Scheduler) -> None:
+    """Wait until kvconnect's background pool lookups are in (vLLM skips a request while its
+    lookup runs and asks again at the next step)."""
+    lookups = scheduler.connector._services.pool
+    wait_for(lambda: not lookups.busy(), "the pool lookup did not finish")
 
 
 def plan_of(output: SchedulerOutput) -> Any:

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import torch
 from vllm.v1.request import RequestStatus
 
 from kvconnect.store.client import StoreClient
@@ -23,14 +24,17 @@ from kvconnect.vllm.layout import LayerLayout, RankLayout
 from kvconnect.vllm.pool import pool_keys
 from kvconnect.vllm.sidechannel import SideChannelClient
 from kvconnect.vllm.worker import ConnectorWorker
+from tests.support.waiting import wait_for
 from tests.vllm.harness import (
     BLOCK,
     FORMAT,
     assert_empty,
+    handshake,
     kv_worker,
     make_request,
     make_scheduler,
     plan_of,
+    settle_lookups,
     step,
 )
 
@@ -222,21 +226,19 @@ def test_shared_pool_hit_loads_the_prefix_and_saves_the_rest(tiny_config: Path) 
             s.connector.set_xfer_handshake_metadata(
                 {0: KVConnectHandshake(msgspec.msgpack.encode(layout))}
             )
-            keys = pool_keys(
-                namespace="",
-                model=str(tiny_config),
-                compat=layout.compat,
-                tp_rank=0,
-                layers=2,
-                chunks=1,
-            )
+            keys = pool_keys(namespace="", model=layout.format.model, compat=layout.compat)
             prompt = list(range(100, 156))  # 3 full blocks and 8 tokens
             probe = make_request("probe", prompt)
             for block_hash in probe.block_hashes[:2]:  # the pool has the first two blocks
-                for key in keys.block_keys(block_hash.hex()):
-                    assert store.put(key, b"x" * 64).name == "OK"
+                assert store.put(keys.block_key(block_hash.hex()), b"x" * 64).name == "OK"
 
             s.add_request(make_request("hit", prompt, max_tokens=1))
+            output, _ = step(s)
+            # The lookup runs in the background: vLLM skips the request, the scheduler thread
+            # goes on, and the next step after the answer came in schedules the load.
+            assert output.num_scheduled_tokens == {}, "scheduled before the lookup answered"
+            assert not plan_of(output).load
+            settle_lookups(s)
             output, _ = step(s)
             (load,) = plan_of(output).load
             assert load.hashes == tuple(h.hex() for h in probe.block_hashes[:2])
@@ -252,6 +254,8 @@ def test_shared_pool_hit_loads_the_prefix_and_saves_the_rest(tiny_config: Path) 
             assert_empty(s)
 
             s.add_request(make_request("miss", list(range(200, 240)), max_tokens=1))
+            step(s)
+            settle_lookups(s)
             output, _ = step(s)
             assert not plan_of(output).load
             assert output.num_scheduled_tokens == {"miss": 40}
@@ -261,3 +265,126 @@ def test_shared_pool_hit_loads_the_prefix_and_saves_the_rest(tiny_config: Path) 
         finally:
             store.close()
             s.shutdown()
+
+
+def test_a_fleet_whose_block_hashes_differ_refuses_the_pool_with_one_error(
+    tiny_config: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An instance seeded unlike the fleet (the probe object holds another hash of the fixed
+    probe block) would never hit: it logs one ERROR, looks nothing up and saves nothing."""
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        extra = {"pool": True, "master": cluster.master_endpoint}
+        s = make_scheduler(tiny_config, "kv_both", extra)
+        store = StoreClient(StoreClientConfig(master=cluster.master_endpoint))
+        store.start()
+        try:
+            layout = _layout()
+            s.connector.set_xfer_handshake_metadata(
+                {0: KVConnectHandshake(msgspec.msgpack.encode(layout))}
+            )
+            keys = pool_keys(namespace="", model=layout.format.model, compat=layout.compat)
+            assert store.put(keys.probe_key, b"another fleet's seed").name == "OK"
+            prompts = {"a": list(range(100, 156)), "b": list(range(200, 256))}
+            for prompt in prompts.values():
+                for block_hash in make_request("probe", prompt).block_hashes:
+                    assert store.put(keys.block_key(block_hash.hex()), b"x" * 64).name == "OK"
+            for rid, prompt in prompts.items():
+                s.add_request(make_request(rid, prompt, max_tokens=1))
+                step(s)
+                settle_lookups(s)
+                output, _ = step(s)
+                assert output.num_scheduled_tokens == {rid: len(prompt)}, "a hit"
+                assert not plan_of(output).load
+                assert not plan_of(output).save, "saved under another fleet's keys"
+                while s.requests:
+                    step(s)
+            refusals = [r for r in caplog.records if "pool refused" in r.getMessage()]
+            assert [r.levelname for r in refusals] == ["ERROR"]
+            assert_empty(s)
+        finally:
+            store.close()
+            s.shutdown()
+
+
+def test_a_finished_requests_output_blocks_are_saved_with_pool_save_generated(
+    tiny_config: Path,
+) -> None:
+    """Multi-turn: with ``pool_save_generated`` the full blocks of the output (whose KV was
+    computed) are saved once the request finished, and its blocks wait for that save."""
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        extra = {"pool": True, "master": cluster.master_endpoint, "pool_save_generated": True}
+        s = make_scheduler(tiny_config, "kv_both", extra)
+        try:
+            s.connector.set_xfer_handshake_metadata(
+                {0: KVConnectHandshake(msgspec.msgpack.encode(_layout()))}
+            )
+            request = make_request("chat", PROMPT, max_tokens=30)  # 40 + 30 tokens
+            s.add_request(request)
+            step(s)
+            settle_lookups(s)
+            output, _ = step(s)
+            (prompt_save,) = plan_of(output).save
+            assert prompt_save.hashes == tuple(h.hex() for h in request.block_hashes[:2])
+            saves = []
+            while request.status is not RequestStatus.FINISHED_LENGTH_CAPPED:
+                output, _ = step(s, sending=[])
+                saves += plan_of(output).save
+            assert saves == [], "saved before the request finished"
+            output, _ = step(s)
+            (output_save,) = plan_of(output).save
+            # 69 tokens have KV (the last sampled one has none yet): 4 full blocks of 16.
+            assert output_save.hashes == tuple(h.hex() for h in request.block_hashes[2:4])
+            assert output_save.blocks == tuple(s.kv_cache_manager.get_block_ids("chat")[0][2:4])
+            assert "chat" in s.requests, "the output's save holds the blocks"
+            step(s, sending=["chat"])
+            assert_empty(s)
+        finally:
+            s.shutdown()
+
+
+def test_a_second_instance_loads_the_pooled_prefix_byte_for_byte(tiny_config: Path) -> None:
+    """Real schedulers and real worker sides on two instances sharing a store: the first
+    saves the prompt's blocks, the second is skipped while its lookup runs, then loads them
+    (the KV it gets equals the first instance's) and computes only the rest."""
+    prompt = list(range(300, 356))  # 3 full blocks and 8 tokens
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        extra = {"pool": True, "master": cluster.master_endpoint}
+        first, second = (make_scheduler(tiny_config, "kv_both", extra) for _ in range(2))
+        try:
+            with (
+                kv_worker(seed=3, extra=extra) as (w1, caches1),
+                kv_worker(extra=extra) as (w2, caches2),
+            ):
+                handshake(first, w1)
+                handshake(second, w2)
+                first.add_request(make_request("a", prompt, max_tokens=1))
+                saved = []
+                while first.requests:
+                    output, _ = step(first, worker=w1)
+                    saved += plan_of(output).save
+                    settle_lookups(first)
+                (save,) = saved
+                second.add_request(make_request("b", prompt, max_tokens=1))
+                output, _ = step(second, worker=w2)
+                assert output.num_scheduled_tokens == {}, "scheduled before the lookup answered"
+                settle_lookups(second)
+                loads, computed = [], {}
+
+                def drained() -> bool:  # a full hit leaves nothing to save: nothing held
+                    output, _ = step(second, worker=w2)
+                    loads.extend(plan_of(output).load)
+                    computed.update(output.num_scheduled_tokens)
+                    return not second.requests
+
+                wait_for(drained, "the second instance's request never ended")
+                (load,) = loads
+                assert load.hashes == save.hashes
+                assert computed == {"b": len(prompt) - 3 * BLOCK}, "the pooled prefix recomputed"
+                for name in caches1:
+                    for mine, theirs in zip(load.blocks, save.blocks, strict=True):
+                        assert torch.equal(caches2[name][:, mine], caches1[name][:, theirs])
+            assert_empty(first)
+            assert_empty(second)
+        finally:
+            first.shutdown()
+            second.shutdown()

@@ -15,8 +15,13 @@ class _Request:
 
 
 class _Pool:
-    def leading(self, hashes: object, groups: object, first: int) -> int:
+    usable = True
+
+    def ask(self, request_id: str, first: int, hashes: object) -> int | None:
         return 0
+
+    def forget(self, request_id: str) -> None:
+        pass
 
 
 def test_saves_are_planned_once_and_preempted_saves_are_protected() -> None:

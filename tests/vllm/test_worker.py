@@ -24,6 +24,7 @@ from kvconnect.transfer.datapath.copying import Copier
 from kvconnect.vllm import worker as worker_module
 from kvconnect.vllm.config import VllmConnectorConfig, parse_config
 from kvconnect.vllm.groups import FULL_ONLY
+from kvconnect.vllm.lookup import PoolLookups
 from kvconnect.vllm.params import RemotePrefill
 from kvconnect.vllm.pd import LeaseKeeper, PrefillService
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
@@ -202,10 +203,10 @@ def test_pool_blocks_round_trip_between_engines(layout: str) -> None:
             reader.close()
 
 
-def test_a_pool_hit_is_only_blocks_whole_on_every_rank() -> None:
-    """The scheduler's lookup counts a block only when every object of it (each layer's K and
-    V, of each TP rank) is stored: a block missing one would fail its load, and the request
-    with it under vLLM's default ``kv_load_failure_policy=fail``."""
+def test_a_block_is_one_object_written_as_parts_by_every_rank() -> None:
+    """Each TP rank writes its layers' K and V of a block as its part of ONE object: the
+    scheduler's lookup (one key per block) sees a block only once every rank's part is in,
+    and each rank loads back exactly its own part, byte for byte."""
     hashes = ("h1", "h2", "h3")
     with Cluster(servers=1, server_size=8 << 20) as cluster:
         config = configured(pool=True, master=cluster.master_endpoint)
@@ -213,31 +214,151 @@ def test_a_pool_hit_is_only_blocks_whole_on_every_rank() -> None:
             ConnectorWorker(config, replace(FORMAT, tp_rank=rank, tp_size=2), BLOCKS)
             for rank in (0, 1)
         ]
+        readers = [
+            ConnectorWorker(config, replace(FORMAT, tp_rank=rank, tp_size=2), BLOCKS)
+            for rank in (0, 1)
+        ]
         store = StoreClient(StoreClientConfig(master=cluster.master_endpoint))
-        services = SchedulerServices(config, FORMAT.model)
+        services = SchedulerServices(config)
+        sources = [kv_caches(seed=10 + rank) for rank in (0, 1)]
+        targets = [kv_caches(seed=None) for _ in (0, 1)]
         try:
-            layouts = {rank: w.register(kv_caches(seed=rank)) for rank, w in enumerate(ranks)}
+            layouts = {rank: w.register(sources[rank]) for rank, w in enumerate(ranks)}
+            for reader, target in zip(readers, targets, strict=True):
+                reader.register(target)
             store.start()
-            services.pool = index = StorePoolIndex(store, FORMAT.block_size)
+            index = StorePoolIndex(store, groups=FULL_ONLY, block_size=FORMAT.block_size)
+            services.pool = PoolLookups(index)
             services.set_layouts(layouts)
-            assert index.leading(hashes, FULL_ONLY, 0) == 0, "nothing saved yet"
-            for worker in ranks:
+            assert index.keys is not None
+            assert index.leading(hashes, 0) == 0, "nothing saved yet"
+            for count, worker in enumerate(ranks, 1):
                 worker.save(StepPlan(save=(PoolJob("w", hashes, ((3, 4, 5),)),)))
                 worker.protect(StepPlan(preempted=("w",)))  # waits for the save
                 assert worker.results({"w"})[0] == {"w"}
-            assert index.leading(hashes, FULL_ONLY, 0) == 3
-            rank0 = index.keys[0]
-            assert store.remove(rank0.block_keys("h3")[0]).name == "OK"  # layer 0's K of h3
-            assert index.leading(hashes, FULL_ONLY, 0) == 2
-            rank1 = index.keys[1]
-            assert store.remove(rank1.block_keys("h2")[-1]).name == "OK"  # rank 1's h2
-            assert index.leading(hashes, FULL_ONLY, 0) == 1, (
-                "the hit stops before the partial block"
-            )
+                assert index.leading(hashes, 0) == (0 if count == 1 else 3), "a partial block hit"
+            assert store.stats().keys == len(hashes), "one object per block"
+            for reader in readers:
+                reader.start(StepPlan(load=(PoolJob("r", hashes[:2], ((1, 2),)),)))
+                assert wait_results(reader) == ({"r"}, set())
+            for source, target in zip(sources, targets, strict=True):
+                for name in source:
+                    for local, saved in ((1, 3), (2, 4)):
+                        assert torch.equal(block(target[name], local), block(source[name], saved))
+            assert store.remove(index.keys.block_key("h3")).name == "OK"  # h1, h2 are leased
+            assert index.leading(hashes, 0) == 2, "the hit stops before the missing block"
         finally:
+            services.close()
             store.close()
-            for worker in ranks:
+            for worker in (*ranks, *readers):
                 worker.close()
+
+
+def test_a_save_on_cuda_waits_for_the_forward_pass_on_its_io_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA the save waits for an event recorded on the model's stream: ``save`` returns
+    at once (the model thread never synchronizes) and nothing is read before the event."""
+    fence = Fence()
+    monkeypatch.setattr(worker_module, "record_fence", lambda: fence)
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        config = configured(pool=True, master=cluster.master_endpoint)
+        worker = ConnectorWorker(config, FORMAT, BLOCKS)
+        store = StoreClient(StoreClientConfig(master=cluster.master_endpoint))
+        try:
+            worker.register(kv_caches(seed=6))
+            worker._cuda = True  # what register() finds for CUDA tensors
+            store.start()
+            worker.save(StepPlan(save=(PoolJob("w", ("h1",), ((3,),)),)))
+            assert fence.waiting.wait(10), "the save's thread did not wait for the event"
+            assert store.stats().pending == store.stats().keys == 0, "read before the event"
+            assert worker.results({"w"})[0] == set(), "the blocks went back before the save"
+            fence.done.set()
+            wait_sent(worker, "w")
+            assert store.stats().keys == 1
+        finally:
+            fence.done.set()
+            store.close()
+            worker.close()
+
+
+@pytest.mark.gpu
+def test_a_cuda_save_stores_what_the_forward_pass_wrote() -> None:
+    """The model's stream still has the writes of a block queued when ``save`` returns; the
+    stored block is what they wrote (the save waited for their event)."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    expected = kv_caches(seed=8)
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        config = configured(pool=True, master=cluster.master_endpoint)
+        writer = ConnectorWorker(config, FORMAT, BLOCKS)
+        reader = ConnectorWorker(config, FORMAT, BLOCKS)
+        try:
+            caches = {name: torch.zeros_like(t, device="cuda") for name, t in expected.items()}
+            writer.register(caches)
+            target = kv_caches(None)
+            reader.register(target)
+            busy = torch.randn(4096, 4096, device="cuda")
+            for _ in range(20):  # queued ahead of the writes: they land well after save()
+                busy = busy @ busy
+            for name, tensor in expected.items():
+                caches[name].copy_(tensor.pin_memory(), non_blocking=True)
+            writer.save(StepPlan(save=(PoolJob("w", ("h1",), ((3,),)),)))
+            wait_sent(writer, "w", timeout=60)
+            reader.start(StepPlan(load=(PoolJob("r", ("h1",), ((1,),)),)))
+            assert wait_results(reader) == ({"r"}, set())
+            for name in expected:
+                assert torch.equal(block(target[name], 1), block(expected[name], 3))
+        finally:
+            writer.close()
+            reader.close()
+
+
+def test_a_request_with_two_saves_keeps_its_blocks_until_both_are_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A finished request's output save (``pool_save_generated``) may start while its prompt's
+    save still runs: its blocks go back only once both are done."""
+    fences = [Fence(), Fence()]
+    monkeypatch.setattr(worker_module, "record_fence", iter(fences).__next__)
+    with Cluster(servers=1, server_size=8 << 20) as cluster:
+        config = configured(pool=True, master=cluster.master_endpoint)
+        worker = ConnectorWorker(config, FORMAT, BLOCKS)
+        store = StoreClient(StoreClientConfig(master=cluster.master_endpoint))
+        try:
+            worker.register(kv_caches(seed=7))
+            worker._cuda = True  # each step's saves wait for that step's event
+            store.start()
+            worker.save(StepPlan(save=(PoolJob("w", ("prompt",), ((3,),)),)))
+            worker.save(StepPlan(save=(PoolJob("w", ("output",), ((4,),)),)))
+            fences[0].done.set()
+            wait_for(lambda: store.stats().keys == 1, "the prompt's save did not finish")
+            steps = Steps(worker, finished={"w"})
+            wait_for(
+                lambda: steps.step() or worker.stats.data.get("pool_saves") == 1,
+                "the prompt's save was not reported",
+            )
+            assert not steps.sending, "blocks handed back while the output's save reads them"
+            fences[1].done.set()
+            wait_sent(worker, "w")
+            assert store.stats().keys == 2
+        finally:
+            for fence in fences:
+                fence.done.set()
+            store.close()
+            worker.close()
+
+
+class Fence:
+    """A CUDA event stand-in whose work ends when the test says."""
+
+    def __init__(self) -> None:
+        self.waiting = threading.Event()
+        self.done = threading.Event()
+
+    def synchronize(self) -> None:
+        self.waiting.set()
+        self.done.wait(30)
 
 
 def test_a_dead_prefill_is_reported_before_the_give_up_call_times_out() -> None:

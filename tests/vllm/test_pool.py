@@ -1,0 +1,80 @@
+"""The pool's key scheme and fleet probe (kvconnect/vllm/pool.py) against a real master and
+store server, every environment: instances that hash blocks alike agree, one that does not is
+refused with one ERROR, a store that cannot answer leaves the question open, and ranks whose
+KV formats differ get no key scheme."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from kvconnect.store.client import StoreClient
+from kvconnect.store.config import StoreClientConfig
+from kvconnect.store.launch import Cluster
+from kvconnect.vllm.groups import FULL_ONLY
+from kvconnect.vllm.layout import KVFormat, LayerLayout, RankLayout
+from kvconnect.vllm.pool import StorePoolIndex, Verdict, block_part, fleet_keys, pool_keys
+
+pytestmark = pytest.mark.integration
+FORMAT = KVFormat("vllm 0.33.0", "org/m", "", "bfloat16", 16, 2, "FLASH_ATTN", "NHD")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster(servers=1, server_size=8 << 20) as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster: Cluster) -> Iterator[StoreClient]:
+    with StoreClient(StoreClientConfig(master=cluster.master_endpoint)) as c:
+        yield c
+
+
+def _index(client: StoreClient, probe: bytes, namespace: str) -> StorePoolIndex:
+    index = StorePoolIndex(client, lambda: probe, groups=FULL_ONLY, block_size=16)
+    index.keys = pool_keys(namespace=namespace, model="m", compat="c" * 32)
+    return index
+
+
+def test_instances_that_hash_alike_agree_and_another_is_refused_once(
+    client: StoreClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    first, second = _index(client, b"seed-a", "fleet"), _index(client, b"seed-a", "fleet")
+    assert first.check_fleet(), "the first instance stores the probe"
+    assert second.check_fleet(), "the second finds its own hash there"
+    assert first.keys is not None
+    assert client.put(first.keys.block_key("h1"), b"block").name == "OK"
+    assert second.leading(["h1", "h2"], 0) == 1
+    stranger = _index(client, b"seed-b", "fleet")
+    with caplog.at_level(logging.ERROR, logger="kvconnect"):
+        assert stranger.leading(["h1"], 0) == 0, "a refused instance hit the fleet's blocks"
+        assert stranger.leading(["h1"], 0) == 0
+    assert stranger.verdict is Verdict.DIFFER
+    assert [r.levelname for r in caplog.records if "pool refused" in r.getMessage()] == ["ERROR"]
+    assert _index(client, b"seed-b", "another-fleet").check_fleet(), "namespaces are fleets"
+
+
+def test_a_store_that_cannot_answer_leaves_the_verdict_open() -> None:
+    down = StoreClientConfig(master="tcp://127.0.0.1:1", rpc_timeout=0.2)
+    with StoreClient(down) as offline:
+        index = _index(offline, b"seed-a", "open")
+        assert not index.check_fleet()
+        assert index.verdict is Verdict.UNKNOWN, "decided without an answer"
+        assert index.leading(["h1"], 0) == 0
+        assert index.verdict is Verdict.UNKNOWN
+
+
+def test_ranks_whose_kv_formats_differ_get_no_key_scheme(caplog: pytest.LogCaptureFixture) -> None:
+    layer = LayerLayout("l0", 1, 0, 2, 4096, 8, 512, 512)
+    same = {r: RankLayout(f"s{r}", "c" * 32, (layer,), FORMAT) for r in (0, 1)}
+    keys = fleet_keys(namespace="", layouts=same)
+    assert keys is not None
+    assert keys.block_key("ab", group=1) == f"vllm/org--m/{'c' * 32}/ab/g1"  # model org/m
+    differ = {0: same[0], 1: RankLayout("s1", "d" * 32, (layer,), FORMAT)}
+    assert fleet_keys(namespace="", layouts=differ) is None
+    assert "pool disabled" in caplog.text
+    part = block_part([layer, layer], tp_rank=1, tp_size=2)
+    assert (part.part_bytes, part.object_offset, part.object_bytes) == (2048, 2048, 4096)
