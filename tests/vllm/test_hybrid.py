@@ -33,6 +33,7 @@ from tests.vllm.harness import (
     make_request,
     make_scheduler,
     plan_of,
+    settle_lookups,
     step,
 )
 
@@ -206,6 +207,15 @@ def test_a_failed_hybrid_load_follows_the_policy(
         assert_empty(d)
 
 
+def _looked_up(engine: Any) -> None:
+    """One step that starts the new request's pool lookup (vLLM skips the request while it
+    runs), then its answer."""
+    scheduler, worker, _ = engine
+    output, _ = step(scheduler, worker=worker)
+    assert output.num_scheduled_tokens == {}, "scheduled before the lookup answered"
+    settle_lookups(scheduler)
+
+
 def test_pool_saves_and_hits_only_what_every_group_can_use(tiny_config: Path) -> None:
     with Cluster(servers=1, server_size=8 << 20) as cluster:
         extra = {"pool": True, "master": cluster.master_endpoint}
@@ -215,6 +225,7 @@ def test_pool_saves_and_hits_only_what_every_group_can_use(tiny_config: Path) ->
         ):
             (w, ww, w_caches), (r, rw, r_caches) = writer, reader
             w.add_request(make_request("a", list(PROMPT), max_tokens=3))
+            _looked_up(writer)
             output, _ = step(w, worker=ww)
             (save,) = plan_of(output).save
             assert len(save.hashes) == 5
@@ -230,6 +241,7 @@ def test_pool_saves_and_hits_only_what_every_group_can_use(tiny_config: Path) ->
 
             # The same prompt and more: all 5 blocks are a hit (the window's 2 are there).
             r.add_request(make_request("b", list(PROMPT) + list(range(200, 220)), max_tokens=1))
+            _looked_up(reader)
             output, _ = step(r, worker=rw)
             (load,) = plan_of(output).load
             assert load.hashes == save.hashes
@@ -262,6 +274,7 @@ def test_pool_saves_and_hits_only_what_every_group_can_use(tiny_config: Path) ->
             r.add_request(
                 make_request("c", list(PROMPT[:48]) + list(range(300, 310)), max_tokens=1)
             )
+            _looked_up(reader)
             output, _ = step(r, worker=rw)
             assert not plan_of(output).load
             assert output.num_scheduled_tokens == {"c": 58}

@@ -334,7 +334,8 @@ def test_a_finished_requests_output_blocks_are_saved_with_pool_save_generated(
             (output_save,) = plan_of(output).save
             # 69 tokens have KV (the last sampled one has none yet): 4 full blocks of 16.
             assert output_save.hashes == tuple(h.hex() for h in request.block_hashes[2:4])
-            assert output_save.blocks == tuple(s.kv_cache_manager.get_block_ids("chat")[0][2:4])
+            blocks = s.kv_cache_manager.get_block_ids("chat")[0]
+            assert output_save.blocks == (tuple(blocks[2:4]),), "the full group's blocks 2, 3"
             assert "chat" in s.requests, "the output's save holds the blocks"
             step(s, sending=["chat"])
             assert_empty(s)
