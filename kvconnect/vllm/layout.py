@@ -62,6 +62,11 @@ class LayerLayout(msgspec.Struct, frozen=True, array_like=True):
     """Their strides in elements: with the shape, the order of the bytes (NHD vs HND)."""
     dtype: str = ""
     """Element type."""
+    first_head: int = 0
+    """The first of the model's KV heads this rank's blocks hold (see :mod:`.tpmap`)."""
+    total_heads: int = 0
+    """The layer's KV heads over all TP ranks (1 for MLA's latent); 0: unknown, the blocks
+    are read only by an identical peer."""
 
     def block_offset(self, chunk: int, block: int) -> int:
         """Offset in the region of ``block``'s bytes of ``chunk``."""

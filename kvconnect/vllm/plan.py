@@ -13,12 +13,15 @@ from kvconnect.vllm.params import RemotePrefill
 
 @dataclass(frozen=True, slots=True)
 class RecvJob:
-    """Decode: read ``remote_blocks`` of a prefill engine into ``local_blocks``."""
+    """Decode: read a prefill engine's KV into ``local_blocks``. ``remote_blocks`` hold the
+    prompt from its first token, ``local_blocks`` from token ``first_token`` (the tokens
+    decode had already); the block sizes of the two sides may differ."""
 
     request_id: str
     remote: RemotePrefill
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
+    first_token: int = 0
 
 
 @dataclass(frozen=True, slots=True)

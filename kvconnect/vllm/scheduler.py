@@ -11,7 +11,12 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from kvconnect.vllm.params import prefill_params, remote_prefill, wants_remote_decode
+from kvconnect.vllm.params import (
+    RemotePrefill,
+    prefill_params,
+    remote_prefill,
+    wants_remote_decode,
+)
 from kvconnect.vllm.pd import LeaseKeeper, PrefillService
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
 
@@ -96,7 +101,7 @@ class ConnectorScheduler:
                     request.request_id,
                 )
                 return 0, False
-            total = request.num_prompt_tokens
+            total = _remote_total(request, remote)
             log.debug(
                 "%s: %d tokens computed here, prefill %s has %s",
                 request.request_id,
@@ -104,8 +109,6 @@ class ConnectorScheduler:
                 remote.engine_id,
                 remote.num_tokens,
             )
-            if remote.num_tokens is not None:
-                total = min(total, remote.num_tokens)
             return _async(total - num_computed)
         if self._pool is None:
             return 0, False
@@ -126,16 +129,11 @@ class ConnectorScheduler:
         remote = remote_prefill(params)
         if remote is not None and params is not None and self._keeper is not None:
             params["do_remote_prefill"] = False  # one transfer per request, even if preempted
-            count = min(len(block_ids), len(remote.block_ids))
-            if num_external > 0 and count > 0:
-                self._recv.append(
-                    RecvJob(
-                        rid,
-                        remote,
-                        tuple(block_ids[:count]),
-                        remote.block_ids[len(remote.block_ids) - count :],
-                    )
-                )
+            if num_external > 0 and block_ids:
+                # The new blocks start after the tokens decode had (matched_tokens' total).
+                first = _remote_total(request, remote) - num_external
+                job = RecvJob(rid, remote, tuple(block_ids), remote.block_ids, first_token=first)
+                self._recv.append(job)
             else:  # everything was here already: prefill may free its blocks now
                 self._keeper.give_up(rid, remote)
             return
@@ -215,7 +213,7 @@ class ConnectorScheduler:
         self._saving.discard(rid)
         if not (self._prefill and wants_remote_decode(params) and completed and block_ids):
             return delay, None
-        self._prefill.hold(rid, readers=self._tp_size)
+        self._prefill.hold(rid)
         self._held.append(rid)
         return True, prefill_params(
             engine_id=self._engine_id,
@@ -226,6 +224,13 @@ class ConnectorScheduler:
             tp_size=self._tp_size,
             num_tokens=request.num_prompt_tokens,
         )
+
+
+def _remote_total(request: RequestView, remote: RemotePrefill) -> int:
+    """The prompt tokens prefill's blocks hold."""
+    if remote.num_tokens is None:
+        return request.num_prompt_tokens
+    return min(request.num_prompt_tokens, remote.num_tokens)
 
 
 def _async(tokens: int) -> tuple[int, bool]:

@@ -48,6 +48,7 @@ from kvconnect.vllm.layout import (
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
 from kvconnect.vllm.pool import PoolKeys, pool_keys
 from kvconnect.vllm.sidechannel import SideChannelClient
+from kvconnect.vllm.tpmap import block_pairs, check_mappable, layer_spans, with_heads
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class EngineFormat:
     revision: str = ""
     attention_backend: str = ""
     kv_layout: str = ""
+    total_kv_heads: int = 0
+    """The model's KV heads (1 for MLA); 0: unknown, so only identical peers are read."""
 
     def kv_format(self) -> KVFormat:
         """The format every rank of this engine shares (the TP rank is not part of it)."""
@@ -145,6 +148,7 @@ class ConnectorWorker:
         self._lock = threading.Lock()
         self._peers: dict[str, msg.LayoutReply] = {}
         self._refused: dict[str, str] = {}  # prefill engine → why its KV is never read
+        self._mapped: set[str] = set()  # prefill engines read through tpmap (logged once)
         self.layout: RankLayout | None = None
         self._regions: dict[int, MemoryRegion] = {}
         self._load_errors: set[int] = set()
@@ -161,6 +165,11 @@ class ConnectorWorker:
         with threads_on(self.config.io_cpu_set):
             self.engine.start()
         layers, self._regions = register_kv_caches(self.engine, kv_caches, self._num_blocks)
+        fmt = self.format
+        layers = [
+            with_heads(layer, fmt.tp_rank, fmt.tp_size, fmt.total_kv_heads, fmt.block_size)
+            for layer in layers
+        ]
         self._cuda = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
         kv_format = self.format.kv_format()
         compat = compat_hash(kv_format, layers)
@@ -353,7 +362,7 @@ class ConnectorWorker:
         mine = self.layout
         assert mine is not None
         try:
-            theirs = self._peer_layout(remote.endpoint, remote.engine_id, remote.tp_size)
+            ranks, direct = self._peer_layout(remote.endpoint, remote.engine_id, remote.tp_size)
         except KVConnectError as exc:
             refused = isinstance(exc, IncompatiblePeer)  # logged once per prefill engine
             if not refused:
@@ -366,7 +375,7 @@ class ConnectorWorker:
             )
             self._give_up(remote.endpoint, remote.request_id)
             return
-        requests = self._read_requests(mine, theirs, job)
+        requests = self._read_requests(mine, ranks, direct, job)
         nbytes = sum(r.length for r in requests)
         reading = time.monotonic()
         timeout = started + self.config.read_timeout - time.monotonic()
@@ -391,55 +400,105 @@ class ConnectorWorker:
                 self._peers.pop(remote.engine_id, None)
             errors = [e for e in batch.errors if e is not None]
             problem = errors[0] if errors else statuses
-            log.error(
-                "reading KV of %s from %s failed: %s", job.request_id, theirs.segment, problem
-            )
+            segments = sorted({r.segment for r in requests})
+            log.error("reading KV of %s from %s failed: %s", job.request_id, segments, problem)
             self._give_up(remote.endpoint, remote.request_id)
 
     def _read_requests(
-        self, mine: RankLayout, theirs: RankLayout, job: RecvJob
+        self, mine: RankLayout, ranks: Mapping[int, RankLayout], direct: bool, job: RecvJob
     ) -> list[TransferRequest]:
-        runs = block_runs(job.local_blocks, job.remote_blocks)
+        """The ranges of ``job``: block for block from the prefill rank of this rank's TP
+        rank (``direct``: its blocks are this rank's byte for byte), else each head this rank
+        holds, token by token, from a prefill rank holding it (:mod:`.tpmap`)."""
+        rank = self.format.tp_rank
         requests: list[TransferRequest] = []
-        for local, remote in zip(mine.layers, theirs.layers, strict=True):
+        if direct:
+            theirs = ranks[rank]
+            local_blocks, remote_blocks = block_pairs(
+                job.local_blocks, job.remote_blocks, job.first_token, self.format.block_size
+            )
+            runs = block_runs(local_blocks, remote_blocks)
+            for local, remote in zip(mine.layers, theirs.layers, strict=True):
+                region = self._regions[local.region]
+                for lo, ro, length in range_pairs(local, remote, runs):
+                    requests.append(
+                        TransferRequest(region, lo, theirs.segment, remote.region, ro, length)
+                    )
+            return requests
+        for i, local in enumerate(mine.layers):
             region = self._regions[local.region]
-            for lo, ro, length in range_pairs(local, remote, runs):
+            layers = {r: layout.layers[i] for r, layout in ranks.items()}
+            for span in layer_spans(
+                local, layers, job.local_blocks, job.remote_blocks, job.first_token, rank
+            ):
+                segment, remote_region = ranks[span.rank].segment, layers[span.rank].region
                 requests.append(
-                    TransferRequest(region, lo, theirs.segment, remote.region, ro, length)
+                    TransferRequest(
+                        region, span.local, segment, remote_region, span.remote, span.length
+                    )
                 )
         return requests
 
-    def _peer_layout(self, endpoint: str, engine_id: str, tp_size: int) -> RankLayout:
-        """The prefill rank this rank reads from (asked once per prefill engine). Raises
-        IncompatiblePeer when that engine's KV means something else here: decided and logged
-        once per engine, at first contact."""
+    def _peer_layout(
+        self, endpoint: str, engine_id: str, tp_size: int
+    ) -> tuple[Mapping[int, RankLayout], bool]:
+        """The prefill engine's ranks (asked once per engine) and whether this rank reads
+        its blocks directly (True) or mapped by heads and tokens (:mod:`.tpmap`). Raises
+        IncompatiblePeer when that engine's KV cannot be read here: decided and logged once
+        per engine, at first contact."""
+        ranks, here = self._reply(endpoint, engine_id).ranks, self.format.tp_size
+        mine = self.layout
+        assert mine is not None
+        if tp_size != len(ranks):
+            raise self._refusal(engine_id, f"tp_size: {tp_size} at the peer but {len(ranks)} ranks")
+        problem = f"tp_size: {tp_size} at the peer, {here} here"
+        if tp_size == here:
+            problem = check_compatible(mine, ranks[self.format.tp_rank]) or ""
+            if not problem:
+                return ranks, True
+        unmappable = check_mappable(mine, ranks, strict=self.config.enforce_compat)
+        if unmappable is None:
+            self._note_mapped(engine_id, problem)
+            return ranks, False
+        if tp_size == here and not self.config.enforce_compat:
+            return ranks, True
+        raise self._refusal(engine_id, f"{problem}; not readable by heads and tokens: {unmappable}")
+
+    def _reply(self, endpoint: str, engine_id: str) -> msg.LayoutReply:
+        """The prefill engine's layouts, asked once per engine; raises IncompatiblePeer when
+        it was refused before."""
         with self._lock:
             reply = self._peers.get(engine_id)
             refusal = self._refused.get(engine_id)
         if refusal is not None:
             raise IncompatiblePeer(refusal)
-        if reply is None:
-            answer = self._client.call(endpoint, msg.GetLayout())
-            if not isinstance(answer, msg.LayoutReply):
-                raise ConfigError(f"prefill {endpoint} has no KV layout to offer: {answer!r}")
-            reply = answer
-            if reply.engine_id != engine_id:
-                raise ConfigError(
-                    f"{endpoint} is engine {reply.engine_id}, not {engine_id} (restarted?)"
-                )
-            with self._lock:
-                self._peers[engine_id] = reply
-        assert self.layout is not None
-        if tp_size != self.format.tp_size or len(reply.ranks) != self.format.tp_size:
-            theirs_tp = f"{tp_size} ({len(reply.ranks)} ranks)"
-            self._refuse(engine_id, f"tp_size: {theirs_tp} at the peer, {self.format.tp_size} here")
-        theirs = reply.ranks[self.format.tp_rank]
-        problem = check_compatible(self.layout, theirs)
-        if problem is not None and self.config.enforce_compat:
-            self._refuse(engine_id, problem)
-        return theirs
+        if reply is not None:
+            return reply
+        answer = self._client.call(endpoint, msg.GetLayout())
+        if not isinstance(answer, msg.LayoutReply):
+            raise ConfigError(f"prefill {endpoint} has no KV layout to offer: {answer!r}")
+        if answer.engine_id != engine_id:
+            raise ConfigError(
+                f"{endpoint} is engine {answer.engine_id}, not {engine_id} (restarted?)"
+            )
+        with self._lock:
+            self._peers[engine_id] = answer
+        return answer
 
-    def _refuse(self, engine_id: str, problem: str) -> None:
+    def _note_mapped(self, engine_id: str, difference: str) -> None:
+        with self._lock:
+            first = engine_id not in self._mapped
+            self._mapped.add(engine_id)
+        if first:
+            log.info(
+                "prefill engine %s differs (%s): reading each KV head from a prefill rank "
+                "that holds it, token by token",
+                engine_id,
+                difference,
+            )
+
+    def _refusal(self, engine_id: str, problem: str) -> IncompatiblePeer:
+        """The refusal to raise for ``engine_id`` (logged at the first one)."""
         refusal = f"prefill engine {engine_id} has an incompatible KV format ({problem})"
         with self._lock:
             first = engine_id not in self._refused
@@ -450,11 +509,12 @@ class ConnectorWorker:
                 "kv_load_failure_policy)",
                 refusal,
             )
-        raise IncompatiblePeer(refusal)
+        return IncompatiblePeer(refusal)
 
     def _confirm(self, endpoint: str, remote_id: str, rid: str) -> bool:
         try:
-            reply = self._client.call(endpoint, msg.Confirm(remote_id, self.format.tp_rank))
+            confirm = msg.Confirm(remote_id, self.format.tp_rank, self.format.tp_size)
+            reply = self._client.call(endpoint, confirm)
         except KVConnectError as exc:
             log.error("could not confirm the read of %s with prefill: %s", rid, exc)
             return False
