@@ -61,7 +61,9 @@ class Server:
     ``python``: an interpreter with vLLM (default: this one); ``env``: extra variables (e.g. a
     connector's); ``kv_gib``: KV cache size; ``max_len``: the longest prompt + output;
     ``cpus``: the cores its worker is bound to (``VLLM_CPU_OMP_THREADS_BIND``, see
-    :func:`cpu_groups`).
+    :func:`cpu_groups`; with ``tp`` ranks, ``|`` between the ranks' cores); ``block_size``:
+    tokens per KV block (vLLM's CPU attention needs a multiple of 32); ``tp``: tensor-parallel
+    ranks (worker processes).
     """
 
     def __init__(
@@ -76,6 +78,8 @@ class Server:
         kv_gib: int = 1,
         max_len: int = 4096,
         cpus: str = "auto",
+        block_size: int = 32,
+        tp: int = 1,
     ) -> None:
         self.name = name
         self.port = free_port()
@@ -84,7 +88,8 @@ class Server:
         args = [
             python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32", "--max-model-len", str(max_len), "--block-size", "32",
+            "--dtype", "float32", "--max-model-len", str(max_len),
+            "--block-size", str(block_size), "--tensor-parallel-size", str(tp),
             "--enforce-eager", "--max-num-seqs", "8", "--served-model-name", "tiny",
             "--max-num-batched-tokens", str(max_len),
             "--kv-transfer-config", json.dumps(transfer),

@@ -87,6 +87,14 @@ class EngineFormat:
         )
 
 
+def _heads(layer: LayerLayout) -> str:
+    """Which of the model's KV heads ``layer`` holds, for the log."""
+    if not layer.total_heads:
+        return "unknown"
+    count = layer.block_shape[0]
+    return f"{layer.first_head}-{layer.first_head + count - 1} of {layer.total_heads}"
+
+
 class _Kind(enum.StrEnum):
     """What a background job of the worker does (its value names it in logs)."""
 
@@ -178,9 +186,10 @@ class ConnectorWorker:
             with threads_on(self.config.io_cpu_set):
                 self._start_pool(layers)
         log.info(
-            "kvconnect registered %d KV layers (%d blocks) as segment %s",
+            "kvconnect registered %d KV layers (%d blocks, KV heads %s) as segment %s",
             len(layers),
             self._num_blocks,
+            _heads(layers[0]) if layers else "none",
             self.engine.name,
         )
         return self.layout
