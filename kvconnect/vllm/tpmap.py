@@ -4,11 +4,14 @@ size, block size or the order of a block's dimensions. Pure: no torch, no I/O.
 vLLM hands connectors each attention layer as a logical ``[blocks, heads, tokens, content]``
 tensor (``content``: one token's K and V of one head, contiguous; MLA has one "head", its
 latent), its strides permuted by the KV layout (``LBHNC``: heads outer, ``LBNHC``: tokens
-outer). TP rank ``r`` of ``t`` holds KV heads ``[r*T/t, (r+1)*T/t)`` of the layer's ``T``; when
+outer). vLLM's CPU attention reads the same bytes as ``[blocks, heads, 2 x tokens, head_size]``
+instead: each head's part of a block is all its tokens' K, then all their V ("K/V halves").
+TP rank ``r`` of ``t`` holds KV heads ``[r*T/t, (r+1)*T/t)`` of the layer's ``T``; when
 ``T < t`` every head is replicated on ``t/T`` ranks and rank ``r`` holds head ``r // (t/T)``
 (MLA: ``T == 1``, the latent on every rank). A decode rank reads each head it holds once,
 from one prefill rank that has it, token by token across block boundaries: the unit of a
-read is one token of one head (``row`` bytes), and rows contiguous on both sides merge.
+read is one token of one head (``row`` bytes; of its K or its V with K/V halves), and rows
+contiguous on both sides merge.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ _HEAD_AXIS, _TOKEN_AXIS = 0, 1  # of a block's logical shape (heads, tokens, con
 _SAME_FORMAT = ("engine", "model", "revision", "dtype", "attention_backend", "kvconnect")
 """The fields of :class:`KVFormat` a mapped read needs equal (TP size, block size and the
 KV layout are what it maps between)."""
+KV_HALVES_BACKENDS = frozenset({"CPU_ATTN"})
+"""vLLM attention backends whose blocks hold K/V halves (``kv_cache.view(blocks, heads,
+2 * block_size, head_size).chunk(2, dim=2)`` in vLLM's CPU attention)."""
 
 
 class Span(NamedTuple):
@@ -62,13 +68,22 @@ def head_range(tp_rank: int, tp_size: int, total_heads: int) -> tuple[int, int]:
 
 
 def with_heads(
-    layer: LayerLayout, tp_rank: int, tp_size: int, total_heads: int, block_size: int
+    layer: LayerLayout,
+    tp_rank: int,
+    tp_size: int,
+    total_heads: int,
+    block_size: int,
+    *,
+    kv_halves: bool = False,
 ) -> LayerLayout:
     """``layer`` with the heads it holds, when its blocks have vLLM's logical (heads, tokens,
-    content) shape with contiguous content; else ``layer`` unchanged (its geometry unknown:
-    only an identical peer can be read)."""
+    content) shape with contiguous content (``kv_halves``: its backend keeps K/V halves, which
+    needs each head's tokens contiguous); else ``layer`` unchanged (its geometry unknown: only
+    an identical peer can be read)."""
     shape, strides = layer.block_shape, layer.block_strides
     if total_heads <= 0 or len(shape) != 3 or strides[2] != 1:
+        return layer
+    if kv_halves and (shape[2] % 2 or strides[1] != shape[2] or strides[0] != shape[1] * shape[2]):
         return layer
     try:
         first, count = head_range(tp_rank, tp_size, total_heads)
@@ -76,7 +91,9 @@ def with_heads(
         return layer
     if shape[_HEAD_AXIS] != count or shape[_TOKEN_AXIS] != block_size:
         return layer
-    return msgspec.structs.replace(layer, first_head=first, total_heads=total_heads)
+    return msgspec.structs.replace(
+        layer, first_head=first, total_heads=total_heads, kv_halves=kv_halves
+    )
 
 
 def mapped(layer: LayerLayout) -> bool:
@@ -85,8 +102,8 @@ def mapped(layer: LayerLayout) -> bool:
 
 
 def row_bytes(layer: LayerLayout) -> int:
-    """Bytes of one token of one head (contiguous)."""
-    return layer.block_shape[2] * _item(layer)
+    """Bytes of one token of one head (of its K or its V with K/V halves): contiguous."""
+    return layer.block_shape[2] * _item(layer) // (2 if layer.kv_halves else 1)
 
 
 def block_pairs(
@@ -179,13 +196,14 @@ def layer_spans(
         )
         lh, rh = first_head - local.first_head, first_head - remote.first_head
         for chunk in range(local.chunks):
-            for cut in cuts:
-                lo = local.block_offset(chunk, cut.local_block) + _at(local, cut.local_token, lh)
-                ro = remote.block_offset(chunk, cut.remote_block) + _at(
-                    remote, cut.remote_token, rh
-                )
-                for lo_, ro_, length in _rows(local, remote, lo, ro, cut.tokens, count, row):
-                    _append(spans, Span(rank, lo_, ro_, length))
+            for half in range(2 if local.kv_halves else 1):
+                for cut in cuts:
+                    lo = local.block_offset(chunk, cut.local_block)
+                    lo += _at(local, cut.local_token, lh, half)
+                    ro = remote.block_offset(chunk, cut.remote_block)
+                    ro += _at(remote, cut.remote_token, rh, half)
+                    for at, of, length in _rows(local, remote, lo, ro, cut.tokens, count, row):
+                        _append(spans, Span(rank, at, of, length))
     return spans
 
 
@@ -222,6 +240,7 @@ def _layer_problems(mine: Sequence[LayerLayout], theirs: Sequence[LayerLayout]) 
             "name": (remote.name, local.name),
             "chunks": (remote.chunks, local.chunks),
             "dtype": (remote.dtype, local.dtype),
+            "K/V halves": (remote.kv_halves, local.kv_halves),
             "KV heads": (remote.total_heads, local.total_heads),
             "bytes per token and head": (row_bytes(remote), row_bytes(local)),
         }
@@ -250,12 +269,15 @@ def _item(layer: LayerLayout) -> int:
 def _strides(layer: LayerLayout) -> tuple[int, int]:
     """Bytes from one head to the next, and from one token to the next, in a block."""
     item = _item(layer)
-    return layer.block_strides[_HEAD_AXIS] * item, layer.block_strides[_TOKEN_AXIS] * item
+    token = layer.block_strides[_TOKEN_AXIS] * item
+    return layer.block_strides[_HEAD_AXIS] * item, token // 2 if layer.kv_halves else token
 
 
-def _at(layer: LayerLayout, token: int, head: int) -> int:
+def _at(layer: LayerLayout, token: int, head: int, half: int) -> int:
+    """Offset in a block of ``token``'s row of ``head`` (of its V when ``half`` is 1)."""
     head_stride, token_stride = _strides(layer)
-    return head * head_stride + token * token_stride
+    values = half * layer.block_shape[_TOKEN_AXIS] * token_stride  # 0 unless K/V halves
+    return head * head_stride + token * token_stride + values
 
 
 def _rows(

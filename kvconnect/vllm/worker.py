@@ -48,7 +48,13 @@ from kvconnect.vllm.layout import (
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
 from kvconnect.vllm.pool import PoolKeys, pool_keys
 from kvconnect.vllm.sidechannel import SideChannelClient
-from kvconnect.vllm.tpmap import block_pairs, check_mappable, layer_spans, with_heads
+from kvconnect.vllm.tpmap import (
+    KV_HALVES_BACKENDS,
+    block_pairs,
+    check_mappable,
+    layer_spans,
+    with_heads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +180,16 @@ class ConnectorWorker:
             self.engine.start()
         layers, self._regions = register_kv_caches(self.engine, kv_caches, self._num_blocks)
         fmt = self.format
+        halves = bool(KV_HALVES_BACKENDS & set(fmt.attention_backend.split(",")))
         layers = [
-            with_heads(layer, fmt.tp_rank, fmt.tp_size, fmt.total_kv_heads, fmt.block_size)
+            with_heads(
+                layer,
+                fmt.tp_rank,
+                fmt.tp_size,
+                fmt.total_kv_heads,
+                fmt.block_size,
+                kv_halves=halves,
+            )
             for layer in layers
         ]
         self._cuda = any(getattr(t, "is_cuda", False) for t in kv_caches.values())

@@ -37,7 +37,8 @@ def tag(head: int, token: int, element: int) -> int:
 @dataclass
 class Side:
     """One TP rank's layer: a region of ``num_blocks`` blocks, logical (heads, tokens,
-    content), HND (heads outer) or NHD (tokens outer), behind ``pad`` bytes."""
+    content), HND (heads outer) or NHD (tokens outer), behind ``pad`` bytes; ``halves``: K/V
+    halves (vLLM's CPU attention, HND only)."""
 
     tp_rank: int
     tp_size: int
@@ -47,6 +48,7 @@ class Side:
     num_blocks: int
     chunks: int = 1
     pad: int = 0
+    halves: bool = False
 
     @property
     def heads(self) -> tuple[int, int]:
@@ -70,7 +72,14 @@ class Side:
             block_strides=strides,
             dtype="int32",
         )
-        return with_heads(plain, self.tp_rank, self.tp_size, self.total_heads, self.block_size)
+        return with_heads(
+            plain,
+            self.tp_rank,
+            self.tp_size,
+            self.total_heads,
+            self.block_size,
+            kv_halves=self.halves,
+        )
 
     def region(self) -> np.ndarray:
         layout = self.layout()
@@ -78,12 +87,17 @@ class Side:
             (layout.offset + self.chunks * layout.chunk_stride) // 4, EMPTY, dtype=np.int32
         )
 
-    def index(self, chunk: int, block: int, head: int, token: int) -> int:
-        """Element index of a row's first element in :meth:`region`."""
+    def places(self, chunk: int, block: int, head: int, token: int) -> list[int]:
+        """Element indices in :meth:`region` of ``token``'s K and V of ``head``, in order."""
         layout = self.layout()
         sh, st_, _ = layout.block_strides
-        base = layout.block_offset(chunk, block) // 4
-        return base + (head - self.heads[0]) * sh + token * st_
+        at = layout.block_offset(chunk, block) // 4 + (head - self.heads[0]) * sh
+        if not self.halves:
+            return list(range(at + token * st_, at + token * st_ + CONTENT))
+        half = CONTENT // 2  # all tokens' K, then all tokens' V
+        keys = at + token * half
+        values = at + (self.block_size + token) * half
+        return [*range(keys, keys + half), *range(values, values + half)]
 
 
 def fill(side: Side, blocks: list[int], region: np.ndarray) -> None:
@@ -95,9 +109,8 @@ def fill(side: Side, blocks: list[int], region: np.ndarray) -> None:
             for head in range(first, first + count):
                 for chunk in range(side.chunks):
                     sign = -1 if chunk else 1
-                    at = side.index(chunk, block, head, t)
                     position = i * side.block_size + t
-                    region[at : at + CONTENT] = [
+                    region[side.places(chunk, block, head, t)] = [
                         sign * tag(head, position, e) for e in range(CONTENT)
                     ]
 
@@ -123,6 +136,7 @@ class Case:
     chunks: int
     rank: int  # the decode rank that reads
     seed: int
+    halves: bool  # both sides keep K/V halves (vLLM's CPU attention: HND only)
 
 
 _TP = {total: [s for s in (1, 2, 4) if total % s == 0 or s % total == 0] for total in (1, 2, 4, 8)}
@@ -133,19 +147,21 @@ def cases(draw: st.DrawFn) -> Case:
     total = draw(st.sampled_from(sorted(_TP)))
     d_tp, d_bs = draw(st.sampled_from(_TP[total])), draw(st.sampled_from([1, 2, 4, 8]))
     prompt = draw(st.integers(1, 40))
+    halves = draw(st.booleans())
     return Case(
         total=total,
         p_tp=draw(st.sampled_from(_TP[total])),
         d_tp=d_tp,
         p_bs=draw(st.sampled_from([1, 2, 4, 8])),
         d_bs=d_bs,
-        p_hnd=draw(st.booleans()),
-        d_hnd=draw(st.booleans()),
+        p_hnd=halves or draw(st.booleans()),
+        d_hnd=halves or draw(st.booleans()),
         prompt=prompt,
         had=draw(st.integers(0, (prompt - 1) // d_bs)) * d_bs,
         chunks=draw(st.sampled_from([1, 2])),
         rank=draw(st.integers(0, d_tp - 1)),
         seed=draw(st.integers(0, 2**16)),
+        halves=halves,
     )
 
 
@@ -160,10 +176,10 @@ def test_a_mapped_read_gives_each_local_row_its_heads_tokens_exactly_once(case: 
     remote_blocks = [int(b) for b in rng.permutation(r_count + 3)[:r_count]]
     local_blocks = [int(b) for b in rng.permutation(l_count + 3)[:l_count]]
     prefill = {
-        r: Side(r, p_tp, total, p_bs, case.p_hnd, r_count + 3, chunks, pad=8 * r)
+        r: Side(r, p_tp, total, p_bs, case.p_hnd, r_count + 3, chunks, 8 * r, case.halves)
         for r in range(p_tp)
     }
-    decode = Side(rank, d_tp, total, d_bs, case.d_hnd, l_count + 3, chunks, pad=12)
+    decode = Side(rank, d_tp, total, d_bs, case.d_hnd, l_count + 3, chunks, 12, case.halves)
     regions = {r: side.region() for r, side in prefill.items()}
     for r, side in prefill.items():
         fill(side, remote_blocks, regions[r])
@@ -183,8 +199,7 @@ def test_a_mapped_read_gives_each_local_row_its_heads_tokens_exactly_once(case: 
             for head in range(first, first + count):
                 for chunk in range(chunks):
                     sign = -1 if chunk else 1
-                    at = decode.index(chunk, block, head, t)
-                    expected[at : at + CONTENT] = [
+                    expected[decode.places(chunk, block, head, t)] = [
                         sign * tag(head, position, e) for e in range(CONTENT)
                     ]
     np.testing.assert_array_equal(local, expected)
@@ -248,6 +263,9 @@ def test_with_heads_leaves_layouts_it_cannot_read_unmapped() -> None:
         plain, block_shape=(16, 2, 3, 2), block_strides=(12, 6, 2, 1)
     )
     assert with_heads(kv_first, 1, 2, 4, 16).total_heads == 0
+    nhd = Side(1, 2, 4, 16, False, 4).layout()
+    assert with_heads(nhd, 1, 2, 4, 16, kv_halves=True).kv_halves is False, "halves need HND"
+    assert with_heads(plain, 1, 2, 4, 16, kv_halves=True).kv_halves is True
     with pytest.raises(ValueError, match="split"):
         head_range(0, 4, 6)
 
@@ -266,6 +284,8 @@ def test_tp_block_size_and_layout_may_differ_but_not_what_the_bytes_are() -> Non
     other_model = {r: _rank(Side(r, 2, 4, 8, False, 4), model="n") for r in range(2)}
     assert "model" in (check_mappable(decode, other_model, strict=True) or "")
     assert check_mappable(decode, other_model, strict=False) is None
+    halves = {r: _rank(Side(r, 2, 4, 8, True, 4, halves=True)) for r in range(2)}
+    assert "K/V halves" in (check_mappable(decode, halves, strict=False) or "")
     more_heads = {r: _rank(Side(r, 2, 8, 8, False, 4)) for r in range(2)}
     assert "KV heads: 8 at the peer, 4 here" in (
         check_mappable(decode, more_heads, strict=False) or ""

@@ -40,12 +40,14 @@ HAD = 32  # tokens decode had already (its own prefix cache)
 
 @dataclass(frozen=True)
 class Engine:
-    """One side: TP size, block size, KV layout (vLLM's name), model KV heads."""
+    """One side: TP size, block size, KV layout (vLLM's name), model KV heads, attention
+    backend (CPU_ATTN keeps each head's K of all tokens, then their V)."""
 
     tp: int
     block_size: int
     layout: str = "LBHNC"  # heads outer (ex-HND); LBNHC: tokens outer (ex-NHD)
     heads: int = 4  # 1: MLA's latent
+    backend: str = "FLASH_ATTN"
 
     def format(self, rank: int) -> EngineFormat:
         return EngineFormat(
@@ -55,7 +57,7 @@ class Engine:
             tp_rank=rank,
             tp_size=self.tp,
             engine="vllm 0.33.0",
-            attention_backend="CPU_ATTN",
+            attention_backend=self.backend,
             kv_layout=self.layout,
             total_kv_heads=self.heads,
         )
@@ -77,14 +79,21 @@ def prompt_kv(heads: int) -> dict[str, Any]:
 
 
 def write(caches: dict[str, Any], kv: dict[str, Any], blocks: list[int], first: int, at: int,
-          heads: tuple[int, int], block_size: int, tokens: int) -> None:  # fmt: skip
+          heads: tuple[int, int], engine: Engine, tokens: int) -> None:  # fmt: skip
     """Put tokens ``at..at+tokens`` of ``kv`` (heads ``heads``) into ``blocks``, which hold the
-    prompt from token ``first``."""
+    prompt from token ``first``, as ``engine``'s attention backend does."""
     head, count = heads
+    size, half = engine.block_size, CONTENT // 2
     for name, cache in caches.items():
         for position in range(at, at + tokens):
-            block, slot = divmod(position - first, block_size)
-            cache[blocks[block], :, slot] = kv[name][position, head : head + count]
+            block, slot = divmod(position - first, size)
+            rows = kv[name][position, head : head + count]
+            if engine.backend == "CPU_ATTN":  # each head: K of all tokens, then their V
+                halves = cache.view(BLOCKS, count, 2 * size, half)
+                halves[blocks[block], :, slot] = rows[:, :half]
+                halves[blocks[block], :, size + slot] = rows[:, half:]
+            else:
+                cache[blocks[block], :, slot] = rows
 
 
 @dataclass
@@ -119,7 +128,7 @@ def read(stack: ExitStack, p: Engine, d: Engine) -> tuple[Ranks, dict[str, Any],
     remote_blocks = [9, 2, 5, 0, 7, 11, 3, 8, 1, 4, 6, 10][: -(-PROMPT // p.block_size)]
     for rank, caches in enumerate(prefill.caches):
         heads = head_range(rank, p.tp, p.heads)
-        write(caches, kv, remote_blocks, 0, 0, heads, p.block_size, PROMPT)
+        write(caches, kv, remote_blocks, 0, 0, heads, p, PROMPT)
     service = PrefillService("prefill", "127.0.0.1", 0, lease=30, token=TOKEN)
     stack.callback(service.close)
     service.set_layouts({r: w.layout for r, w in enumerate(prefill.workers) if w.layout})
@@ -155,7 +164,7 @@ def outcome(worker: ConnectorWorker) -> tuple[set[str], set[str]]:
 def expected(d: Engine, rank: int, kv: dict[str, Any], blocks: list[int]) -> dict[str, Any]:
     caches = d.caches(rank)
     tokens = min(len(blocks) * d.block_size, PROMPT - HAD)
-    write(caches, kv, blocks, HAD, HAD, head_range(rank, d.tp, d.heads), d.block_size, tokens)
+    write(caches, kv, blocks, HAD, HAD, head_range(rank, d.tp, d.heads), d, tokens)
     return caches
 
 
@@ -172,6 +181,8 @@ COMBINATIONS = {
     "GQA-P1-D4": (Engine(1, 16, heads=2), Engine(4, 16, heads=2)),
     "MLA-P2-D1": (Engine(2, 16, "LBNHC", heads=1), Engine(1, 16, "LBNHC", heads=1)),
     "MLA-P1-D2": (Engine(1, 16, "LBNHC", heads=1), Engine(2, 32, "LBNHC", heads=1)),
+    "CPU-P2-D1-P32-D64": (Engine(2, 32, backend="CPU_ATTN"), Engine(1, 64, backend="CPU_ATTN")),
+    "CPU-P1-D2-P64-D32": (Engine(1, 64, backend="CPU_ATTN"), Engine(2, 32, backend="CPU_ATTN")),
 }
 
 
