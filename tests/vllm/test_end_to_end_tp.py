@@ -42,7 +42,14 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         "kv_connector": "KVConnectConnector",
         "kv_connector_module_path": "kvconnect.vllm.connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"lease": 120},  # long: three workers share two cores
+        # Long deadlines: three workers share two cores, and a worker whose core another's
+        # busy loop holds may not run for seconds (docs/vllm.md, CPU-only hosts).
+        "kv_connector_extra_config": {
+            "lease": 120,
+            "connect_timeout": 20,
+            "read_timeout": 60,
+            "rpc_timeout": 10,
+        },
         "kv_load_failure_policy": "fail",  # a refused or failed read fails the request
     }
     # Each prefill rank on a core of its own; decode shares the second (the machine has two).
@@ -84,7 +91,9 @@ def test_tp2_prefill_to_tp1_decode_with_other_blocks_equals_a_single_instance(
     setup: Setup,
 ) -> None:
     prompt = tiny_llama.prompt(3, 150)
-    alone = _text(complete(setup.decode.url, prompt, kv_transfer_params=None))
+    # The single instance is prefill (decode computing the prompt would cache it, and then
+    # read only what its cache lacks).
+    alone = _text(complete(setup.prefill.url, prompt, kv_transfer_params=None))
     before = setup.decode.stats()
     through_pd = _text(complete(setup.proxy.url, prompt))
     assert through_pd == alone
