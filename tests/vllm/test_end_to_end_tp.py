@@ -45,10 +45,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         # Long deadlines: three workers share two cores, and a worker whose core another's
         # busy loop holds may not run for seconds (docs/vllm.md, CPU-only hosts).
         "kv_connector_extra_config": {
-            "lease": 120,
-            "connect_timeout": 20,
-            "read_timeout": 60,
-            "rpc_timeout": 10,
+            "lease": 300,
+            "connect_timeout": 30,
+            "read_timeout": 120,
+            "rpc_timeout": 30,
         },
         "kv_load_failure_policy": "fail",  # a refused or failed read fails the request
     }
@@ -77,7 +77,7 @@ def _text(result: dict[str, object]) -> str:
     return text
 
 
-def _wait_stats(server: Server, key: str, above: float, timeout: float = 60.0) -> float:
+def _wait_stats(server: Server, key: str, above: float, timeout: float = 120.0) -> float:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = server.stats().get(key, 0)
