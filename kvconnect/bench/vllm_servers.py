@@ -62,8 +62,10 @@ class Server:
     interpreter with vLLM (default: this one); ``env``: extra variables (e.g. a
     connector's); ``kv_gib``: KV cache size; ``max_len``: the longest prompt + output;
     ``cpus``: the cores its worker is bound to (``VLLM_CPU_OMP_THREADS_BIND``, see
-    :func:`cpu_groups`); ``port``: its HTTP port (0: a free one; a replacement for a killed
-    server takes the killed one's).
+    :func:`cpu_groups`; with ``tp`` ranks, ``|`` between the ranks' cores); ``port``: its
+    HTTP port (0: a free one; a replacement for a killed server takes the killed one's);
+    ``block_size``: tokens per KV block (vLLM's CPU attention needs a multiple of 32); ``tp``:
+    tensor-parallel ranks (worker processes).
     """
 
     def __init__(
@@ -79,6 +81,8 @@ class Server:
         max_len: int = 4096,
         cpus: str = "auto",
         port: int = 0,
+        block_size: int = 32,
+        tp: int = 1,
     ) -> None:
         self.name = name
         self.port = port or free_port()
@@ -87,7 +91,8 @@ class Server:
         args = [
             python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32", "--max-model-len", str(max_len), "--block-size", "32",
+            "--dtype", "float32", "--max-model-len", str(max_len),
+            "--block-size", str(block_size), "--tensor-parallel-size", str(tp),
             "--enforce-eager", "--max-num-seqs", "8", "--served-model-name", "tiny",
             "--max-num-batched-tokens", str(max_len),
         ]  # fmt: skip

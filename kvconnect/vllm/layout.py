@@ -64,6 +64,14 @@ class LayerLayout(msgspec.Struct, frozen=True, array_like=True):
     """Element type."""
     group: int = 0
     """The vLLM KV-cache group whose block ids index this layer."""
+    first_head: int = 0
+    """The first of the model's KV heads this rank's blocks hold (see :mod:`.tpmap`)."""
+    total_heads: int = 0
+    """The layer's KV heads over all TP ranks (1 for MLA's latent); 0: unknown, the blocks
+    are read only by an identical peer."""
+    kv_halves: bool = False
+    """Each head's part of a block holds all its tokens' K, then all their V (vLLM's CPU
+    attention), instead of each token's K and V together."""
 
     def block_offset(self, chunk: int, block: int) -> int:
         """Offset in the region of ``block``'s bytes of ``chunk``."""

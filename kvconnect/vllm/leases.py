@@ -1,10 +1,11 @@
 """Prefill's leases on blocks kept for decode. Pure: time is passed in, no threads.
 
 A finished prefill request's blocks stay allocated until every decode reader confirmed its
-read, decode gave them up, or the lease lapsed. A confirmation is answered ``OK`` only while
-the lease still holds: release is irreversible and happens only through this table, so ``OK``
-proves the blocks were held for the whole read that preceded it. Anything else tells decode
-that what it read may be another request's KV.
+read (each confirmation says how many decode TP ranks read: prefill cannot know beforehand,
+decode may run at another TP size), decode gave them up, or the lease lapsed. A confirmation
+is answered ``OK`` only while the lease still holds: release is irreversible and happens only
+through this table, so ``OK`` proves the blocks were held for the whole read that preceded
+it. Anything else tells decode that what it read may be another request's KV.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class Confirmation(enum.Enum):
 @dataclass(slots=True)
 class _Lease:
     deadline: float
-    readers: int
+    readers: int = 0  # decode ranks that read, as the confirmations say (0: none came yet)
     confirmed: set[int] = field(default_factory=set)
 
 
@@ -43,9 +44,9 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def hold(self, request_id: str, readers: int, now: float) -> None:
-        """Keep ``request_id``'s blocks until ``readers`` (decode TP ranks) confirmed."""
-        self._leases[request_id] = _Lease(now + self.duration, readers)
+    def hold(self, request_id: str, now: float) -> None:
+        """Keep ``request_id``'s blocks until every decode reader confirmed."""
+        self._leases[request_id] = _Lease(now + self.duration)
 
     def renew(self, request_ids: Iterable[str], now: float) -> None:
         """Decode still wants these; leases that already lapsed stay lapsed."""
@@ -55,12 +56,14 @@ class LeaseTable:
             if lease is not None:
                 lease.deadline = now + self.duration
 
-    def confirm(self, request_id: str, reader: int, now: float) -> Confirmation:
-        """Reader ``reader`` has read the blocks; the last reader releases them."""
+    def confirm(self, request_id: str, reader: int, readers: int, now: float) -> Confirmation:
+        """Reader ``reader`` of ``readers`` has read the blocks; the last reader releases
+        them. Confirmations that disagree on ``readers`` wait for the most they name."""
         self.expire(now)
         lease = self._leases.get(request_id)
         if lease is None:
             return Confirmation.EXPIRED
+        lease.readers = max(lease.readers, readers)
         lease.confirmed.add(reader)
         if len(lease.confirmed) >= lease.readers:
             self._release(request_id)

@@ -13,7 +13,9 @@ import msgspec
 
 from kvconnect.vllm.layout import RankLayout
 
-PROTOCOL_VERSION: Final = 2  # 2: layouts carry their KVFormat
+PROTOCOL_VERSION: Final = 3  # 2: layouts carry their KVFormat; 3: their heads, readers
+MAX_READERS: Final = 1024
+"""Most decode ranks a confirmation may name (a bound on hostile input)."""
 
 
 class GetLayout(msgspec.Struct, tag="layout", frozen=True):
@@ -27,10 +29,12 @@ class Renew(msgspec.Struct, tag="renew", frozen=True):
 
 
 class Confirm(msgspec.Struct, tag="confirm", frozen=True):
-    """Decode reader ``reader`` finished reading ``request_id``'s blocks."""
+    """Decode TP rank ``reader`` of ``readers`` finished reading ``request_id``'s blocks
+    (from every prefill rank it needed); prefill frees them once all ``readers`` did."""
 
     request_id: str
     reader: int
+    readers: int = 1
 
 
 class GiveUp(msgspec.Struct, tag="give_up", frozen=True):

@@ -70,11 +70,11 @@ class PrefillService:
         with self._lock:
             self._layouts = dict(layouts)
 
-    def hold(self, request_id: str, readers: int) -> None:
-        """Keep ``request_id``'s blocks for ``readers`` decode ranks (until confirmed or the
-        lease lapses)."""
+    def hold(self, request_id: str) -> None:
+        """Keep ``request_id``'s blocks for decode (until every decode rank that reads them
+        confirmed, decode gave them up, or the lease lapsed)."""
         with self._lock:
-            self._leases.hold(request_id, readers, self._clock())
+            self._leases.hold(request_id, self._clock())
 
     def take_released(self) -> list[str]:
         """Requests whose blocks may be freed now (lapsed leases included)."""
@@ -99,7 +99,9 @@ class PrefillService:
             if isinstance(request, msg.GiveUp):
                 self._leases.give_up(request.request_ids)
                 return msg.Ack(True)
-            outcome = self._leases.confirm(request.request_id, request.reader, now)
+            if not 0 <= request.reader < request.readers <= msg.MAX_READERS:
+                return msg.Ack(False, f"reader {request.reader} of {request.readers}: invalid")
+            outcome = self._leases.confirm(request.request_id, request.reader, request.readers, now)
         if outcome is Confirmation.OK:
             return msg.Ack(True)
         log.warning(

@@ -14,13 +14,17 @@ from kvconnect.vllm.params import RemotePrefill
 
 @dataclass(frozen=True, slots=True)
 class RecvJob:
-    """Decode: read ``remote_blocks`` of a prefill engine into ``local_blocks``: per KV-cache
-    group, pairwise (equal lengths)."""
+    """Decode: read a prefill engine's KV into ``local_blocks``: per KV-cache group, paired
+    with ``remote_blocks`` (equal lengths, the same positions of the prompt). ``first_token``:
+    the tokens decode had (where ``local_blocks`` start); with block sizes that differ between
+    the two sides the worker maps tokens from every block prefill holds
+    (``remote.block_ids``) instead of the pairs."""
 
     request_id: str
     remote: RemotePrefill
     local_blocks: GroupBlocks
     remote_blocks: GroupBlocks
+    first_token: int = 0
 
 
 @dataclass(frozen=True, slots=True)

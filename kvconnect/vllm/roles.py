@@ -163,5 +163,6 @@ def build_worker(
         revision=model.revision or "",
         attention_backend=",".join(backends),
         kv_layout=cache.get_resolved_kv_cache_layout().name,
+        total_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
     )
     return ConnectorWorker(config, fmt, kv_cache_config.num_blocks, layer_groups(kv_cache_config))

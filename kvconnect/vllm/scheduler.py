@@ -139,7 +139,7 @@ class ConnectorScheduler:
                     request.request_id,
                 )
                 return 0, False
-            total = request.num_prompt_tokens
+            total = _remote_total(request, remote)
             log.debug(
                 "%s: %d tokens computed here, prefill %s has %s",
                 request.request_id,
@@ -147,8 +147,6 @@ class ConnectorScheduler:
                 remote.engine_id,
                 remote.num_tokens,
             )
-            if remote.num_tokens is not None:
-                total = min(total, remote.num_tokens)
             if len(remote.block_ids) != len(self._groups):
                 log.error(
                     "%s: prefill has %d KV-cache groups, this engine %d: computing locally",
@@ -188,7 +186,7 @@ class ConnectorScheduler:
         remote = remote_prefill(params)
         if remote is not None and params is not None and self._keeper is not None:
             params["do_remote_prefill"] = False  # one transfer per request, even if preempted
-            job = self._recv_job(rid, remote, block_ids, num_external)
+            job = self._recv_job(request, remote, block_ids, num_external)
             if job is not None:
                 self._recv.append(job)
             else:  # everything was here already: prefill may free its blocks now
@@ -208,7 +206,7 @@ class ConnectorScheduler:
 
     def _recv_job(
         self,
-        rid: str,
+        request: RequestView,
         remote: RemotePrefill,
         block_ids: Sequence[Sequence[int]],
         num_external: int,
@@ -226,7 +224,9 @@ class ConnectorScheduler:
             for g, ids in zip(self._groups, local, strict=True)
         ]
         mine, theirs = pair_tails(local, remote.block_ids, counts)
-        return RecvJob(rid, remote, mine, theirs)
+        # The new blocks start after the tokens decode had (matched_tokens' total).
+        first = _remote_total(request, remote) - num_external
+        return RecvJob(request.request_id, remote, mine, theirs, first_token=first)
 
     # -------------------------------------------------------------------------------- steps
 
@@ -335,7 +335,7 @@ class ConnectorScheduler:
         held = transferable(self._groups, block_ids)
         if not (self._prefill and wants_remote_decode(params) and completed and any(held)):
             return delay, None
-        self._prefill.hold(rid, readers=self._tp_size)
+        self._prefill.hold(rid)
         self._held.append(rid)
         return True, prefill_params(
             engine_id=self._engine_id,
@@ -346,6 +346,13 @@ class ConnectorScheduler:
             tp_size=self._tp_size,
             num_tokens=request.num_prompt_tokens,
         )
+
+
+def _remote_total(request: RequestView, remote: RemotePrefill) -> int:
+    """The prompt tokens prefill's blocks hold."""
+    if remote.num_tokens is None:
+        return request.num_prompt_tokens
+    return min(request.num_prompt_tokens, remote.num_tokens)
 
 
 def _async(tokens: int) -> tuple[int, bool]:

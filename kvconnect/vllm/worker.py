@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, NoReturn, Protocol, cast
 
 from kvconnect.errors import KVConnectError
 from kvconnect.store.client import Span, StoreClient
@@ -49,6 +49,12 @@ from kvconnect.vllm.peers import PeerLayouts, PeerReplaced
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
 from kvconnect.vllm.pool import BlockPart, PoolKeys, block_part, block_spans, pool_keys
 from kvconnect.vllm.sidechannel import SideChannelClient
+from kvconnect.vllm.tpmap import (
+    KV_HALVES_BACKENDS,
+    check_mappable,
+    layer_spans,
+    with_heads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +93,8 @@ class EngineFormat:
     revision: str = ""
     attention_backend: str = ""
     kv_layout: str = ""
+    total_kv_heads: int = 0
+    """The model's KV heads (1 for MLA); 0: unknown, so only identical peers are read."""
 
     def kv_format(self) -> KVFormat:
         """The format every rank of this engine shares (the TP rank is not part of it)."""
@@ -100,6 +108,14 @@ class EngineFormat:
             attention_backend=self.attention_backend,
             kv_layout=self.kv_layout,
         )
+
+
+def _heads(layer: LayerLayout) -> str:
+    """Which of the model's KV heads ``layer`` holds, for the log."""
+    if not layer.total_heads:
+        return "unknown"
+    count = layer.block_shape[0]
+    return f"{layer.first_head}-{layer.first_head + count - 1} of {layer.total_heads}"
 
 
 class _Kind(enum.StrEnum):
@@ -172,6 +188,7 @@ class ConnectorWorker:
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.peers = PeerLayouts(self._client, on_evict=self._forget_peer)
+        self._mapped: set[str] = set()  # prefill engines read through tpmap (logged once)
         self.layout: RankLayout | None = None
         self._regions: dict[int, MemoryRegion] = {}
         self._load_errors: set[int] = set()
@@ -190,6 +207,19 @@ class ConnectorWorker:
         layers, self._regions = register_kv_caches(
             self.engine, kv_caches, self._num_blocks, self._layer_groups
         )
+        fmt = self.format
+        halves = bool(KV_HALVES_BACKENDS & set(fmt.attention_backend.split(",")))
+        layers = [
+            with_heads(
+                layer,
+                fmt.tp_rank,
+                fmt.tp_size,
+                fmt.total_kv_heads,
+                fmt.block_size,
+                kv_halves=halves,
+            )
+            for layer in layers
+        ]
         self._cuda = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
         kv_format = self.format.kv_format()
         compat = compat_hash(kv_format, layers)
@@ -198,9 +228,11 @@ class ConnectorWorker:
             with threads_on(self.config.io_cpu_set):
                 self._start_pool(layers)
         log.info(
-            "kvconnect registered %d KV layers (%d blocks) in %d KV-cache groups as segment %s",
+            "kvconnect registered %d KV layers (%d blocks, KV heads %s) in %d KV-cache groups "
+            "as segment %s",
             len(layers),
             self._num_blocks,
+            _heads(layers[0]) if layers else "none",
             len({layer.group for layer in layers}),
             self.engine.name,
         )
@@ -391,7 +423,7 @@ class ConnectorWorker:
         mine = self.layout
         assert mine is not None
         try:
-            theirs = self._peer_layout(remote.endpoint, remote.engine_id, remote.tp_size)
+            ranks, direct = self._peer_layout(remote.endpoint, remote.engine_id, remote.tp_size)
         except KVConnectError as exc:
             refused = isinstance(exc, IncompatiblePeer)  # logged once per prefill engine
             if not refused:
@@ -411,7 +443,7 @@ class ConnectorWorker:
             if not isinstance(exc, PeerReplaced):  # else its blocks went with the old engine
                 self._give_up(remote.endpoint, remote.request_id)
             return
-        requests = self._read_requests(mine, theirs, job)
+        requests = self._read_requests(mine, ranks, direct, job)
         nbytes = sum(r.length for r in requests)
         reading = time.monotonic()
         timeout = started + self.config.read_timeout - time.monotonic()
@@ -435,41 +467,103 @@ class ConnectorWorker:
             self.peers.read_failed(remote.endpoint, remote.engine_id)
             errors = [e for e in batch.errors if e is not None]
             problem = errors[0] if errors else statuses
-            log.error(
-                "reading KV of %s from %s failed: %s", job.request_id, theirs.segment, problem
-            )
+            segments = sorted({r.segment for r in requests})
+            log.error("reading KV of %s from %s failed: %s", job.request_id, segments, problem)
             self._give_up(remote.endpoint, remote.request_id)
 
     def _read_requests(
-        self, mine: RankLayout, theirs: RankLayout, job: RecvJob
+        self, mine: RankLayout, ranks: Mapping[int, RankLayout], direct: bool, job: RecvJob
     ) -> list[TransferRequest]:
+        """The ranges of ``job``: block for block from the prefill rank of this rank's TP
+        rank (``direct``: its blocks are this rank's byte for byte), else each head this rank
+        holds, token by token, from a prefill rank holding it (:mod:`.tpmap`). Each layer
+        reads its KV-cache group's blocks."""
+        rank = self.format.tp_rank
         requests: list[TransferRequest] = []
-        for local, remote in zip(mine.layers, theirs.layers, strict=True):
+        if direct:
+            theirs = ranks[rank]
+            for local, remote in zip(mine.layers, theirs.layers, strict=True):
+                region = self._regions[local.region]
+                local_blocks = job.local_blocks[local.group]
+                remote_blocks = job.remote_blocks[remote.group]
+                for lo, ro, length in range_pairs(local, remote, local_blocks, remote_blocks):
+                    requests.append(
+                        TransferRequest(region, lo, theirs.segment, remote.region, ro, length)
+                    )
+            return requests
+        for i, local in enumerate(mine.layers):
             region = self._regions[local.region]
-            local_blocks = job.local_blocks[local.group]
-            remote_blocks = job.remote_blocks[remote.group]
-            for lo, ro, length in range_pairs(local, remote, local_blocks, remote_blocks):
+            layers = {r: layout.layers[i] for r, layout in ranks.items()}
+            local_blocks, remote_blocks, first = self._mapped_blocks(ranks[0], local.group, job)
+            for span in layer_spans(local, layers, local_blocks, remote_blocks, first, rank):
+                segment, remote_region = ranks[span.rank].segment, layers[span.rank].region
                 requests.append(
-                    TransferRequest(region, lo, theirs.segment, remote.region, ro, length)
+                    TransferRequest(
+                        region, span.local, segment, remote_region, span.remote, span.length
+                    )
                 )
         return requests
 
-    def _peer_layout(self, endpoint: str, engine_id: str, tp_size: int) -> RankLayout:
-        """The prefill rank this rank reads from (its layouts cached by :attr:`peers`). Raises
-        IncompatiblePeer when that engine's KV means something else here: decided and logged
+    def _mapped_blocks(
+        self, theirs: RankLayout, group: int, job: RecvJob
+    ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """``(local blocks, remote blocks, first token of the local ones)`` of one KV-cache
+        group for :func:`~kvconnect.vllm.tpmap.layer_spans`, whose remote blocks start at
+        the prompt's first token: with equal block sizes the job's pairs (both start at the
+        same position, so at token 0 of their own), else every block prefill holds (one
+        group only: :meth:`_peer_layout` refuses the others)."""
+        if theirs.format.block_size == self.format.block_size:
+            return job.local_blocks[group], job.remote_blocks[group], 0
+        return job.local_blocks[group], job.remote.block_ids[group], job.first_token
+
+    def _peer_layout(
+        self, endpoint: str, engine_id: str, tp_size: int
+    ) -> tuple[Mapping[int, RankLayout], bool]:
+        """The prefill engine's ranks (their layouts cached by :attr:`peers`) and whether this
+        rank reads its blocks directly (True) or mapped by heads and tokens (:mod:`.tpmap`).
+        Raises IncompatiblePeer when that engine's KV cannot be read here: decided and logged
         once per engine, at first contact; PeerReplaced when another engine serves the
         endpoint now."""
-        reply = self.peers.get(endpoint, engine_id)
-        assert self.layout is not None
-        if tp_size != self.format.tp_size or len(reply.ranks) != self.format.tp_size:
-            theirs_tp = f"{tp_size} ({len(reply.ranks)} ranks)"
-            here = self.format.tp_size
-            self._refuse(endpoint, engine_id, f"tp_size: {theirs_tp} at the peer, {here} here")
-        theirs = reply.ranks[self.format.tp_rank]
-        problem = check_compatible(self.layout, theirs)
-        if problem is not None and self.config.enforce_compat:
-            self._refuse(endpoint, engine_id, problem)
-        return theirs
+        ranks, here = self.peers.get(endpoint, engine_id).ranks, self.format.tp_size
+        mine = self.layout
+        assert mine is not None
+        if tp_size != len(ranks) or 0 not in ranks:
+            self._refuse(
+                endpoint, engine_id, f"tp_size: {tp_size} at the peer but {len(ranks)} ranks"
+            )
+        problem = f"tp_size: {tp_size} at the peer, {here} here"
+        if tp_size == here:
+            problem = check_compatible(mine, ranks[self.format.tp_rank]) or ""
+            if not problem:
+                return ranks, True
+        unmappable = check_mappable(mine, ranks, strict=self.config.enforce_compat)
+        groups = len({layer.group for layer in mine.layers})
+        if (
+            unmappable is None
+            and groups > 1
+            and ranks[0].format.block_size != self.format.block_size
+        ):
+            unmappable = f"block sizes differ with {groups} KV-cache groups"
+        if unmappable is None:
+            self._note_mapped(engine_id, problem)
+            return ranks, False
+        if tp_size == here and not self.config.enforce_compat:
+            return ranks, True
+        self._refuse(
+            endpoint, engine_id, f"{problem}; not readable by heads and tokens: {unmappable}"
+        )
+
+    def _note_mapped(self, engine_id: str, difference: str) -> None:
+        with self._lock:
+            first = engine_id not in self._mapped
+            self._mapped.add(engine_id)
+        if first:
+            log.info(
+                "prefill engine %s differs (%s): reading each KV head from a prefill rank "
+                "that holds it, token by token",
+                engine_id,
+                difference,
+            )
 
     def _forget_peer(self, reply: msg.LayoutReply) -> None:
         """A prefill engine is gone for good (replaced or aged out of :attr:`peers`): drop the
@@ -479,8 +573,10 @@ class ConnectorWorker:
         gone = {rank.segment for rank in reply.ranks.values()} - self.peers.segments()
         for segment in gone:
             self.engine.forget_segment(segment)
+        with self._lock:
+            self._mapped.discard(reply.engine_id)
 
-    def _refuse(self, endpoint: str, engine_id: str, problem: str) -> None:
+    def _refuse(self, endpoint: str, engine_id: str, problem: str) -> NoReturn:
         refusal = f"prefill engine {engine_id} has an incompatible KV format ({problem})"
         if self.peers.refuse(endpoint, engine_id, refusal):
             log.error(
@@ -492,7 +588,8 @@ class ConnectorWorker:
 
     def _confirm(self, endpoint: str, remote_id: str, rid: str) -> bool:
         try:
-            reply = self._client.call(endpoint, msg.Confirm(remote_id, self.format.tp_rank))
+            confirm = msg.Confirm(remote_id, self.format.tp_rank, self.format.tp_size)
+            reply = self._client.call(endpoint, confirm)
         except KVConnectError as exc:
             log.error("could not confirm the read of %s with prefill: %s", rid, exc)
             return False

@@ -140,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             command = json.loads(line)
             reply: dict[str, Any] = {"ok": True}
             if command["cmd"] == "hold":
-                service.hold(command["request_id"], readers=1)
+                service.hold(command["request_id"])
             elif command["cmd"] == "renewals":
                 reply = {"renewals": dict(service.renewals)}
             elif command["cmd"] == "calls":

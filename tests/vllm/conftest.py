@@ -37,6 +37,7 @@ collect_ignore = (
         "test_end_to_end_peers.py",
         "test_hybrid.py",
         "test_hybrid_end_to_end.py",
+        "test_end_to_end_tp.py",
         "test_pd_lifecycle.py",
         "test_vllm_integration.py",
     ]

@@ -187,6 +187,27 @@ def test_full_local_hit_gives_prefill_blocks_back(
         d.shutdown()
 
 
+def test_a_partial_local_hit_reads_from_the_first_token_decode_lacks(tiny_config: Path) -> None:
+    p, d = _prefill(tiny_config), _decode(tiny_config)
+    try:
+        d.add_request(make_request("local", [*PROMPT[:32], 99], max_tokens=1))
+        step(d)
+        step(d)  # decode's prefix cache holds the prompt's first 2 blocks
+        params = _prefill_once(p)
+        d.add_request(make_request("d1", PROMPT, max_tokens=1, params=params))
+        output, _ = step(d)
+        (job,) = plan_of(output).recv
+        assert job.first_token == 32, "the worker maps tokens from there (any block sizes)"
+        assert len(job.local_blocks) == 1, "decode's new block: tokens 32-39"
+        assert job.remote_blocks == tuple(params["remote_block_ids"][0]), "all, from token 0"
+        d.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
+        step(d, recving=["d1"])
+        assert_empty(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_load_failure_follows_the_policy(tiny_config: Path, policy: str) -> None:
     p, d = _prefill(tiny_config), _decode(tiny_config, policy)

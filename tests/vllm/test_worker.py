@@ -108,7 +108,7 @@ def _job(service: PrefillService, local: tuple[int, ...], remote: tuple[int, ...
 def test_decode_reads_prefill_blocks_byte_for_byte(prefill: Any, decode: Any) -> None:
     _, service, p_caches = prefill
     d_worker, d_caches = decode
-    service.hold("p1", readers=1)
+    service.hold("p1")
     d_worker.start(StepPlan(recv=(_job(service, (5, 6, 9), (1, 2, 3)),)))
     recving, failed = wait_results(d_worker)
     assert (recving, failed) == ({"d1"}, set())
@@ -129,7 +129,7 @@ def test_a_read_after_the_lease_lapsed_is_a_load_error(decode: Any) -> None:
     try:
         service.set_layouts({0: worker.register(caches)})
         service.start()
-        service.hold("p1", readers=1)
+        service.hold("p1")
         time.sleep(0.3)  # decode comes too late: prefill may have reused the blocks
         d_worker.start(StepPlan(recv=(_job(service, (4,), (2,)),)))
         assert wait_results(d_worker) == ({"d1"}, {"d1"})
@@ -146,7 +146,7 @@ def test_incompatible_prefill_is_refused(decode: Any) -> None:
     try:
         service.set_layouts({0: other.register(kv_caches(seed=3))})
         service.start()
-        service.hold("p1", readers=1)
+        service.hold("p1")
         d_worker.start(StepPlan(recv=(_job(service, (1,), (1,)),)))
         assert wait_results(d_worker) == ({"d1"}, {"d1"})
         assert d_worker.load_errors() == {1}
@@ -373,10 +373,10 @@ def test_a_dead_prefill_is_reported_before_the_give_up_call_times_out() -> None:
         service.set_layouts({0: prefill.register(caches)})
         service.start()
         decode.register(kv_caches(seed=None))
-        service.hold("p1", readers=1)
+        service.hold("p1")
         decode.start(StepPlan(recv=(_job(service, (1,), (1,)),)))
         assert wait_results(decode) == ({"d1"}, set())  # decode now knows prefill's layout
-        service.hold("p2", readers=1)
+        service.hold("p2")
         service.close()
         prefill.close()  # prefill dies with p2's blocks held
         job = _job(service, (2,), (2,))
@@ -649,7 +649,7 @@ def test_a_read_that_cannot_be_stopped_keeps_its_blocks_until_it_settles(
     decode = ConnectorWorker(config, FORMAT, BLOCKS)
     try:
         decode.register(kv_caches(seed=None))
-        service.hold("p1", readers=1)
+        service.hold("p1")
         gate.close()
         decode.start(StepPlan(recv=(_job(service, (5, 6), (1, 2)),)))
         assert gate.held.acquire(timeout=10), "the copy started"
