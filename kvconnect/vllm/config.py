@@ -84,6 +84,9 @@ class VllmConnectorConfig(Composed):
     """Deadline of one pool load; blocks not in by then are recomputed."""
     pool_write_timeout: float = 10.0
     """Deadline of one pool save (saves never hold up the forward pass)."""
+    events_poll_interval: float = 1.0
+    """Seconds between the pool's polls of the store master for removed blocks (its
+    ``BlockRemoved`` KV events; only while vLLM publishes KV events)."""
     io_cpus: str = ""
     """CPUs for kvconnect's threads in this engine (transfers, side channel, pool), e.g.
     ``"30-31"``; empty: they inherit the CPUs of the thread that starts them (on vLLM's CPU
@@ -97,7 +100,7 @@ class VllmConnectorConfig(Composed):
 
     def __post_init__(self) -> None:
         check_positive(self, "lease", "read_timeout", "rpc_timeout")
-        check_positive(self, "pool_read_timeout", "pool_write_timeout")
+        check_positive(self, "pool_read_timeout", "pool_write_timeout", "events_poll_interval")
         if not 0 <= self.side_channel_port < 65536:
             raise ConfigError(f"side_channel_port must be 0..65535, got {self.side_channel_port}")
         if not self.store.master.startswith(("tcp://", "etcd://")):

@@ -39,6 +39,14 @@ class PoolKeys:
             for chunk in range(self.chunks)
         ]
 
+    def block_of(self, key: str) -> str | None:
+        """The block hash a key of this scheme belongs to (the inverse of
+        :meth:`block_keys`), or None for a key of another scheme."""
+        if not key.startswith(self.prefix):
+            return None
+        block_hash, slash, _part = key[len(self.prefix) :].partition("/")
+        return block_hash if slash and block_hash else None
+
 
 def pool_keys(
     *, namespace: str, model: str, compat: str, tp_rank: int, layers: int, chunks: int

@@ -8,6 +8,7 @@ from typing import Any
 from kvconnect.store.client import StoreClient
 from kvconnect.vllm.affinity import threads_on
 from kvconnect.vllm.config import VllmConnectorConfig
+from kvconnect.vllm.events import PoolEvents, RemovalPoller
 from kvconnect.vllm.layout import RankLayout
 from kvconnect.vllm.pd import LeaseKeeper, PrefillService
 from kvconnect.vllm.pool import StorePoolIndex, pool_keys
@@ -27,6 +28,9 @@ class SchedulerServices:
         self.client: SideChannelClient | None = None
         self.store: StoreClient | None = None
         self.pool: StorePoolIndex | None = None
+        self.events: PoolEvents | None = None
+        """The pool's KV events (None: vLLM publishes no KV events, or no pool)."""
+        self.removals: RemovalPoller | None = None
 
     def set_layouts(self, layouts: dict[int, RankLayout]) -> None:
         """The workers' KV layouts, by TP rank."""
@@ -46,7 +50,7 @@ class SchedulerServices:
             )
 
     def close(self) -> None:
-        for service in (self.keeper, self.prefill, self.client, self.store):
+        for service in (self.keeper, self.prefill, self.client, self.removals, self.store):
             if service is not None:
                 service.close()
 
@@ -83,6 +87,8 @@ def _build_scheduler(
             services.store = StoreClient(config.store, config.transfer_config(token))
             services.store.start()
             services.pool = StorePoolIndex(services.store)
+            if _publishes_kv_events(vllm_config):
+                _start_pool_events(services, config, parallel.tensor_parallel_size)
     except BaseException:
         services.close()
         raise
@@ -96,6 +102,26 @@ def _build_scheduler(
         pool=services.pool,
     )
     return scheduler, services
+
+
+def _publishes_kv_events(vllm_config: Any) -> bool:
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
+
+
+def _start_pool_events(
+    services: SchedulerServices, config: VllmConnectorConfig, ranks: int
+) -> None:
+    """The pool's KV events: saves announced by the workers, removals polled from the master."""
+    store, pool = services.store, services.pool
+    assert store is not None
+    assert pool is not None
+    events = PoolEvents(ranks)
+    services.events = events
+    services.removals = RemovalPoller(
+        store, lambda: pool.keys, events.removed, config.events_poll_interval
+    )
+    services.removals.start()
 
 
 def build_worker(

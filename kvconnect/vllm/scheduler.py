@@ -78,6 +78,10 @@ class ConnectorScheduler:
 
     # ------------------------------------------------------------------------- lookups
 
+    def request(self, request_id: str) -> RequestView | None:
+        """The unfinished request ``request_id`` (None once finished, or unknown)."""
+        return self._requests.get(request_id)
+
     def on_new_request(self, request: RequestView) -> None:
         self._requests[request.request_id] = request
         remote = remote_prefill(request.kv_transfer_params)

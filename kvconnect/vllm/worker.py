@@ -109,6 +109,7 @@ class _Outcome:
     seconds: float = 0.0
     io_seconds: float = 0.0  # the data movement alone (the batched READ)
     refused: bool = False  # the peer's KV format differs: nothing was read
+    saved: tuple[str, ...] = ()  # a save's blocks (hashes) whose every object was stored
 
 
 @dataclass(slots=True)
@@ -152,6 +153,7 @@ class ConnectorWorker:
         self._saves: dict[str, bool] = {}  # request → its save is done
         self._saving: dict[str, threading.Event] = {}  # saves not reported yet, by request
         self._cuda = False
+        self._saved: list[str] = []  # blocks saved whole since the last take_saved
         self.stats = WorkerStats()
 
     # -------------------------------------------------------------------------- set-up
@@ -262,6 +264,7 @@ class ConnectorWorker:
                 break
             self._account(outcome)
             if outcome.kind is _Kind.SAVE:
+                self._saved.extend(outcome.saved)
                 self._saves[outcome.request_id] = True
                 self._release(outcome.request_id, _Hold.SAVE)
                 continue
@@ -274,6 +277,12 @@ class ConnectorWorker:
             del self._holds[rid]
             self._saves.pop(rid, None)
         return sending, recving, failed
+
+    def take_saved(self) -> list[str]:
+        """Blocks (hashes) this rank saved whole, reported by :meth:`results` since the last
+        call (the model-runner thread, after ``results``)."""
+        saved, self._saved = self._saved, []
+        return saved
 
     def load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call."""
@@ -512,10 +521,20 @@ class ConnectorWorker:
 
     def _save(self, job: PoolJob) -> None:
         assert self._store is not None
+        assert self._pool_keys is not None
+        started = time.monotonic()
         keys, regions, offsets, sizes = self._pool_ranges(job)
         result = self._store.batch_put_from(
             keys, regions, offsets, sizes, timeout=self.config.pool_write_timeout
         )
-        written = sum(size for size, ok in zip(sizes, result.ok(), strict=True) if ok)
-        outcome = _Outcome(job.request_id, _Kind.SAVE, all(result.ok()), (), written)
+        ok = result.ok()
+        written = sum(size for size, stored in zip(sizes, ok, strict=True) if stored)
+        per_block = self._pool_keys.per_block
+        saved = tuple(
+            block_hash
+            for i, block_hash in enumerate(job.hashes)
+            if all(ok[i * per_block : (i + 1) * per_block])
+        )
+        seconds = time.monotonic() - started
+        outcome = _Outcome(job.request_id, _Kind.SAVE, all(ok), (), written, seconds, saved=saved)
         self._report_settled(outcome, Code.UNSETTLED in result.codes, result.on_settled)
