@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,7 @@ class Server:
     ``python``: an interpreter with vLLM (default: this one); ``env``: extra variables (e.g. a
     connector's); ``kv_gib``: KV cache size; ``max_len``: the longest prompt + output;
     ``cpus``: the cores its worker is bound to (``VLLM_CPU_OMP_THREADS_BIND``, see
-    :func:`cpu_groups`).
+    :func:`cpu_groups`); ``args``: more command-line arguments of the server.
     """
 
     def __init__(
@@ -76,18 +77,19 @@ class Server:
         kv_gib: int = 1,
         max_len: int = 4096,
         cpus: str = "auto",
+        args: Sequence[str] = (),
     ) -> None:
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"{name}.log"
-        args = [
+        command = [
             python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "float32", "--max-model-len", str(max_len), "--block-size", "32",
             "--enforce-eager", "--max-num-seqs", "8", "--served-model-name", "tiny",
             "--max-num-batched-tokens", str(max_len),
-            "--kv-transfer-config", json.dumps(transfer),
+            "--kv-transfer-config", json.dumps(transfer), *args,
         ]  # fmt: skip
         variables = dict(
             os.environ,
@@ -102,7 +104,7 @@ class Server:
         )
         with self.log.open("w") as out:
             self.process = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, env=variables, start_new_session=True
+                command, stdout=out, stderr=subprocess.STDOUT, env=variables, start_new_session=True
             )
 
     def wait_ready(self, timeout: float) -> None:

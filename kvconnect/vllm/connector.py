@@ -38,6 +38,7 @@ from kvconnect.vllm.config import parse_config
 from kvconnect.vllm.events import PoolEvent, StoredBlock, stored_blocks
 from kvconnect.vllm.layout import RankLayout
 from kvconnect.vllm.plan import StepPlan
+from kvconnect.vllm.stats import merge
 
 if TYPE_CHECKING:
     from kvconnect.vllm.scheduler import ConnectorScheduler
@@ -64,18 +65,25 @@ class KVConnectHandshake(KVConnectorHandshakeMetadata):
 
 @dataclass
 class KVConnectStats(KVConnectorStats):
-    """Counters summed over workers: PD reads, pool loads and saves."""
+    """The workers' and the scheduler side's stats, merged (:func:`kvconnect.vllm.stats.merge`:
+    counters summed, histogram series concatenated, gauges the latest)."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+        merge(self.data, other.data)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        data = dict(self.data)
+        """For vLLM's log line: counters, and each series' mean."""
+        data: dict[str, float] = {}
+        for key, value in self.data.items():
+            if isinstance(value, list):
+                if value:
+                    data[f"{key}_mean"] = sum(value) / len(value)
+            else:
+                data[key] = value
         reads = data.get("pd_reads", 0)
         if reads:  # whole load (layout, READ, confirmation) and the READ alone
             data["pd_avg_load_ms"] = round(1000 * data.get("pd_seconds", 0) / reads, 3)
@@ -161,6 +169,7 @@ class KVConnectConnector(KVConnectorBase_V1):
         )
         if self._services.events is not None:
             self._services.events.planned(self._planned_blocks(plan))
+        self._services.held.release(plan.released)
         return KVConnectMetadata(plan)
 
     def _planned_blocks(self, plan: StepPlan) -> list[StoredBlock]:
@@ -214,7 +223,10 @@ class KVConnectConnector(KVConnectorBase_V1):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH_CAPPED,
         )
-        return self._scheduler.request_finished(request, block_ids, completed)
+        delay, params = self._scheduler.request_finished(request, block_ids, completed)
+        if params is not None:  # held for decode until released
+            self._services.held.hold(request.request_id, len(block_ids))
+        return delay, params
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         # Inside vLLM's MultiConnector every child gets the first child's handshake metadata.
@@ -279,10 +291,9 @@ class KVConnectConnector(KVConnectorBase_V1):
         return self._worker.load_errors() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._worker is None:
-            return None
-        data = self._worker.stats.take()
-        return KVConnectStats(data=data) if data else None
+        # Both sides: vLLM merges the scheduler side's into the workers' every step.
+        data = self._worker.stats.take() if self._worker else self._services.take_stats()
+        return KVConnectStats(data=dict(data)) if data else None
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

@@ -14,6 +14,7 @@ from kvconnect.vllm.pd import LeaseKeeper, PrefillService
 from kvconnect.vllm.pool import StorePoolIndex, pool_keys
 from kvconnect.vllm.scheduler import ConnectorScheduler
 from kvconnect.vllm.sidechannel import SideChannelClient
+from kvconnect.vllm.stats import HeldBlocks, MeasuredPoolIndex, StatValue, StepStats
 from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
 
 
@@ -31,6 +32,10 @@ class SchedulerServices:
         self.events: PoolEvents | None = None
         """The pool's KV events (None: vLLM publishes no KV events, or no pool)."""
         self.removals: RemovalPoller | None = None
+        self.stats = StepStats()
+        """The scheduler side's stats (pool lookups) since vLLM last collected them."""
+        self.held = HeldBlocks()
+        self._reported = (0, 0, -1)  # lease expiries, renewals, held blocks last reported
 
     def set_layouts(self, layouts: dict[int, RankLayout]) -> None:
         """The workers' KV layouts, by TP rank."""
@@ -48,6 +53,22 @@ class SchedulerServices:
                 )
                 for rank, layout in sorted(layouts.items())
             )
+
+    def take_stats(self) -> dict[str, StatValue]:
+        """The scheduler side's stats since the last call (vLLM's scheduler thread, once a
+        step): pool lookups, and prefill's lease expiries, renewals and held blocks."""
+        data = self.stats.take()
+        if self.prefill is not None:
+            expired, renewed, held = self.prefill.expired, self.prefill.renewals, self.held.total
+            last_expired, last_renewed, last_held = self._reported
+            if expired > last_expired:
+                data["lease_expiries"] = expired - last_expired
+            if renewed > last_renewed:
+                data["lease_renewals"] = renewed - last_renewed
+            if held != last_held:  # a level: reported when it changes
+                data["prefill_held_blocks"] = held
+            self._reported = (expired, renewed, held)
+        return data
 
     def close(self) -> None:
         for service in (self.keeper, self.prefill, self.client, self.removals, self.store):
@@ -99,7 +120,7 @@ def _build_scheduler(
         block_size=vllm_config.cache_config.block_size,
         prefill=services.prefill,
         keeper=services.keeper,
-        pool=services.pool,
+        pool=MeasuredPoolIndex(services.pool, services.stats) if services.pool else None,
     )
     return scheduler, services
 

@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvconnect.errors import ConfigError, KVConnectError
@@ -48,6 +48,7 @@ from kvconnect.vllm.layout import (
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
 from kvconnect.vllm.pool import PoolKeys, pool_keys
 from kvconnect.vllm.sidechannel import SideChannelClient
+from kvconnect.vllm.stats import StepStats
 
 log = logging.getLogger(__name__)
 
@@ -112,21 +113,6 @@ class _Outcome:
     saved: tuple[str, ...] = ()  # a save's blocks (hashes) whose every object was stored
 
 
-@dataclass(slots=True)
-class WorkerStats:
-    """Counters since the last report (vLLM collects them every step)."""
-
-    data: dict[str, float] = field(default_factory=dict)
-
-    def add(self, **values: float) -> None:
-        for key, value in values.items():
-            self.data[key] = self.data.get(key, 0) + value
-
-    def take(self) -> dict[str, float]:
-        data, self.data = self.data, {}
-        return data
-
-
 class ConnectorWorker:
     """Worker-side state of one TP rank."""
 
@@ -154,7 +140,8 @@ class ConnectorWorker:
         self._saving: dict[str, threading.Event] = {}  # saves not reported yet, by request
         self._cuda = False
         self._saved: list[str] = []  # blocks saved whole since the last take_saved
-        self.stats = WorkerStats()
+        self.stats = StepStats()
+        """Counters and series since vLLM last collected them (every step)."""
 
     # -------------------------------------------------------------------------- set-up
 
@@ -304,6 +291,10 @@ class ConnectorWorker:
                 pd_read_seconds=outcome.io_seconds,
                 pd_incompatible=1 if outcome.refused else 0,
             )
+            if outcome.ok:
+                self.stats.observe(
+                    pd_load_duration_seconds=outcome.seconds, pd_load_bytes=outcome.nbytes
+                )
         elif outcome.kind is _Kind.LOAD:
             self.stats.add(
                 pool_loads=1,
@@ -311,8 +302,19 @@ class ConnectorWorker:
                 pool_bytes_loaded=outcome.nbytes,
                 pool_load_seconds=outcome.seconds,
             )
+            if outcome.ok:
+                self.stats.observe(
+                    pool_load_duration_seconds=outcome.seconds, pool_load_bytes=outcome.nbytes
+                )
         else:
-            self.stats.add(pool_saves=1, pool_bytes_saved=outcome.nbytes)
+            self.stats.add(
+                pool_saves=1,
+                pool_save_failed=0 if outcome.ok else 1,
+                pool_bytes_saved=outcome.nbytes,
+            )
+            self.stats.observe(
+                pool_save_duration_seconds=outcome.seconds, pool_save_bytes=outcome.nbytes
+            )
 
     def _guarded(
         self, kind: _Kind, job: Callable[[Any], None], item: RecvJob | PoolJob

@@ -34,6 +34,7 @@ collect_ignore = (
         "harness.py",
         "test_scheduler.py",
         "test_end_to_end.py",
+        "test_events_end_to_end.py",
         "test_pd_lifecycle.py",
         "test_vllm_integration.py",
     ]
