@@ -46,7 +46,7 @@ class PrefillService:
         self._lock = threading.Lock()
         self._leases = LeaseTable(lease)
         self._layouts: dict[int, RankLayout] = {}
-        self._renewals = 0
+        self._renewed = 0
         self._server = SideChannelServer(host, port, self._handle, token=token)
 
     @property
@@ -61,10 +61,10 @@ class PrefillService:
             return self._leases.expired
 
     @property
-    def renewals(self) -> int:
+    def renewed(self) -> int:
         """Lease renewals decode asked for so far (one per request per renewal)."""
         with self._lock:
-            return self._renewals
+            return self._renewed
 
     def start(self) -> None:
         self._server.start()
@@ -102,7 +102,7 @@ class PrefillService:
                 return msg.LayoutReply(self.engine_id, self._layouts)
             if isinstance(request, msg.Renew):
                 self._leases.renew(request.request_ids, now)
-                self._renewals += len(request.request_ids)
+                self._renewed += len(request.request_ids)
                 return msg.Ack(True)
             if isinstance(request, msg.GiveUp):
                 self._leases.give_up(request.request_ids)

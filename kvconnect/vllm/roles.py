@@ -59,7 +59,7 @@ class SchedulerServices:
         step): pool lookups, and prefill's lease expiries, renewals and held blocks."""
         data = self.stats.take()
         if self.prefill is not None:
-            expired, renewed, held = self.prefill.expired, self.prefill.renewals, self.held.total
+            expired, renewed, held = self.prefill.expired, self.prefill.renewed, self.held.total
             last_expired, last_renewed, last_held = self._reported
             if expired > last_expired:
                 data["lease_expiries"] = expired - last_expired
