@@ -35,6 +35,7 @@ collect_ignore = (
         "test_scheduler.py",
         "test_end_to_end.py",
         "test_events_end_to_end.py",
+        "test_connector_stats.py",
         "test_pd_lifecycle.py",
         "test_vllm_integration.py",
     ]
