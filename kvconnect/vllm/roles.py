@@ -35,7 +35,7 @@ class SchedulerServices:
         self.stats = StepStats()
         """The scheduler side's stats (pool lookups) since vLLM last collected them."""
         self.held = HeldBlocks()
-        self._reported = (0, 0, -1)  # lease expiries, renewals, held blocks last reported
+        self._reported = (0, 0, 0)  # lease expiries, renewals, held blocks last reported
 
     def set_layouts(self, layouts: dict[int, RankLayout]) -> None:
         """The workers' KV layouts, by TP rank."""
