@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvconnect._config import MiB
+from kvconnect.errors import KVConnectError
 from kvconnect.store.client import StoreClient
 from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Cluster
@@ -144,3 +145,46 @@ def test_a_poller_that_fell_behind_counts_what_it_missed(cluster: Cluster) -> No
     finally:
         poller.close()
         client.close()
+
+
+@pytest.mark.integration
+def test_the_poller_reads_a_restarted_masters_fresh_log_from_its_start() -> None:
+    scheme = pool_keys(namespace="r", model="m", compat="e" * 16, tp_rank=0, layers=1, chunks=1)
+    blocks = [f"{i:064x}" for i in range(6)]
+    keys = [scheme.block_keys(block)[0] for block in blocks]
+    with Cluster(servers=1, server_size=16 * MiB) as cluster:
+        client = StoreClient(StoreClientConfig(master=cluster.master_endpoint, rpc_timeout=0.5))
+        client.start()
+        events = PoolEvents(ranks=1)
+        poller = RemovalPoller(client, lambda: [scheme], events.removed, interval=60.0)
+        try:
+            region = client.register(bytearray(pattern(9, 4096).tobytes()))
+            assert all(client.batch_put_from(keys, region, [0] * 6, [4096] * 6).ok())
+            events.saved(blocks)
+            events.take()
+            poller.poll()
+            assert client.batch_remove(keys[:5]) == [Code.OK] * 5  # the log is at 5
+            poller.poll()
+            assert events.take() == [RemovedBlocks(tuple(blocks[:5]))]
+            # The store server learns what it holds from the master's journal (a heartbeat).
+            wait_for(
+                lambda: all(s.backlog == 0 for s in cluster.stats().segments),
+                "the store server did not learn of its objects",
+            )
+            cluster.master.kill()
+            cluster.restart_master()
+            # The store server mounts again with what it holds: the last key survived.
+            wait_for(lambda: _exists(client, keys[5]), "the restarted master lacks the key", 20)
+            assert client.batch_remove(keys[5:]) == [Code.OK]  # entry 1 of the new log
+            poller.poll()
+            assert events.take() == [RemovedBlocks((blocks[5],))]
+        finally:
+            poller.close()
+            client.close()
+
+
+def _exists(client: StoreClient, key: str) -> bool:
+    try:
+        return client.exists(key)
+    except KVConnectError:
+        return False
