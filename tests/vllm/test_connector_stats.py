@@ -4,10 +4,11 @@ and the Prometheus metrics vLLM's logger builds from the connector class."""
 
 from __future__ import annotations
 
+import functools
 import pickle
 from types import SimpleNamespace
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
@@ -44,9 +45,10 @@ def test_two_workers_outputs_merge_as_vllm_merges_them() -> None:
 
 def test_prometheus_counters_histograms_and_gauges() -> None:
     config = SimpleNamespace(kv_transfer_config=None)
+    registry = CollectorRegistry()  # vLLM's logger registers its own in the default one
     metrics = KVConnectConnector.build_prom_metrics(
         config,
-        {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
+        {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)},
         ["engine"],
         {0: ["0"]},
     )
@@ -62,7 +64,7 @@ def test_prometheus_counters_histograms_and_gauges() -> None:
     labels = {"engine": "0"}
 
     def sample(name: str, **extra: str) -> float | None:
-        return REGISTRY.get_sample_value(name, {**labels, **extra})
+        return registry.get_sample_value(name, {**labels, **extra})
 
     assert sample("kvconnect_vllm_pool_saves_total") == 3
     assert sample("kvconnect_vllm_pool_save_bytes_count") == 2
