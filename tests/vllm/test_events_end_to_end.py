@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,13 +120,26 @@ def _blocks_of(events: list[BlockStored]) -> dict[Any, list[int]]:
     return tokens
 
 
+def _wait(setup: Setup, condition: Callable[[], bool], message: str) -> None:
+    """Wait until ``condition`` holds after draining the events received (30 s: the server
+    shares two busy cores); a failure shows what arrived and the server's log."""
+    events = setup.events
+    try:
+        wait_for(lambda: events.drain() or condition(), message, timeout=30)
+    except AssertionError:
+        received = f"{len(events.engine)} vLLM, {len(events.stored)}+{len(events.removed)} pool"
+        raise AssertionError(
+            f"{message} (events: {received}); server log:\n{setup.server.tail(60)}"
+        ) from None
+
+
 def test_pool_events_and_histograms(setup: Setup) -> None:
     server, events = setup.server, setup.events
     # vLLM's publisher connected to the SUB socket while the engine started (before /health).
     # A prompt of 6 full blocks: announced in the pool once its save completed, with the
     # hashes, parents and tokens vLLM gave the same blocks.
     complete(server.url, tiny_llama.prompt(41, 200))
-    wait_for(lambda: events.drain() or len(events.stored) >= 6, "no BlockStored of the pool")
+    _wait(setup, lambda: len(events.stored) >= 6, "no BlockStored of the pool")
     first = events.stored[:6]
     assert {e.medium for e in first} == {"CPU"}
     assert {e.locality for e in first} == {"REMOTE"}
@@ -142,12 +155,9 @@ def test_pool_events_and_histograms(setup: Setup) -> None:
     while not events.removed and prompts < 8:
         complete(server.url, tiny_llama.prompt(41 + prompts, 200))
         prompts += 1
-        expected = 6 * prompts
-        wait_for(
-            lambda: events.drain() or len(events.stored) >= expected,  # noqa: B023 - called now
-            "a save was not announced",
-        )
-    wait_for(lambda: events.drain() or bool(events.removed), "no BlockRemoved of the pool")
+        announced = 6 * prompts
+        _wait(setup, lambda n=announced: len(events.stored) >= n, "a save was not announced")
+    _wait(setup, lambda: bool(events.removed), "no BlockRemoved of the pool")
     assert setup.cluster.stats().evictions > 0
     announced = {e.block_hashes[0] for e in events.stored}
     withdrawn = [h for e in events.removed for h in e.block_hashes]
