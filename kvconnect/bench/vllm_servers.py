@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,8 @@ class Server:
     :func:`cpu_groups`; with ``tp`` ranks, ``|`` between the ranks' cores); ``port``: its
     HTTP port (0: a free one; a replacement for a killed server takes the killed one's);
     ``block_size``: tokens per KV block (vLLM's CPU attention needs a multiple of 32); ``tp``:
-    tensor-parallel ranks (worker processes).
+    tensor-parallel ranks (worker processes); ``args``: more command-line arguments of the
+    server.
     """
 
     def __init__(
@@ -83,12 +85,13 @@ class Server:
         port: int = 0,
         block_size: int = 32,
         tp: int = 1,
+        args: Sequence[str] = (),
     ) -> None:
         self.name = name
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"{name}.log"
-        args = [
+        command = [
             python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "float32", "--max-model-len", str(max_len),
@@ -97,7 +100,8 @@ class Server:
             "--max-num-batched-tokens", str(max_len),
         ]  # fmt: skip
         if transfer is not None:
-            args += ["--kv-transfer-config", json.dumps(transfer)]
+            command += ["--kv-transfer-config", json.dumps(transfer)]
+        command += args
         variables = dict(
             os.environ,
             VLLM_TARGET_DEVICE="cpu",
@@ -111,7 +115,7 @@ class Server:
         )
         with self.log.open("w") as out:
             self.process = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, env=variables, start_new_session=True
+                command, stdout=out, stderr=subprocess.STDOUT, env=variables, start_new_session=True
             )
 
     def wait_ready(self, timeout: float) -> None:

@@ -180,6 +180,14 @@ class StoreClient(Lifecycle):
             raise StoreError(f"unexpected reply to stats: {reply!r}")
         return reply
 
+    def removals(self, prefix: str, since: int, limit: int = 1024) -> m.RemovalsReply:
+        """Objects under ``prefix`` removed, evicted or lost after entry ``since`` of the
+        master's removal log (see :class:`m.RemovalsReply`). Raises StoreError subclasses."""
+        reply = self._call(m.Removals(prefix, since, limit))
+        if not isinstance(reply, m.RemovalsReply):
+            raise StoreError(f"unexpected reply to removals: {reply!r}")
+        return reply
+
     # ---------------------------------------------------------------------------------- put
 
     def put(

@@ -192,6 +192,16 @@ class Stats(msgspec.Struct, tag="stats"):
     pass
 
 
+class Removals(msgspec.Struct, tag="removals"):
+    """Complete objects under ``prefix`` that stopped existing after sequence number ``since``
+    of the master's removal log (see :mod:`kvconnect.store.master.removals`); at most
+    ``limit`` of them (the master caps it)."""
+
+    prefix: str
+    since: int = 0
+    limit: int = 1024
+
+
 Request = (
     Exists
     | PutStart
@@ -204,6 +214,7 @@ Request = (
     | Unmount
     | Heartbeat
     | Stats
+    | Removals
 )
 
 # ------------------------------------------------------------------------------------ replies
@@ -243,13 +254,47 @@ class StatsReply(msgspec.Struct, tag="stats"):
     dropped: int = 0  # messages dropped unanswered (malformed, too deep, reply not sendable)
 
 
+class RemovalReason(enum.IntEnum):
+    """Why an object stopped existing."""
+
+    REMOVED = 0  # a client removed it
+    EVICTED = 1  # the master evicted it to make room
+    LOST = 2  # its last replica's segment went away
+
+
+class Removal(msgspec.Struct, array_like=True, frozen=True):
+    """One entry of the master's removal log."""
+
+    seq: int
+    key: str
+    reason: RemovalReason
+
+
+class RemovalsReply(msgspec.Struct, tag="removals"):
+    """``removed``: the matching entries found; ``next``: the last sequence number examined
+    (ask again with ``since=next``); ``first``: the oldest kept (entries before it are lost);
+    ``epoch``: names the log (another epoch: the master restarted, start again from 0)."""
+
+    epoch: int
+    first: int
+    next: int
+    removed: list[Removal]
+
+
 class Error(msgspec.Struct, tag="error"):
     code: Code
     message: str
 
 
 Reply = (
-    ExistsReply | PutStartReply | CodesReply | ReplicasReply | HeartbeatReply | StatsReply | Error
+    ExistsReply
+    | PutStartReply
+    | CodesReply
+    | ReplicasReply
+    | HeartbeatReply
+    | StatsReply
+    | RemovalsReply
+    | Error
 )
 
 

@@ -87,6 +87,9 @@ class VllmConnectorConfig(Composed):
     pool_save_generated: bool = False
     """Also save the full blocks of a finished request's output (multi-turn chats resend it
     as the next prompt); its blocks stay allocated until that save is done."""
+    events_poll_interval: float = 1.0
+    """Seconds between the pool's polls of the store master for removed blocks (its
+    ``BlockRemoved`` KV events; only while vLLM publishes KV events)."""
     io_cpus: str = ""
     """CPUs for kvconnect's threads in this engine (transfers, side channel, pool), e.g.
     ``"30-31"``; empty: they inherit the CPUs of the thread that starts them (on vLLM's CPU
@@ -100,7 +103,7 @@ class VllmConnectorConfig(Composed):
 
     def __post_init__(self) -> None:
         check_positive(self, "lease", "read_timeout", "rpc_timeout")
-        check_positive(self, "pool_read_timeout", "pool_write_timeout")
+        check_positive(self, "pool_read_timeout", "pool_write_timeout", "events_poll_interval")
         if not 0 <= self.side_channel_port < 65536:
             raise ConfigError(f"side_channel_port must be 0..65535, got {self.side_channel_port}")
         if not self.store.master.startswith(("tcp://", "etcd://")):

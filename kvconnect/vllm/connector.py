@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from vllm.distributed.kv_events import KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -34,8 +36,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvconnect.vllm.config import parse_config
+from kvconnect.vllm.events import PoolEvent, StoredBlock, stored_blocks
 from kvconnect.vllm.layout import RankLayout
 from kvconnect.vllm.plan import StepPlan
+from kvconnect.vllm.stats import merge
 
 if TYPE_CHECKING:
     from kvconnect.vllm.scheduler import ConnectorScheduler
@@ -62,18 +66,25 @@ class KVConnectHandshake(KVConnectorHandshakeMetadata):
 
 @dataclass
 class KVConnectStats(KVConnectorStats):
-    """Counters summed over workers: PD reads, pool loads and saves."""
+    """The workers' and the scheduler side's stats, merged (:func:`kvconnect.vllm.stats.merge`:
+    counters summed, histogram series concatenated, gauges the latest)."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+        merge(self.data, other.data)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        data = dict(self.data)
+        """For vLLM's log line: counters, and each series' mean."""
+        data: dict[str, float] = {}
+        for key, value in self.data.items():
+            if isinstance(value, list):
+                if value:
+                    data[f"{key}_mean"] = sum(value) / len(value)
+            else:
+                data[key] = value
         reads = data.get("pd_reads", 0)
         if reads:  # whole load (layout, READ, confirmation) and the READ alone
             data["pd_avg_load_ms"] = round(1000 * data.get("pd_seconds", 0) / reads, 3)
@@ -82,6 +93,34 @@ class KVConnectStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not self.data
+
+
+class KVConnectSaved(KVConnectorKVEvents):
+    """Blocks (hex hashes) the workers saved whole to the pool, one entry per rank that saved
+    one: what vLLM's output aggregator carries from the workers to the scheduler side, which
+    announces a block (``BlockStored``) once every rank saved it. Not vLLM events."""
+
+    def __init__(self, hashes: list[str]) -> None:
+        self.hashes = hashes
+        self._workers = 1
+
+    def add_events(self, events: list[Any]) -> None:
+        self.hashes.extend(events)
+
+    def aggregate(self) -> KVConnectSaved:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
+
+    def get_all_events(self) -> list[Any]:
+        return list(self.hashes)
+
+    def get_number_of_workers(self) -> int:
+        return self._workers
+
+    def clear_events(self) -> None:
+        self.hashes = []
 
 
 class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
@@ -141,7 +180,28 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
             self._block_ids_of,
             scheduler_output.preempted_req_ids or (),
         )
+        if self._services.events is not None:
+            self._services.events.planned(self._planned_blocks(plan))
+        self._services.held.release(plan.released)
         return KVConnectMetadata(plan)
+
+    def _planned_blocks(self, plan: StepPlan) -> list[StoredBlock]:
+        assert self._scheduler is not None
+        block_size = self._vllm_config.cache_config.block_size
+        blocks: list[StoredBlock] = []
+        for job in plan.save:
+            request: Any = self._scheduler.request(job.request_id)
+            if request is None:
+                continue
+            lora = request.lora_request
+            blocks += stored_blocks(
+                request.block_hashes,
+                request.all_token_ids,
+                block_size,
+                job.hashes,
+                (lora.adapter_id, lora.name) if lora is not None else (None, None),
+            )
+        return blocks
 
     def on_new_request(self, request: Any) -> None:
         assert self._scheduler is not None
@@ -153,6 +213,21 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
         self._scheduler.on_transfers_done(connector_output.finished_recving or ())
+        saved = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(saved, KVConnectSaved) and self._services.events is not None:
+            self._services.events.saved(saved.hashes)
+
+    def take_events(self) -> Iterable[Any]:
+        if self._scheduler is None or self._services.events is None:
+            return ()
+        records = self._services.events.take()
+        if not records:
+            return ()
+        try:
+            return _vllm_events(records, self._vllm_config.cache_config.block_size)
+        except Exception:  # never into vLLM's scheduler thread: these events are lost
+            log.exception("kvconnect could not build KV events")
+            return ()
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -169,7 +244,10 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH_CAPPED,
         )
-        return self._scheduler.request_finished(request, block_ids, completed)
+        delay, params = self._scheduler.request_finished(request, block_ids, completed)
+        if params is not None:  # held for decode until released
+            self._services.held.hold(request.request_id, len(block_ids))
+        return delay, params
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         # Inside vLLM's MultiConnector every child gets the first child's handshake metadata.
@@ -226,14 +304,17 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         sending, recving, failed = self._worker.results(finished_req_ids)
         return KVConnectorTransferResults(sending, recving, failed)
 
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        saved = self._worker.take_saved() if self._worker is not None else []
+        return KVConnectSaved(saved) if saved else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._worker is None:
-            return None
-        data = self._worker.stats.take()
-        return KVConnectStats(data=data) if data else None
+        # Both sides: vLLM merges the scheduler side's into the workers' every step.
+        data = self._worker.stats.take() if self._worker else self._services.take_stats()
+        return KVConnectStats(data=dict(data)) if data else None
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -282,6 +363,51 @@ def _drop_prompt_tail(request: Any, count: int) -> None:
     del request._all_token_ids[-count:]
     request.num_prompt_tokens -= count
     request.max_tokens = 1
+
+
+POOL_MEDIUM = "CPU"
+"""The ``medium`` of the pool's KV events: store servers hold blocks in host memory. Their
+``locality`` is ``REMOTE`` (another process's memory, shared by the fleet) and ``ownership``
+``kvconnect`` (the tier), so indexers tell them from vLLM's own GPU and CPU-offload events."""
+
+
+def _vllm_events(records: list[PoolEvent], block_size: int) -> list[Any]:
+    """The pool's records as vLLM's event classes (block hashes as vLLM publishes them:
+    bytes, or 64-bit ints with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    def block_hash(hex_hash: str) -> Any:
+        return maybe_convert_block_hash(bytes.fromhex(hex_hash))
+
+    events: list[Any] = []
+    for record in records:
+        if isinstance(record, StoredBlock):
+            events.append(
+                BlockStored(
+                    block_hashes=[block_hash(record.block_hash)],
+                    parent_block_hash=block_hash(record.parent) if record.parent else None,
+                    token_ids=list(record.token_ids),
+                    block_size=block_size,
+                    lora_id=record.lora_id,
+                    medium=POOL_MEDIUM,
+                    lora_name=record.lora_name,
+                    group_idx=0,
+                    locality="REMOTE",
+                    ownership="kvconnect",
+                )
+            )
+        else:
+            events.append(
+                BlockRemoved(
+                    block_hashes=[block_hash(h) for h in record.block_hashes],
+                    medium=POOL_MEDIUM,
+                    group_idx=0,
+                    locality="REMOTE",
+                    ownership="kvconnect",
+                )
+            )
+    return events
 
 
 def _register() -> None:

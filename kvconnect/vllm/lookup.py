@@ -14,12 +14,14 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvconnect.errors import ClosedError
 from kvconnect.vllm.lanes import Lanes
 from kvconnect.vllm.pool import StorePoolIndex, Verdict
+from kvconnect.vllm.stats import StepStats
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +41,20 @@ class PoolLookups:
     """The scheduler side's pool index: asks :class:`StorePoolIndex` in the background."""
 
     def __init__(
-        self, index: StorePoolIndex, *, cpus: frozenset[int] = frozenset(), limit: int = LIMIT
+        self,
+        index: StorePoolIndex,
+        *,
+        cpus: frozenset[int] = frozenset(),
+        limit: int = LIMIT,
+        stats: StepStats | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``stats``: where each lookup is counted: ``pool_lookups``, the blocks asked about
+        (``pool_lookup_blocks``) and found (``pool_hit_blocks``), and its duration
+        (``pool_lookup_duration_seconds``)."""
         self.index = index
+        self._stats = stats
+        self._clock = clock
         self._lanes = Lanes("pool", 1, cpus=cpus)
         self._limit = limit
         self._lock = threading.Lock()
@@ -85,11 +98,15 @@ class PoolLookups:
         self._lanes.close()
 
     def _look_up(self, request_id: str, first: int, hashes: tuple[str, ...]) -> None:
+        started = self._clock()
         try:
             blocks = self.index.leading(hashes, first)
         except Exception:  # a bug, not the store (leading answers 0 for that): a miss
             log.exception("kvconnect pool lookup of %s failed", request_id)
             blocks = 0
+        if self._stats is not None:
+            self._stats.add(pool_lookups=1, pool_lookup_blocks=len(hashes), pool_hit_blocks=blocks)
+            self._stats.observe(pool_lookup_duration_seconds=self._clock() - started)
         with self._lock:
             entry = self._entries.get(request_id)
             if entry is not None and entry.first == first:

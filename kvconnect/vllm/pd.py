@@ -46,6 +46,7 @@ class PrefillService:
         self._lock = threading.Lock()
         self._leases = LeaseTable(lease)
         self._layouts: dict[int, RankLayout] = {}
+        self._renewed = 0
         self._server = SideChannelServer(host, port, self._handle, token=token)
 
     @property
@@ -58,6 +59,12 @@ class PrefillService:
         """Leases that lapsed so far."""
         with self._lock:
             return self._leases.expired
+
+    @property
+    def renewed(self) -> int:
+        """Lease renewals decode asked for so far (one per request per renewal)."""
+        with self._lock:
+            return self._renewed
 
     def start(self) -> None:
         self._server.start()
@@ -95,6 +102,7 @@ class PrefillService:
                 return msg.LayoutReply(self.engine_id, self._layouts)
             if isinstance(request, msg.Renew):
                 self._leases.renew(request.request_ids, now)
+                self._renewed += len(request.request_ids)
                 return msg.Ack(True)
             if isinstance(request, msg.GiveUp):
                 self._leases.give_up(request.request_ids)

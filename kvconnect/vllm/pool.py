@@ -55,6 +55,15 @@ class PoolKeys:
         """The fleet probe's object."""
         return f"{self.prefix}fleet-probe"
 
+    def block_of(self, key: str) -> str | None:
+        """The block hash a key of this scheme belongs to (the inverse of
+        :meth:`block_key`, whatever the group), or None for a key of another scheme (or the
+        fleet probe)."""
+        if not key.startswith(self.prefix):
+            return None
+        block_hash, slash, _part = key[len(self.prefix) :].partition("/")
+        return block_hash if slash and block_hash else None
+
 
 def pool_keys(*, namespace: str, model: str, compat: str) -> PoolKeys:
     """The key scheme of an engine whose ranks share the compatibility hash ``compat``."""

@@ -9,6 +9,7 @@ from typing import Any
 from kvconnect.store.client import StoreClient
 from kvconnect.vllm.affinity import threads_on
 from kvconnect.vllm.config import VllmConnectorConfig
+from kvconnect.vllm.events import PoolEvents, RemovalPoller
 from kvconnect.vllm.groups import FULL_ONLY, Group, GroupKind
 from kvconnect.vllm.layout import RankLayout
 from kvconnect.vllm.lookup import PoolLookups
@@ -16,6 +17,7 @@ from kvconnect.vllm.pd import LeaseKeeper, PrefillService
 from kvconnect.vllm.pool import PROBE_TOKENS, StorePoolIndex, fleet_keys
 from kvconnect.vllm.scheduler import ConnectorScheduler
 from kvconnect.vllm.sidechannel import SideChannelClient
+from kvconnect.vllm.stats import HeldBlocks, StatValue, StepStats
 from kvconnect.vllm.worker import ConnectorWorker, EngineFormat
 
 
@@ -29,6 +31,13 @@ class SchedulerServices:
         self.client: SideChannelClient | None = None
         self.store: StoreClient | None = None
         self.pool: PoolLookups | None = None
+        self.events: PoolEvents | None = None
+        """The pool's KV events (None: vLLM publishes no KV events, or no pool)."""
+        self.removals: RemovalPoller | None = None
+        self.stats = StepStats()
+        """The scheduler side's stats (pool lookups) since vLLM last collected them."""
+        self.held = HeldBlocks()
+        self._reported = (0, 0, 0)  # lease expiries, renewals, held blocks last reported
 
     def set_layouts(self, layouts: dict[int, RankLayout]) -> None:
         """The workers' KV layouts, by TP rank."""
@@ -37,8 +46,25 @@ class SchedulerServices:
         if self.pool is not None:
             self.pool.index.keys = fleet_keys(namespace=self._config.namespace, layouts=layouts)
 
+    def take_stats(self) -> dict[str, StatValue]:
+        """The scheduler side's stats since the last call (vLLM's scheduler thread, once a
+        step): pool lookups, and prefill's lease expiries, renewals and held blocks."""
+        data = self.stats.take()
+        if self.prefill is not None:
+            expired, renewed, held = self.prefill.expired, self.prefill.renewed, self.held.total
+            last_expired, last_renewed, last_held = self._reported
+            if expired > last_expired:
+                data["lease_expiries"] = expired - last_expired
+            if renewed > last_renewed:
+                data["lease_renewals"] = renewed - last_renewed
+            if held != last_held:  # a level: reported when it changes
+                data["prefill_held_blocks"] = held
+            self._reported = (expired, renewed, held)
+        return data
+
     def close(self) -> None:
-        for service in (self.keeper, self.prefill, self.client, self.pool, self.store):
+        services = (self.keeper, self.prefill, self.client, self.pool, self.removals, self.store)
+        for service in services:
             if service is not None:
                 service.close()
 
@@ -110,7 +136,9 @@ def _build_scheduler(
                 groups=kv_cache_groups(kv_cache_config),
                 block_size=vllm_config.cache_config.block_size,
             )
-            services.pool = PoolLookups(index, cpus=config.io_cpu_set)
+            services.pool = PoolLookups(index, cpus=config.io_cpu_set, stats=services.stats)
+            if _publishes_kv_events(vllm_config):
+                _start_pool_events(services, config, parallel.tensor_parallel_size)
     except BaseException:
         services.close()
         raise
@@ -140,6 +168,26 @@ def _probe_hash(vllm_config: Any) -> Callable[[], bytes]:
         return bytes(hash_block_tokens(hash_fn, None, range(PROBE_TOKENS)))
 
     return probe
+
+
+def _publishes_kv_events(vllm_config: Any) -> bool:
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
+
+
+def _start_pool_events(
+    services: SchedulerServices, config: VllmConnectorConfig, ranks: int
+) -> None:
+    """The pool's KV events: saves announced by the workers, removals polled from the master."""
+    store, pool = services.store, services.pool
+    assert store is not None
+    assert pool is not None
+    events = PoolEvents(ranks)
+    services.events = events
+    services.removals = RemovalPoller(
+        store, lambda: pool.index.keys, events.removed, config.events_poll_interval
+    )
+    services.removals.start()
 
 
 def build_worker(

@@ -121,6 +121,10 @@ class ConnectorScheduler:
         wanted = self._prefill is not None and wants_remote_decode(request.kv_transfer_params)
         return 1 if state and wanted and request.num_prompt_tokens > 1 else 0
 
+    def request(self, request_id: str) -> RequestView | None:
+        """The unfinished request ``request_id`` (None once finished, or unknown)."""
+        return self._requests.get(request_id)
+
     def on_new_request(self, request: RequestView) -> None:
         self._requests[request.request_id] = request
         remote = remote_prefill(request.kv_transfer_params)

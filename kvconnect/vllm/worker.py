@@ -21,8 +21,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, NoReturn, Protocol, cast
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 from kvconnect.errors import KVConnectError
 from kvconnect.store.client import Span, StoreClient
@@ -49,6 +49,7 @@ from kvconnect.vllm.peers import PeerLayouts, PeerReplaced
 from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
 from kvconnect.vllm.pool import BlockPart, PoolKeys, block_part, block_spans, pool_keys
 from kvconnect.vllm.sidechannel import SideChannelClient
+from kvconnect.vllm.stats import StepStats
 from kvconnect.vllm.tpmap import (
     KV_HALVES_BACKENDS,
     check_mappable,
@@ -143,21 +144,7 @@ class _Outcome:
     seconds: float = 0.0
     io_seconds: float = 0.0  # the data movement alone (the batched READ)
     refused: bool = False  # the peer's KV format differs: nothing was read
-
-
-@dataclass(slots=True)
-class WorkerStats:
-    """Counters since the last report (vLLM collects them every step)."""
-
-    data: dict[str, float] = field(default_factory=dict)
-
-    def add(self, **values: float) -> None:
-        for key, value in values.items():
-            self.data[key] = self.data.get(key, 0) + value
-
-    def take(self) -> dict[str, float]:
-        data, self.data = self.data, {}
-        return data
+    saved: tuple[str, ...] = ()  # a save's blocks (hashes) whose every object was stored
 
 
 class ConnectorWorker:
@@ -196,7 +183,9 @@ class ConnectorWorker:
         self._saves: dict[str, int] = {}  # request with a save → its saves still running
         self._saving: dict[str, threading.Event] = {}  # saves not reported yet, by request
         self._cuda = False
-        self.stats = WorkerStats()
+        self._saved: list[str] = []  # blocks saved whole since the last take_saved
+        self.stats = StepStats()
+        """Counters and series since vLLM last collected them (every step)."""
 
     # -------------------------------------------------------------------------- set-up
 
@@ -326,6 +315,7 @@ class ConnectorWorker:
                 break
             self._account(outcome)
             if outcome.kind is _Kind.SAVE:
+                self._saved.extend(outcome.saved)
                 rid = outcome.request_id
                 if rid in self._saves:
                     self._saves[rid] -= 1
@@ -344,6 +334,12 @@ class ConnectorWorker:
             del self._holds[rid]
             self._saves.pop(rid, None)
         return sending, recving, failed
+
+    def take_saved(self) -> list[str]:
+        """Blocks (hashes) this rank saved whole, reported by :meth:`results` since the last
+        call (the model-runner thread, after ``results``)."""
+        saved, self._saved = self._saved, []
+        return saved
 
     def load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call."""
@@ -365,6 +361,10 @@ class ConnectorWorker:
                 pd_read_seconds=outcome.io_seconds,
                 pd_incompatible=1 if outcome.refused else 0,
             )
+            if outcome.ok:
+                self.stats.observe(
+                    pd_load_duration_seconds=outcome.seconds, pd_load_bytes=outcome.nbytes
+                )
         elif outcome.kind is _Kind.LOAD:
             self.stats.add(
                 pool_loads=1,
@@ -372,8 +372,19 @@ class ConnectorWorker:
                 pool_bytes_loaded=outcome.nbytes,
                 pool_load_seconds=outcome.seconds,
             )
+            if outcome.ok:
+                self.stats.observe(
+                    pool_load_duration_seconds=outcome.seconds, pool_load_bytes=outcome.nbytes
+                )
         else:
-            self.stats.add(pool_saves=1, pool_bytes_saved=outcome.nbytes)
+            self.stats.add(
+                pool_saves=1,
+                pool_save_failed=0 if outcome.ok else 1,
+                pool_bytes_saved=outcome.nbytes,
+            )
+            self.stats.observe(
+                pool_save_duration_seconds=outcome.seconds, pool_save_bytes=outcome.nbytes
+            )
 
     def _guarded(
         self, kind: _Kind, job: Callable[[Any], None], item: RecvJob | PoolJob
@@ -528,7 +539,7 @@ class ConnectorWorker:
         mine = self.layout
         assert mine is not None
         if tp_size != len(ranks) or 0 not in ranks:
-            self._refuse(
+            raise self._refusal(
                 endpoint, engine_id, f"tp_size: {tp_size} at the peer but {len(ranks)} ranks"
             )
         problem = f"tp_size: {tp_size} at the peer, {here} here"
@@ -549,7 +560,7 @@ class ConnectorWorker:
             return ranks, False
         if tp_size == here and not self.config.enforce_compat:
             return ranks, True
-        self._refuse(
+        raise self._refusal(
             endpoint, engine_id, f"{problem}; not readable by heads and tokens: {unmappable}"
         )
 
@@ -576,7 +587,9 @@ class ConnectorWorker:
         with self._lock:
             self._mapped.discard(reply.engine_id)
 
-    def _refuse(self, endpoint: str, engine_id: str, problem: str) -> NoReturn:
+    def _refusal(self, endpoint: str, engine_id: str, problem: str) -> IncompatiblePeer:
+        """The refusal to raise for ``engine_id`` (remembered with its layouts, logged at the
+        first one)."""
         refusal = f"prefill engine {engine_id} has an incompatible KV format ({problem})"
         if self.peers.refuse(endpoint, engine_id, refusal):
             log.error(
@@ -584,7 +597,7 @@ class ConnectorWorker:
                 "kv_load_failure_policy)",
                 refusal,
             )
-        raise IncompatiblePeer(refusal)
+        return IncompatiblePeer(refusal)
 
     def _confirm(self, endpoint: str, remote_id: str, rid: str) -> bool:
         try:
@@ -608,15 +621,16 @@ class ConnectorWorker:
 
     def _pool_objects(
         self, job: PoolJob
-    ) -> tuple[list[str], list[list[Span]], list[BlockPart], list[int]]:
+    ) -> tuple[list[str], list[list[Span]], list[BlockPart], list[int], list[int]]:
         """The store objects of ``job`` (one per block and KV-cache group that moves it) and
         for each: its key, this rank's ranges of it in the object's order (layer by layer,
-        chunk by chunk), this rank's part of it, and the block."""
+        chunk by chunk), this rank's part of it, the block, and its position in ``job``."""
         assert self._pool_keys is not None
         keys: list[str] = []
         spans: list[list[Span]] = []
         parts: list[BlockPart] = []
         blocks: list[int] = []
+        positions: list[int] = []
         for position, block_hash in enumerate(job.hashes):
             for group, (layers, part) in self._group_parts.items():
                 block = job.blocks[group][position]
@@ -626,12 +640,13 @@ class ConnectorWorker:
                 spans.append(block_spans(layers, self._regions, block))
                 parts.append(part)
                 blocks.append(block)
-        return keys, spans, parts, blocks
+                positions.append(position)
+        return keys, spans, parts, blocks, positions
 
     def _load(self, job: PoolJob) -> None:
         assert self._store is not None
         started = time.monotonic()
-        keys, spans, parts, blocks = self._pool_objects(job)
+        keys, spans, parts, blocks, _ = self._pool_objects(job)
         result = self._store.batch_get_scattered(
             keys,
             spans,
@@ -650,7 +665,8 @@ class ConnectorWorker:
         assert self._store is not None
         if written is not None:
             written.synchronize()
-        keys, spans, parts, _ = self._pool_objects(job)
+        started = time.monotonic()
+        keys, spans, parts, _, positions = self._pool_objects(job)
         rank = self.format.tp_rank
         result = self._store.batch_put_gathered(
             keys,
@@ -661,7 +677,13 @@ class ConnectorWorker:
             object_offsets=[part.object_offset for part in parts],
             timeout=self.config.pool_write_timeout,
         )
-        outcome = _Outcome(job.request_id, _Kind.SAVE, all(result.ok()), (), sum(result.sizes))
+        ok = result.ok()
+        failed = {p for p, stored in zip(positions, ok, strict=True) if not stored}
+        saved = tuple(h for p, h in enumerate(job.hashes) if p not in failed and p in positions)
+        seconds = time.monotonic() - started
+        outcome = _Outcome(
+            job.request_id, _Kind.SAVE, all(ok), (), sum(result.sizes), seconds, saved=saved
+        )
         self._report_settled(outcome, Code.UNSETTLED in result.codes, result.on_settled)
 
 

@@ -38,6 +38,8 @@ collect_ignore = (
         "test_hybrid.py",
         "test_hybrid_end_to_end.py",
         "test_end_to_end_tp.py",
+        "test_events_end_to_end.py",
+        "test_connector_stats.py",
         "test_pd_lifecycle.py",
         "test_vllm_integration.py",
     ]

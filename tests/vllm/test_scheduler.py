@@ -198,7 +198,7 @@ def test_a_partial_local_hit_reads_from_the_first_token_decode_lacks(tiny_config
         output, _ = step(d)
         (job,) = plan_of(output).recv
         assert job.first_token == 32, "the worker maps tokens from there (any block sizes)"
-        ((new,),) = job.local_blocks  # decode's new block: tokens 32-39
+        assert len(job.local_blocks[0]) == 1, "decode's new block: tokens 32-39"
         held = tuple(params["remote_block_ids"][0])
         assert job.remote_blocks == ((held[2],),), "paired with prefill's block of those tokens"
         assert job.remote.block_ids == (held,), "all of prefill's, from token 0"

@@ -69,6 +69,7 @@ class MasterService:
             m.Unmount: self._unmount,
             m.Heartbeat: self._heartbeat,
             m.Stats: lambda _request: self._stats(),
+            m.Removals: self._removals,
         }
 
     @property
@@ -218,6 +219,11 @@ class MasterService:
             request.server, request.mount_ids, request.applied, self.now()
         )
         return m.HeartbeatReply(unknown, changes)
+
+    def _removals(self, request: m.Removals) -> m.Reply:
+        if len(request.prefix.encode(errors="replace")) > m.MAX_KEY_BYTES:
+            return m.Error(m.Code.INVALID, f"prefix longer than {m.MAX_KEY_BYTES} bytes")
+        return self.state.removals.since(request.prefix, request.since, request.limit)
 
     def _stats(self) -> m.StatsReply:
         keys, pending, segments = self.state.stats()

@@ -15,6 +15,7 @@ import numpy as np
 
 from kvconnect.store.config import MasterConfig, Strategy
 from kvconnect.store.master.objects import ObjectTable, Pending, Replica, State
+from kvconnect.store.master.removals import RemovalLog
 from kvconnect.store.master.segments import Segment, SegmentTable
 from kvconnect.store.messages import (
     Change,
@@ -23,6 +24,7 @@ from kvconnect.store.messages import (
     Location,
     Placement,
     PutItem,
+    RemovalReason,
     Replicas,
     SegmentSpec,
     SegmentStats,
@@ -59,6 +61,8 @@ class MasterState:
         self.bytes_stored = 0
         self.evictions = 0
         self.evicted_bytes = 0
+        self.removals = RemovalLog()
+        """Complete objects that stopped existing (removed, evicted, lost)."""
 
     # ------------------------------------------------------------------------------ segments
 
@@ -115,7 +119,7 @@ class MasterState:
         objects = self.objects
         slot = objects.slots.get(change.key)
         if slot is not None and objects.state[slot] == State.COMPLETE and not self._readable(slot):
-            self._free(slot, now)  # its replicas were lost: this copy replaces them
+            self._free(slot, now, None)  # its replicas were lost: this copy replaces them
             slot = None
         if slot is None:
             slot = objects.add(change.key, change.size, segment.index, change.offset, 0.0)
@@ -256,7 +260,7 @@ class MasterState:
         if self.objects.state[slot] == State.COMPLETE:
             if self._readable(slot):
                 return Placement(Code.EXISTS, [])
-            self._free(slot, 0.0)  # every replica was lost: the key may be written again
+            self._free(slot, 0.0, RemovalReason.LOST)  # every replica was lost: write it again
             return None
         pending = self.objects.pending[slot]
         if item.parts > 1 and item.parts == pending.parts and item.size == self.objects.size[slot]:
@@ -307,7 +311,7 @@ class MasterState:
                 codes.append(Code.INVALID)
                 continue
             if not self._readable(slot):
-                self._free(slot, now)
+                self._free(slot, now, None)  # pending: never stored
                 codes.append(Code.DISCARDED)
                 continue
             pending.done_mask |= 1 << part
@@ -373,7 +377,7 @@ class MasterState:
             elif not force and (objects.state[slot] == State.PENDING or objects.lease[slot] > now):
                 codes.append(Code.BUSY)
             else:
-                self._free(slot, now)
+                self._free(slot, now, RemovalReason.REMOVED)
                 codes.append(Code.OK)
         return codes
 
@@ -462,6 +466,7 @@ class MasterState:
             return
         if self.objects.state[slot] == State.COMPLETE:
             self.bytes_stored -= self.objects.size[slot]
+            self._log_removal(slot, RemovalReason.LOST)
         self.objects.drop(slot)
 
     def _evict(self, now: float) -> None:
@@ -499,7 +504,7 @@ class MasterState:
             if freed >= target:
                 break
             freed += self._footprint(slot)
-            self._free(slot, now)
+            self._free(slot, now, RemovalReason.EVICTED)
             self.evictions += 1
         self.evicted_bytes += freed
         return freed
@@ -532,6 +537,11 @@ class MasterState:
             for i, offset in placed
         ]
 
+    def _log_removal(self, slot: int, reason: RemovalReason) -> None:
+        key = self.objects.keys[slot]
+        if key is not None:
+            self.removals.record(key, reason)
+
     def _discard(self, slot: int, now: float) -> None:
         """Drop a pending put; its space waits out the quarantine (the writer may be late)."""
         release = now + self.config.quarantine
@@ -540,12 +550,16 @@ class MasterState:
             self.segments.release(segment, offset, size, committed=False, until=release)
         self.objects.drop(slot)
 
-    def _free(self, slot: int, now: float) -> None:
-        """Drop an object; space under a read lease is reused only after the lease."""
+    def _free(self, slot: int, now: float, reason: RemovalReason | None) -> None:
+        """Drop an object; space under a read lease is reused only after the lease. A
+        complete one goes into the removal log with ``reason`` (None: it is not gone, a
+        recovered copy replaces it)."""
         objects = self.objects
         if objects.state[slot] == State.PENDING:
             self._discard(slot, now)
             return
+        if reason is not None:
+            self._log_removal(slot, reason)
         size = objects.size[slot]
         self.bytes_stored -= size
         lease = objects.lease[slot]
