@@ -14,6 +14,7 @@ movement in :mod:`kvconnect.vllm.worker`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -128,6 +129,8 @@ class KVConnectConnector(KVConnectorBase_V1):
             block_ids_of,
             scheduler_output.preempted_req_ids or (),
         )
+        if not scheduler_output.total_num_scheduled_tokens:
+            plan = dataclasses.replace(plan, idle=True)
         return KVConnectMetadata(plan)
 
     def on_new_request(self, request: Any) -> None:
@@ -202,6 +205,7 @@ class KVConnectConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
+        self._worker.idle(self._plan())
         sending, recving, failed = self._worker.results(finished_req_ids)
         return KVConnectorTransferResults(sending, recving, failed)
 

@@ -29,6 +29,7 @@ from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
 from kvconnect.vllm.pool import StorePoolIndex
 from kvconnect.vllm.roles import SchedulerServices
 from kvconnect.vllm.sidechannel import SideChannelClient
+from kvconnect.vllm.trace import Phase, parse_line
 from kvconnect.vllm.worker import ConnectorWorker
 from tests.support.prefill_peer import BLOCKS, FORMAT, PrefillPeer, block_digest, kv_caches
 from tests.support.waiting import wait_for
@@ -117,6 +118,26 @@ def test_decode_reads_prefill_blocks_byte_for_byte(prefill: Any, decode: Any) ->
         assert all(not block(cache, i).any() for i in untouched)
     assert service.take_released() == ["p1"], "the confirmation frees prefill's blocks"
     assert d_worker.stats.take()["pd_bytes"] == 3 * 2 * 2 * 4 * 2 * 8 * 4
+
+
+def test_a_read_is_traced_phase_by_phase_once_vllm_collected_it(
+    prefill: Any, decode: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, service, _ = prefill
+    d_worker, _ = decode
+    service.hold("p1", readers=1)
+    with caplog.at_level(logging.DEBUG, logger="kvconnect.vllm.worker"):
+        d_worker.start(StepPlan(recv=(_job(service, (5, 6), (1, 2)),)))
+        wait_results(d_worker)
+    traces = [t for r in caplog.records if (t := parse_line(r.getMessage())) is not None]
+    nbytes = 2 * 2 * 2 * 4 * 2 * 8 * 4
+    assert len(traces) == 1
+    assert traces[0]["ok"] == 1
+    assert traces[0]["bytes"] == nbytes
+    assert {f"{phase}_ms" for phase in Phase} <= set(traces[0])
+    stats = d_worker.stats.take()
+    assert {f"pd_phase_{phase}_seconds" for phase in Phase} <= set(stats)
+    assert stats["pd_phase_read_seconds"] <= stats["pd_seconds"]
 
 
 def test_a_read_after_the_lease_lapsed_is_a_load_error(decode: Any) -> None:
