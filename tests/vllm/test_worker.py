@@ -140,6 +140,32 @@ def test_a_read_is_traced_phase_by_phase_once_vllm_collected_it(
     assert stats["pd_phase_read_seconds"] <= stats["pd_seconds"]
 
 
+def test_an_idle_step_waits_only_while_a_read_runs(
+    prefill: Any, decode: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, service, _ = prefill
+    d_worker, _ = decode
+    waits: list[float] = []
+    wait = d_worker._reported.wait
+    monkeypatch.setattr(d_worker._reported, "wait", lambda t: waits.append(t) or wait(t))
+    d_worker.idle(StepPlan(idle=True))
+    assert waits == [], "nothing in flight: vLLM steps on at once"
+    service.hold("p1", readers=1)
+    d_worker.start(StepPlan(recv=(_job(service, (5,), (1,)),)))
+    d_worker.idle(StepPlan())
+    assert waits == [], "vLLM ran a forward pass this step: never held up"
+    recving: set[str] = set()
+    deadline = time.monotonic() + 10
+    while not recving and time.monotonic() < deadline:
+        d_worker.idle(StepPlan(idle=True))
+        _sending, recving, _failed = d_worker.results(set())
+    assert recving == {"d1"}
+    assert set(waits) == {CONFIG.idle_wait}, "it waited, at most idle_wait"
+    before = len(waits)
+    d_worker.idle(StepPlan(idle=True))
+    assert len(waits) == before, "the read was collected: nothing to wait for"
+
+
 def test_a_read_after_the_lease_lapsed_is_a_load_error(decode: Any) -> None:
     d_worker, _ = decode
     caches = kv_caches(seed=2)
