@@ -70,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(A/B runs), e.g. '{\"gil_switch_interval\": 0}'",
     )
     parser.add_argument(
+        "--sliding-window",
+        type=int,
+        metavar="TOKENS",
+        help="a hybrid model: every other layer of the tiny Llama attends within TOKENS "
+        "(needs tiny_llama's sliding_window, from the hybrid-model work)",
+    )
+    parser.add_argument(
         "--phases",
         action="store_true",
         help="also print where kvconnect's reads spent their time (medians per phase, from "
@@ -87,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Measure in alternating phases, print and write the report."""
     work = Path(tempfile.mkdtemp(prefix="kvconnect-bench-vllm-"))
-    model = _write_model(args.vllm_python, work / "model")
+    model = _write_model(args.vllm_python, work / "model", args.sliding_window)
     max_len = max(args.tokens) + 64
     results: dict[str, Any] = {n: {t: [] for t in args.tokens} for n in args.connectors}
     # One pair runs at a time: idle vLLM CPU servers spin, and two cores do not fit four.
@@ -113,12 +120,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_model(python: str, path: Path) -> Path:
-    """The tiny Llama, written by vLLM's interpreter (it has torch, safetensors, tokenizers)."""
+def _write_model(python: str, path: Path, sliding_window: int | None) -> Path:
+    """The tiny Llama, written by vLLM's interpreter (it has torch, safetensors, tokenizers);
+    hybrid when ``sliding_window`` is set."""
     shape = dataclasses.asdict(_SHAPE)
+    hybrid = "" if sliding_window is None else f", sliding_window={sliding_window}"
     code = (
         "import sys; from pathlib import Path; from kvconnect.bench import tiny_llama as t; "
-        f"t.write_tiny_llama(Path(sys.argv[1]), shape=t.Shape(**{shape!r}))"
+        f"t.write_tiny_llama(Path(sys.argv[1]), shape=t.Shape(**{shape!r}){hybrid})"
     )
     subprocess.run([python, "-c", code, str(path)], check=True, timeout=300)
     return path
@@ -254,7 +263,7 @@ def _report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         other = values.get("nixl", {}).get("transfer", [])
         row = {
             "tokens": tokens,
-            "kv_bytes": tokens * _SHAPE.kv_bytes_per_token,
+            "kv_bytes": _kv_bytes(results.get("kvconnect", {}).get(tokens, []), tokens),
             "median_ms": medians,
             "decode_ratio": _ratio(ours["decode"], theirs["decode"]),
             "ttft_ratio": _ratio(ours["ttft"], theirs["ttft"]),
@@ -276,6 +285,13 @@ def _report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
     shape = {"layers": _SHAPE.layers, "kv_heads": _SHAPE.kv_heads, "head_dim": _SHAPE.head_dim}
     return {"shape": shape | {"dtype": "float32", "block_size": 32}, "rounds": args.rounds,
             "nixl_pinning": args.nixl_pinning, "rows": rows}  # fmt: skip
+
+
+def _kv_bytes(samples: list[dict[str, Any]], tokens: int) -> float:
+    """What one request's KV weighs: what kvconnect read (a sliding window reads less than
+    the prompt), else the model's full-attention footprint."""
+    read = [s["phases"]["bytes"] for s in samples if s.get("phases")]
+    return statistics.median(read) if read else tokens * _SHAPE.kv_bytes_per_token
 
 
 def _print_phases(by_tokens: dict[int, list[dict[str, Any]]]) -> None:

@@ -35,11 +35,16 @@ def test_options_pick_connectors_extra_config_and_the_phase_breakdown() -> None:
     assert defaults.connectors == ["kvconnect", "nixl"]
     assert not defaults.phases
     assert defaults.kvconnect_config == {}
+    assert defaults.sliding_window is None
+    assert _args("--sliding-window", "256").sliding_window == 256
 
 
 def test_the_report_has_medians_spreads_and_both_ratios(capsys: pytest.CaptureFixture[str]) -> None:
     args = _args("--tokens", "1024", "--phases")
-    ours = [_sample(t, queue_ms=1.0, read_ms=1000 * t, total_ms=30.0) for t in (0.01, 0.03, 0.02)]
+    ours = [
+        _sample(t, queue_ms=1.0, read_ms=1000 * t, total_ms=30.0, bytes=2**20)
+        for t in (0.01, 0.03, 0.02)
+    ]
     theirs = [_sample(0.05, decode=0.3), _sample(None), _sample(0.04, decode=0.3)]
     report = vllm_pd._report({"kvconnect": {1024: ours}, "nixl": {1024: theirs}}, args)
     (row,) = report["rows"]
@@ -48,6 +53,7 @@ def test_the_report_has_medians_spreads_and_both_ratios(capsys: pytest.CaptureFi
     assert row["transfer_ratio"] == pytest.approx(20 / 45)
     assert row["worst_transfer_ratio"] == pytest.approx(30 / 40), "slowest over fastest"
     assert row["decode_ratio"] == pytest.approx(0.2 / 0.3)
+    assert row["kv_bytes"] == 2**20, "what kvconnect read, not the model's full footprint"
     out = capsys.readouterr().out
     assert "20.0 (10.0-30.0)" in out
     assert "45.0 (40.0-50.0)" in out
@@ -66,3 +72,4 @@ def test_one_connector_alone_reports_no_ratios() -> None:
     assert row["median_ms"]["kvconnect"]["transfer"] == pytest.approx(10.0)
     assert row["transfer_ratio"] is None
     assert row["worst_transfer_ratio"] is None
+    assert row["kv_bytes"] == 1024 * 32 * 1024, "no trace: the full-attention footprint"
