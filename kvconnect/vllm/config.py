@@ -89,9 +89,9 @@ class VllmConnectorConfig(Composed):
     ``"30-31"``; empty: they inherit the CPUs of the thread that starts them (on vLLM's CPU
     workers, the cores vLLM bound this instance's model thread to)."""
     idle_wait: float = 0.002
-    """Seconds an idle step (vLLM scheduled no tokens) waits, while this worker reads KV or
-    holds blocks for decode, before vLLM steps again; a read that finishes ends the wait at
-    once. vLLM's engine loop otherwise polls without pause and takes the CPU and the GIL from
+    """Seconds an idle step (vLLM scheduled no tokens) waits, while this worker reads or loads
+    KV or holds blocks (for decode, or a save), before vLLM steps again; a transfer that
+    reports ends the wait at once. vLLM's engine loop otherwise polls without pause and takes the CPU and the GIL from
     the transfer threads (docs/vllm.md, "Where a read's time goes"); it delays a new request
     by at most this. 0: never wait."""
     gil_switch_interval: float = 0.0002
