@@ -6,10 +6,11 @@ host would land on other instances' cores too, where (with one scheduling group 
 autogroups and containers make them) they hold almost no weight: measured on two cores, 128 MiB
 reads then took 41-260 ms instead of 41-70 ms. ``io_cpus`` gives them cores of their own.
 
-How soon: a transfer thread whose socket call returned waits for the GIL, and vLLM's engine
-loop holds it without pause while requests wait for their KV (it steps again at once). Python
-hands the GIL over only after the switch interval (5 ms), so every wake-up of a transfer thread
-cost up to 5 ms; :func:`lower_switch_interval` shortens it.
+How soon: a transfer thread whose socket call returned waits for the GIL, and vLLM's worker
+holds it nearly without pause while requests wait for their KV (it steps every millisecond and
+polls for the next step in between). Python hands the GIL over only after the switch interval
+(5 ms), so a wake-up of a transfer thread could cost up to 5 ms; :func:`lower_switch_interval`
+shortens it.
 """
 
 from __future__ import annotations

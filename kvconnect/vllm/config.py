@@ -91,16 +91,15 @@ class VllmConnectorConfig(Composed):
     idle_wait: float = 0.002
     """Seconds an idle step (vLLM scheduled no tokens) waits, while this worker reads or loads
     KV or holds blocks (for decode, or a save), before vLLM steps again; a transfer that
-    reports ends the wait at once. vLLM's engine loop otherwise polls without pause and takes the CPU and the GIL from
-    the transfer threads (docs/vllm.md, "Where a read's time goes"); it delays a new request
-    by at most this. 0: never wait."""
+    reports ends the wait at once. vLLM's worker otherwise polls for its next step nearly
+    without pause and takes the CPU and the GIL from the transfer threads (docs/vllm.md,
+    "Where a read's time goes"); it delays a new request by at most this. 0: never wait."""
     gil_switch_interval: float = 0.0002
     """Seconds a thread of vLLM's worker process holds the GIL while another waits for it
     (``sys.setswitchinterval``, lowered to this at start, never raised; 0: leave Python's
-    5 ms). vLLM's engine loop runs Python without pause while a request waits for its KV,
-    and each time a transfer thread's socket call returns it waits for the GIL: at 5 ms a
-    wait, a 32 MiB read took 40-50 ms instead of 8 (docs/vllm.md, "Where a read's time
-    goes")."""
+    5 ms). vLLM's worker runs Python nearly without pause while a request waits for its KV,
+    and each time a transfer thread's socket call returns it waits for the GIL (docs/vllm.md,
+    "Where a read's time goes")."""
     token_file: str = ""
     """File holding the cluster token that authenticates the side channel, the transfer
     engines and the pool (else ``KVCONNECT_TOKEN``, ``KVCONNECT_TOKEN_FILE``, the default

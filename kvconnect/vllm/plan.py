@@ -46,5 +46,5 @@ class StepPlan:
     """Requests preempted this step while their blocks were being saved: the forward pass
     must not overwrite those blocks before the saves finished."""
     idle: bool = False
-    """vLLM scheduled no tokens this step: its engine loop only polls the connector (it steps
-    again at once while requests wait for KV or hold blocks for decode)."""
+    """vLLM scheduled no tokens this step: it only polls the connector (and steps again soon
+    while requests wait for KV or hold blocks for decode)."""
