@@ -291,7 +291,8 @@ class ConnectorWorker:
         """Before :meth:`results` of a step: if vLLM scheduled nothing (``plan.idle``) while
         this worker reads or loads KV or holds blocks (for decode or a save), wait until a
         transfer reports, at most ``idle_wait``, so vLLM's worker, which would poll for its
-        next step meanwhile, leaves the CPU and the GIL to the transfer threads. Never waits otherwise."""
+        next step meanwhile, leaves the CPU and the GIL to the transfer threads. Never waits
+        otherwise."""
         if plan.idle and (self._reading or self._holds):
             self._reported.wait(self.config.idle_wait)
 
