@@ -94,6 +94,18 @@ class VllmConnectorConfig(Composed):
     """CPUs for kvconnect's threads in this engine (transfers, side channel, pool), e.g.
     ``"30-31"``; empty: they inherit the CPUs of the thread that starts them (on vLLM's CPU
     workers, the cores vLLM bound this instance's model thread to)."""
+    idle_wait: float = 0.002
+    """Seconds an idle step (vLLM scheduled no tokens) waits, while this worker reads or loads
+    KV or holds blocks (for decode, or a save), before vLLM steps again; a transfer that
+    reports ends the wait at once. vLLM's worker otherwise polls for its next step nearly
+    without pause and takes the CPU and the GIL from the transfer threads (docs/vllm.md,
+    "Where a read's time goes"); it delays a new request by at most this. 0: never wait."""
+    gil_switch_interval: float = 0.0002
+    """Seconds a thread of vLLM's worker process holds the GIL while another waits for it
+    (``sys.setswitchinterval``, lowered to this at start, never raised; 0: leave Python's
+    5 ms). vLLM's worker runs Python nearly without pause while a request waits for its KV,
+    and each time a transfer thread's socket call returns it waits for the GIL (docs/vllm.md,
+    "Where a read's time goes")."""
     token_file: str = ""
     """File holding the cluster token that authenticates the side channel, the transfer
     engines and the pool (else ``KVCONNECT_TOKEN``, ``KVCONNECT_TOKEN_FILE``, the default
@@ -111,6 +123,12 @@ class VllmConnectorConfig(Composed):
                 f"master must be tcp://host:port or etcd://…, got {self.store.master!r}"
             )
         parse_cpu_list(self.io_cpus)
+        if not 0 <= self.idle_wait <= 0.05:
+            raise ConfigError(f"idle_wait must be 0..0.05 seconds, got {self.idle_wait}")
+        if not 0 <= self.gil_switch_interval <= 0.005:
+            raise ConfigError(
+                f"gil_switch_interval must be 0..0.005 seconds, got {self.gil_switch_interval}"
+            )
 
     @property
     def host(self) -> str:

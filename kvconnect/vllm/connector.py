@@ -14,6 +14,7 @@ movement in :mod:`kvconnect.vllm.worker`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -183,6 +184,8 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
         if self._services.events is not None:
             self._services.events.planned(self._planned_blocks(plan))
         self._services.held.release(plan.released)
+        if not scheduler_output.total_num_scheduled_tokens:
+            plan = dataclasses.replace(plan, idle=True)
         return KVConnectMetadata(plan)
 
     def _planned_blocks(self, plan: StepPlan) -> list[StoredBlock]:
@@ -301,6 +304,7 @@ class KVConnectConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
+        self._worker.idle(self._plan())
         sending, recving, failed = self._worker.results(finished_req_ids)
         return KVConnectorTransferResults(sending, recving, failed)
 

@@ -16,6 +16,8 @@ from typing import Any
 from prometheus_client import Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
+from kvconnect.vllm.trace import Phase
+
 COUNTERS: Mapping[str, str] = {
     "pd_reads": "Prefill/decode reads of a request's KV (decode side)",
     "pd_failed": "Prefill/decode reads that failed (the request is recomputed or refused)",
@@ -36,6 +38,10 @@ COUNTERS: Mapping[str, str] = {
     "lease_renewals": "Renewals of prefill's leases on held blocks that decode asked for",
     "lease_expiries": "Prefill leases that lapsed: decode neither read nor gave up the blocks",
     "observations_dropped": "Histogram observations dropped over the per-step bound",
+    **{
+        f"pd_phase_{phase}_seconds": f"Seconds of prefill/decode reads in phase {phase}"
+        for phase in Phase
+    },
 }
 """The counters (stats keys) and what each counts."""
 

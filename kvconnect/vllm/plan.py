@@ -55,3 +55,6 @@ class StepPlan:
     """Requests preempted this step while their blocks were being saved, or whose save
     started last step reads sliding-window blocks vLLM may free this step: the forward pass
     must not overwrite those blocks before the saves finished."""
+    idle: bool = False
+    """vLLM scheduled no tokens this step: it only polls the connector (and steps again soon
+    while requests wait for KV or hold blocks for decode)."""

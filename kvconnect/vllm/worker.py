@@ -31,7 +31,7 @@ from kvconnect.transfer import TransferOp, TransferRequest, TransferStatus
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
 from kvconnect.vllm import messages as msg
-from kvconnect.vllm.affinity import threads_on
+from kvconnect.vllm.affinity import lower_switch_interval, threads_on
 from kvconnect.vllm.config import VllmConnectorConfig
 from kvconnect.vllm.groups import NULL_BLOCK, GroupBlocks
 from kvconnect.vllm.kvcache import register_kv_caches
@@ -56,6 +56,7 @@ from kvconnect.vllm.tpmap import (
     layer_spans,
     with_heads,
 )
+from kvconnect.vllm.trace import Phase, ReadTrace
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ class _Outcome:
     io_seconds: float = 0.0  # the data movement alone (the batched READ)
     refused: bool = False  # the peer's KV format differs: nothing was read
     saved: tuple[str, ...] = ()  # a save's blocks (hashes) whose every object was stored
+    trace: ReadTrace | None = None  # a read's phases (stats and a debug line once collected)
 
 
 class ConnectorWorker:
@@ -173,6 +175,8 @@ class ConnectorWorker:
             "vllm", _LANE_THREADS, cpus=config.io_cpu_set, on_exit=self._client.release
         )
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
+        self._reported = threading.Event()  # an outcome came since results() last looked
+        self._reading = 0  # PD reads and pool loads not yet collected (vLLM's thread only)
         self._lock = threading.Lock()
         self.peers = PeerLayouts(self._client, on_evict=self._forget_peer)
         self._mapped: set[str] = set()  # prefill engines read through tpmap (logged once)
@@ -191,6 +195,7 @@ class ConnectorWorker:
 
     def register(self, kv_caches: Mapping[str, Any]) -> RankLayout:
         """Register the paged KV tensors and start the engine; returns this rank's layout."""
+        lower_switch_interval(self.config.gil_switch_interval)
         with threads_on(self.config.io_cpu_set):
             self.engine.start()
         layers, self._regions = register_kv_caches(
@@ -265,9 +270,12 @@ class ConnectorWorker:
             )
         for job in plan.recv:
             lane = f"read-{job.remote.endpoint}"
-            self._lanes.submit(lane, self._guarded(_Kind.RECV, self._recv, job))
+            recv = functools.partial(self._recv, trace=ReadTrace.begin())
+            self._lanes.submit(lane, self._guarded(_Kind.RECV, recv, job))
+            self._reading += 1
         for load in plan.load:
             self._lanes.submit(_LOADS, self._guarded(_Kind.LOAD, self._load, load))
+            self._reading += 1
         for rid in plan.held:
             self._holds.setdefault(rid, set()).add(_Hold.LEASE)
         for rid in plan.released:  # held in this plan or an earlier one
@@ -308,6 +316,7 @@ class ConnectorWorker:
                     waits.add(_Hold.SAVE)
         recving: set[str] = set()
         failed: set[str] = set()
+        self._reported.clear()  # before draining: a later outcome sets it again
         while True:
             try:
                 outcome = self._outcomes.get_nowait()
@@ -323,6 +332,9 @@ class ConnectorWorker:
                         self._release(rid, _Hold.SAVE)
                 continue
             recving.add(outcome.request_id)
+            self._reading -= 1  # a read's or a load's (saves went on above)
+            if outcome.trace is not None:
+                self._collected(outcome, outcome.trace)
             if not outcome.ok:
                 failed.add(outcome.request_id)
                 # Block ids are per KV-cache group: vLLM takes failed blocks of one group only
@@ -340,6 +352,22 @@ class ConnectorWorker:
         call (the model-runner thread, after ``results``)."""
         saved, self._saved = self._saved, []
         return saved
+
+    def idle(self, plan: StepPlan) -> None:
+        """Before :meth:`results` of a step: if vLLM scheduled nothing (``plan.idle``) while
+        this worker reads or loads KV or holds blocks (for decode or a save), wait until a
+        transfer reports, at most ``idle_wait``, so vLLM's worker, which would poll for its
+        next step meanwhile, leaves the CPU and the GIL to the transfer threads. Never waits
+        otherwise."""
+        if plan.idle and (self._reading or self._holds):
+            self._reported.wait(self.config.idle_wait)
+
+    def _collected(self, outcome: _Outcome, trace: ReadTrace) -> None:
+        """vLLM took a read's result: its trace is complete."""
+        trace.stamp(Phase.COLLECT)
+        self.stats.add(**trace.stats())
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(trace.line(outcome.request_id, outcome.nbytes, outcome.ok))
 
     def load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call."""
@@ -405,6 +433,7 @@ class ConnectorWorker:
         """Hand ``outcome`` to the next :meth:`results` (any thread; for a transfer that had
         not settled, the transport thread that settles it)."""
         self._outcomes.put(outcome)
+        self._reported.set()
         if outcome.kind is _Kind.SAVE:
             with self._lock:
                 settled = self._saving.pop(outcome.request_id, None)
@@ -428,7 +457,8 @@ class ConnectorWorker:
 
     # ------------------------------------------------------------------------------ PD
 
-    def _recv(self, job: RecvJob) -> None:
+    def _recv(self, job: RecvJob, trace: ReadTrace) -> None:
+        trace.stamp(Phase.QUEUE)
         started = time.monotonic()
         remote = job.remote
         mine = self.layout
@@ -440,38 +470,40 @@ class ConnectorWorker:
             if not refused:
                 log.error("cannot read KV of %s from %s: %s", job.request_id, remote.endpoint, exc)
             seconds = time.monotonic() - started
-            self._report(
-                _Outcome(
-                    job.request_id,
-                    _Kind.RECV,
-                    False,
-                    _real(job.local_blocks),
-                    0,
-                    seconds,
-                    refused=refused,
-                )
+            outcome = _Outcome(
+                job.request_id,
+                _Kind.RECV,
+                False,
+                _real(job.local_blocks),
+                0,
+                seconds,
+                refused=refused,
             )
+            outcome.trace = trace
+            self._report(outcome)
             if not isinstance(exc, PeerReplaced):  # else its blocks went with the old engine
                 self._give_up(remote.endpoint, remote.request_id)
             return
+        trace.stamp(Phase.LAYOUT)
         requests = self._read_requests(mine, ranks, direct, job)
         nbytes = sum(r.length for r in requests)
+        trace.stamp(Phase.PLAN)
         reading = time.monotonic()
         timeout = started + self.config.read_timeout - time.monotonic()
         batch = self.engine.submit(TransferOp.READ, requests, timeout=timeout)
         statuses = batch.wait()
         io_seconds = time.monotonic() - reading
+        trace.stamp(Phase.READ)
         read = all(s is TransferStatus.COMPLETED for s in statuses)
         ok = read and self._confirm(remote.endpoint, remote.request_id, job.request_id)
+        trace.stamp(Phase.CONFIRM)
         seconds = time.monotonic() - started
-        log.debug(
-            "read %s: %d bytes in %d ranges, %s, %.1f ms (READ %.1f ms)",
-            job.request_id, nbytes, len(requests), ok, 1000 * seconds, 1000 * io_seconds,
-        )  # fmt: skip
         failed = () if ok else _real(job.local_blocks)
         moved = nbytes if ok else 0
         # Reported before telling prefill, so a dead prefill delays no recompute.
-        outcome = _Outcome(job.request_id, _Kind.RECV, ok, failed, moved, seconds, io_seconds)
+        outcome = _Outcome(
+            job.request_id, _Kind.RECV, ok, failed, moved, seconds, io_seconds, trace=trace
+        )
         unsettled = TransferStatus.PENDING in statuses
         self._report_settled(outcome, unsettled, batch.add_settled_callback)
         if not read:  # the prefill may be gone: ask its endpoint who serves it next time

@@ -47,3 +47,20 @@ def test_io_cpus_the_process_cannot_use_are_a_config_error() -> None:
         pytest.skip("needs sched_setaffinity")
     with pytest.raises(ConfigError, match="io_cpus"):
         bind_this_thread(frozenset({100_000}))
+
+
+def test_the_switch_interval_is_only_ever_lowered() -> None:
+    import sys
+
+    from kvconnect.vllm.affinity import lower_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        lower_switch_interval(0.0002)
+        assert sys.getswitchinterval() == pytest.approx(0.0002)
+        lower_switch_interval(0.001)  # above the current one
+        lower_switch_interval(0)  # leave it
+        assert sys.getswitchinterval() == pytest.approx(0.0002)
+    finally:
+        sys.setswitchinterval(before)

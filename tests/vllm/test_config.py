@@ -67,3 +67,11 @@ def test_cpu_lists_parse_and_bad_ones_are_config_errors() -> None:
     for bad in ("3-1", "a", "-1", "1-x"):
         with pytest.raises(ConfigError, match="bad CPU list"):
             VllmConnectorConfig(io_cpus=bad)
+
+
+def test_the_gil_switch_interval_is_bounded() -> None:
+    assert VllmConnectorConfig().gil_switch_interval == 0.0002
+    assert VllmConnectorConfig(gil_switch_interval=0).gil_switch_interval == 0
+    for bad in (-0.001, 0.01):
+        with pytest.raises(ConfigError, match="gil_switch_interval"):
+            VllmConnectorConfig(gil_switch_interval=bad)

@@ -104,6 +104,7 @@ def test_remote_prefill_then_decode(
         assert job.remote_blocks == (tuple(params["remote_block_ids"][0]),)
         assert len(job.local_blocks[0]) == 3
         assert output.num_scheduled_tokens == {}, "nothing runs before the KV is in"
+        assert plan_of(output).idle, "the workers may wait for their reads in this step"
         # What decode's worker does after its read: confirm, and prefill lets go.
         endpoint = f"tcp://{params['remote_host']}:{params['remote_port']}"
         reply = client.call(endpoint, msg.Confirm(params["remote_request_id"], 0))
@@ -112,6 +113,7 @@ def test_remote_prefill_then_decode(
         output, _ = step(d, recving=["d1"])
         output, _ = step(d)
         assert output.num_scheduled_tokens == {"d1": 1}, "only the last token is recomputed"
+        assert not plan_of(output).idle
         for _ in range(4):
             step(d)
         assert_empty(d)

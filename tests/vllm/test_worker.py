@@ -31,6 +31,7 @@ from kvconnect.vllm.plan import PoolJob, RecvJob, StepPlan
 from kvconnect.vllm.pool import StorePoolIndex
 from kvconnect.vllm.roles import SchedulerServices
 from kvconnect.vllm.sidechannel import SideChannelClient
+from kvconnect.vllm.trace import Phase, parse_line
 from kvconnect.vllm.worker import ConnectorWorker
 from tests.support.prefill_peer import BLOCKS, FORMAT, PrefillPeer, block_digest, kv_caches
 from tests.support.waiting import wait_for
@@ -119,6 +120,52 @@ def test_decode_reads_prefill_blocks_byte_for_byte(prefill: Any, decode: Any) ->
         assert all(not block(cache, i).any() for i in untouched)
     assert service.take_released() == ["p1"], "the confirmation frees prefill's blocks"
     assert d_worker.stats.take()["pd_bytes"] == 3 * 2 * 2 * 4 * 2 * 8 * 4
+
+
+def test_a_read_is_traced_phase_by_phase_once_vllm_collected_it(
+    prefill: Any, decode: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, service, _ = prefill
+    d_worker, _ = decode
+    service.hold("p1", readers=1)
+    with caplog.at_level(logging.DEBUG, logger="kvconnect.vllm.worker"):
+        d_worker.start(StepPlan(recv=(_job(service, (5, 6), (1, 2)),)))
+        wait_results(d_worker)
+    traces = [t for r in caplog.records if (t := parse_line(r.getMessage())) is not None]
+    nbytes = 2 * 2 * 2 * 4 * 2 * 8 * 4
+    assert len(traces) == 1
+    assert traces[0]["ok"] == 1
+    assert traces[0]["bytes"] == nbytes
+    assert {f"{phase}_ms" for phase in Phase} <= set(traces[0])
+    stats = d_worker.stats.take()
+    assert {f"pd_phase_{phase}_seconds" for phase in Phase} <= set(stats)
+    assert stats["pd_phase_read_seconds"] <= stats["pd_seconds"]
+
+
+def test_an_idle_step_waits_only_while_a_read_runs(
+    prefill: Any, decode: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, service, _ = prefill
+    d_worker, _ = decode
+    waits: list[float] = []
+    wait = d_worker._reported.wait
+    monkeypatch.setattr(d_worker._reported, "wait", lambda t: waits.append(t) or wait(t))
+    d_worker.idle(StepPlan(idle=True))
+    assert waits == [], "nothing in flight: vLLM steps on at once"
+    service.hold("p1", readers=1)
+    d_worker.start(StepPlan(recv=(_job(service, (5,), (1,)),)))
+    d_worker.idle(StepPlan())
+    assert waits == [], "vLLM ran a forward pass this step: never held up"
+    recving: set[str] = set()
+    deadline = time.monotonic() + 10
+    while not recving and time.monotonic() < deadline:
+        d_worker.idle(StepPlan(idle=True))
+        _sending, recving, _failed = d_worker.results(set())
+    assert recving == {"d1"}
+    assert set(waits) == {CONFIG.idle_wait}, "it waited, at most idle_wait"
+    before = len(waits)
+    d_worker.idle(StepPlan(idle=True))
+    assert len(waits) == before, "the read was collected: nothing to wait for"
 
 
 def test_a_read_after_the_lease_lapsed_is_a_load_error(decode: Any) -> None:
