@@ -127,7 +127,7 @@ def test_a_read_is_traced_phase_by_phase_once_vllm_collected_it(
 ) -> None:
     _, service, _ = prefill
     d_worker, _ = decode
-    service.hold("p1", readers=1)
+    service.hold("p1")
     with caplog.at_level(logging.DEBUG, logger="kvconnect.vllm.worker"):
         d_worker.start(StepPlan(recv=(_job(service, (5, 6), (1, 2)),)))
         wait_results(d_worker)
@@ -152,7 +152,7 @@ def test_an_idle_step_waits_only_while_a_read_runs(
     monkeypatch.setattr(d_worker._reported, "wait", lambda t: waits.append(t) or wait(t))
     d_worker.idle(StepPlan(idle=True))
     assert waits == [], "nothing in flight: vLLM steps on at once"
-    service.hold("p1", readers=1)
+    service.hold("p1")
     d_worker.start(StepPlan(recv=(_job(service, (5,), (1,)),)))
     d_worker.idle(StepPlan())
     assert waits == [], "vLLM ran a forward pass this step: never held up"
