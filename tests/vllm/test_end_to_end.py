@@ -13,8 +13,9 @@ import pytest
 
 from kvconnect.bench import tiny_llama
 from kvconnect.bench.tiny_llama import Shape, write_tiny_llama
-from kvconnect.bench.vllm_servers import Proxy, Server, complete, cpu_groups
+from kvconnect.bench.vllm_servers import complete
 from kvconnect.store.launch import Cluster
+from tests.vllm.servers import Setup, connector, pd_pair, text, wait_stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -30,13 +31,6 @@ def _prompt(seed: int, words: int = 150) -> str:
     return tiny_llama.prompt(seed, words)
 
 
-class Setup:
-    def __init__(self, prefill: Server, decode: Server, proxy: Proxy) -> None:
-        self.prefill = prefill
-        self.decode = decode
-        self.proxy = proxy
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     model = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
@@ -45,57 +39,18 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         # The default deadlines (read 10 s, side channel 2 s); a long lease, as two CPU servers
         # share two cores here.
         extra = {"pool": True, "master": cluster.master_endpoint, "lease": 120}
-        transfer = {
-            "kv_connector": "KVConnectConnector",
-            "kv_connector_module_path": "kvconnect.vllm.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": extra,
-            "kv_load_failure_policy": "recompute",
-        }
-        servers = [
-            Server(name, model, logs, transfer, cpus=cpus)
-            for name, cpus in zip(("prefill", "decode"), cpu_groups(2), strict=True)
-        ]
-        try:
-            for server in servers:
-                server.wait_ready(STARTUP)
-            proxy = Proxy([servers[0].url], [servers[1].url], logs)
-            try:
-                yield Setup(servers[0], servers[1], proxy)
-            finally:
-                proxy.stop()
-        finally:
-            for server in servers:
-                server.stop()
-
-
-def _wait_stats(server: Server, key: str, above: float, timeout: float = 30.0) -> float:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = server.stats().get(key, 0)
-        if value > above:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"{server.name}: {key} stayed at {above}; stats {server.stats()}")
-
-
-def _text(result: dict[str, object]) -> str:
-    choices = result["choices"]
-    assert isinstance(choices, list)
-    text = choices[0]["text"]
-    assert isinstance(text, str)
-    assert text
-    return text
+        with pd_pair(model, logs, connector(extra), startup=STARTUP) as pair:
+            yield pair
 
 
 def test_disaggregated_output_equals_a_single_instance(setup: Setup) -> None:
     for seed in (1, 2):
         prompt = _prompt(seed)
-        alone = _text(complete(setup.prefill.url, prompt, kv_transfer_params=None))
+        alone = text(complete(setup.prefill.url, prompt, kv_transfer_params=None))
         before = setup.decode.stats().get("pd_bytes", 0)
-        through_pd = _text(complete(setup.proxy.url, prompt))
+        through_pd = text(complete(setup.proxy.url, prompt))
         assert through_pd == alone
-        moved = _wait_stats(setup.decode, "pd_bytes", before)
+        moved = wait_stats(setup.decode, "pd_bytes", before)
         assert moved - before == 5 * 32 * Shape().kv_bytes_per_token  # 150 tokens: 5 blocks
     assert setup.decode.stats().get("pd_failed", 0) == 0
 
@@ -104,13 +59,13 @@ def test_second_instance_reuses_a_prefix_from_the_pool(setup: Setup) -> None:
     prompt = _prompt(7, words=200)  # 6 full blocks and 8 tokens
     blocks = 6 * 32 * Shape().kv_bytes_per_token
     saved = setup.prefill.stats().get("pool_bytes_saved", 0)
-    first = _text(complete(setup.prefill.url, prompt))
+    first = text(complete(setup.prefill.url, prompt))
     # every layer of the 6 blocks stored (earlier tests' saves are in the counter too)
-    _wait_stats(setup.prefill, "pool_bytes_saved", saved + blocks - 1)
+    wait_stats(setup.prefill, "pool_bytes_saved", saved + blocks - 1)
     before = setup.decode.stats().get("pool_bytes_loaded", 0)
-    second = _text(complete(setup.decode.url, prompt))
+    second = text(complete(setup.decode.url, prompt))
     assert second == first
-    loaded = _wait_stats(setup.decode, "pool_bytes_loaded", before)
+    loaded = wait_stats(setup.decode, "pool_bytes_loaded", before)
     assert loaded - before == blocks
 
 
@@ -121,7 +76,7 @@ def _prefilled(setup: Setup, seed: int) -> tuple[str, dict[str, object], str]:
     prefilled = complete(
         setup.prefill.url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
     )
-    return prompt, prefilled["kv_transfer_params"], _text(complete(setup.prefill.url, prompt))
+    return prompt, prefilled["kv_transfer_params"], text(complete(setup.prefill.url, prompt))
 
 
 def _decode_recomputes(setup: Setup, prompt: str, params: object, alone: str) -> None:
@@ -132,8 +87,8 @@ def _decode_recomputes(setup: Setup, prompt: str, params: object, alone: str) ->
     except urllib.error.HTTPError as exc:  # pragma: no cover - the policy here is recompute
         raise AssertionError(f"decode failed instead of recomputing: {exc}") from exc
     assert time.monotonic() - started < 40, "bounded by read_timeout (10 s), never a hang"
-    assert _text(result) == alone
-    _wait_stats(setup.decode, "pd_failed", before)
+    assert text(result) == alone
+    wait_stats(setup.decode, "pd_failed", before)
 
 
 def test_hung_prefill_makes_decode_recompute_without_hanging(setup: Setup) -> None:

@@ -17,6 +17,7 @@ from kvconnect.bench import tiny_llama
 from kvconnect.bench.tiny_llama import Shape, write_tiny_llama
 from kvconnect.bench.vllm_servers import Proxy, Server, complete, cpu_groups
 from kvconnect.store.launch import free_port
+from tests.vllm.servers import text
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -84,13 +85,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         fleet.close()
 
 
-def _text(result: dict[str, Any]) -> str:
-    text = result["choices"][0]["text"]
-    assert isinstance(text, str)
-    assert text
-    return text
-
-
 def _stat(server: Server, key: str) -> float:
     return server.stats().get(key, 0)
 
@@ -108,9 +102,9 @@ def _through_the_proxy_reads_the_prefill(fleet: Fleet, seed: int) -> None:
     """A new request through the proxy: its KV read from the current prefill, output equal
     to a single instance's."""
     prompt = tiny_llama.prompt(seed, 150)
-    alone = _text(complete(fleet.prefill.url, prompt, kv_transfer_params=None))
+    alone = text(complete(fleet.prefill.url, prompt, kv_transfer_params=None))
     moved, failed = _stat(fleet.decode, "pd_bytes"), _stat(fleet.decode, "pd_failed")
-    assert _text(complete(fleet.proxy.url, prompt)) == alone
+    assert text(complete(fleet.proxy.url, prompt)) == alone
     _wait_stat(fleet.decode, "pd_bytes", moved + BLOCKS_BYTES)
     assert _stat(fleet.decode, "pd_failed") == failed
 
@@ -122,13 +116,13 @@ def _prefilled(fleet: Fleet, seed: int) -> tuple[str, dict[str, Any], str]:
     prefilled = complete(
         fleet.prefill.url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
     )
-    return prompt, prefilled["kv_transfer_params"], _text(complete(fleet.prefill.url, prompt))
+    return prompt, prefilled["kv_transfer_params"], text(complete(fleet.prefill.url, prompt))
 
 
 def _decode_recomputes(fleet: Fleet, held: tuple[str, dict[str, Any], str]) -> None:
     prompt, params, alone = held
     failed = _stat(fleet.decode, "pd_failed")
-    assert _text(complete(fleet.decode.url, prompt, kv_transfer_params=params)) == alone
+    assert text(complete(fleet.decode.url, prompt, kv_transfer_params=params)) == alone
     _wait_stat(fleet.decode, "pd_failed", failed + 1)
 
 

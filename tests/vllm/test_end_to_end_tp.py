@@ -7,14 +7,14 @@ the KV must really move."""
 from __future__ import annotations
 
 import importlib.metadata
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from kvconnect.bench import tiny_llama
 from kvconnect.bench.tiny_llama import Shape, write_tiny_llama
-from kvconnect.bench.vllm_servers import Proxy, Server, complete
+from kvconnect.bench.vllm_servers import complete
+from tests.vllm.servers import Setup, connector, pd_pair, text, wait_stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -27,64 +27,24 @@ STARTUP = 600.0  # three worker processes starting on two busy cores
 SHAPE = Shape(kv_heads=2)
 
 
-class Setup:
-    def __init__(self, prefill: Server, decode: Server, proxy: Proxy) -> None:
-        self.prefill = prefill
-        self.decode = decode
-        self.proxy = proxy
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     model = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), shape=SHAPE)
     logs = tmp_path_factory.mktemp("logs")
-    transfer = {
-        "kv_connector": "KVConnectConnector",
-        "kv_connector_module_path": "kvconnect.vllm.connector",
-        "kv_role": "kv_both",
-        # Long deadlines: three workers share two cores, and a worker whose core another's
-        # busy loop holds may not run for seconds (docs/vllm.md, CPU-only hosts).
-        "kv_connector_extra_config": {
-            "lease": 300,
-            "connect_timeout": 30,
-            "read_timeout": 120,
-            "rpc_timeout": 30,
-        },
-        "kv_load_failure_policy": "fail",  # a refused or failed read fails the request
-    }
-    # Each prefill rank on a core of its own; decode shares the second (the machine has two).
-    prefill = Server("prefill", model, logs, transfer, cpus="0|1", block_size=32, tp=2)
-    decode = Server("decode", model, logs, transfer, cpus="1", block_size=64)
-    try:
-        for server in (prefill, decode):
-            server.wait_ready(STARTUP)
-        proxy = Proxy([prefill.url], [decode.url], logs)
-        try:
-            yield Setup(prefill, decode, proxy)
-        finally:
-            proxy.stop()
-    finally:
-        for server in (prefill, decode):
-            server.stop()
-
-
-def _text(result: dict[str, object]) -> str:
-    choices = result["choices"]
-    assert isinstance(choices, list)
-    text = choices[0]["text"]
-    assert isinstance(text, str)
-    assert text
-    return text
-
-
-def _wait_stats(server: Server, key: str, above: float, timeout: float = 120.0) -> float:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = server.stats().get(key, 0)
-        if value > above:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"{server.name}: {key} stayed at {above}; stats {server.stats()}")
+    # Long deadlines: three workers share two cores, and a worker whose core another's busy
+    # loop holds may not run for seconds (docs/vllm.md, CPU-only hosts). A refused or failed
+    # read fails the request.
+    extra = {"lease": 300, "connect_timeout": 30, "read_timeout": 120, "rpc_timeout": 30}
+    with pd_pair(
+        model,
+        logs,
+        connector(extra, policy="fail"),
+        startup=STARTUP,
+        # Each prefill rank on a core of its own; decode shares the second (there are two).
+        prefill={"cpus": "0|1", "block_size": 32, "tp": 2},
+        decode={"cpus": "1", "block_size": 64},
+    ) as pair:
+        yield pair
 
 
 def test_tp2_prefill_to_tp1_decode_with_other_blocks_equals_a_single_instance(
@@ -93,11 +53,11 @@ def test_tp2_prefill_to_tp1_decode_with_other_blocks_equals_a_single_instance(
     prompt = tiny_llama.prompt(3, 150)
     # The single instance is prefill (decode computing the prompt would cache it, and then
     # read only what its cache lacks).
-    alone = _text(complete(setup.prefill.url, prompt, kv_transfer_params=None))
+    alone = text(complete(setup.prefill.url, prompt, kv_transfer_params=None))
     before = setup.decode.stats()
-    through_pd = _text(complete(setup.proxy.url, prompt))
+    through_pd = text(complete(setup.proxy.url, prompt))
     assert through_pd == alone
-    moved = _wait_stats(setup.decode, "pd_bytes", before.get("pd_bytes", 0))
+    moved = wait_stats(setup.decode, "pd_bytes", before.get("pd_bytes", 0), timeout=120)
     # Decode's 3 blocks of 64 take prefill's 5 blocks of 32 (150 tokens): 160 tokens, both
     # heads, every layer.
     assert moved - before.get("pd_bytes", 0) == 160 * SHAPE.kv_bytes_per_token

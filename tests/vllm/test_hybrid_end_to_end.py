@@ -8,15 +8,15 @@ group needs move."""
 from __future__ import annotations
 
 import importlib.metadata
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from kvconnect.bench import tiny_llama
 from kvconnect.bench.tiny_llama import Shape, write_tiny_llama
-from kvconnect.bench.vllm_servers import Proxy, Server, complete, cpu_groups
+from kvconnect.bench.vllm_servers import complete
 from kvconnect.store.launch import Cluster
+from tests.vllm.servers import Setup, connector, pd_pair, text, wait_stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -31,75 +31,29 @@ WINDOW = 40  # tokens: the next token's window covers the last 2 blocks (or 3)
 LAYER_BLOCK = BLOCK * Shape().kv_bytes_per_token // Shape().layers  # one layer's block
 
 
-class Setup:
-    def __init__(self, prefill: Server, decode: Server, proxy: Proxy) -> None:
-        self.prefill = prefill
-        self.decode = decode
-        self.proxy = proxy
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     model = write_tiny_llama(tmp_path_factory.mktemp("tiny-hybrid"), sliding_window=WINDOW)
     logs = tmp_path_factory.mktemp("logs")
     with Cluster(servers=1, server_size=256 << 20) as cluster:
         extra = {"pool": True, "master": cluster.master_endpoint, "lease": 120}
-        transfer = {
-            "kv_connector": "KVConnectConnector",
-            "kv_connector_module_path": "kvconnect.vllm.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": extra,
-            "kv_load_failure_policy": "recompute",
-        }
-        servers = [
-            Server(name, model, logs, transfer, cpus=cpus)
-            for name, cpus in zip(("prefill", "decode"), cpu_groups(2), strict=True)
-        ]
-        try:
-            for server in servers:
-                server.wait_ready(STARTUP)
-            proxy = Proxy([servers[0].url], [servers[1].url], logs)
-            try:
-                yield Setup(servers[0], servers[1], proxy)
-            finally:
-                proxy.stop()
-        finally:
-            for server in servers:
-                server.stop()
-
-
-def _wait_stats(server: Server, key: str, above: float, timeout: float = 30.0) -> float:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = server.stats().get(key, 0)
-        if value > above:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"{server.name}: {key} stayed at {above}; stats {server.stats()}")
-
-
-def _text(result: dict[str, object]) -> str:
-    choices = result["choices"]
-    assert isinstance(choices, list)
-    text = choices[0]["text"]
-    assert isinstance(text, str)
-    assert text
-    return text
+        with pd_pair(model, logs, connector(extra), startup=STARTUP) as pair:
+            yield pair
 
 
 def test_vllm_keeps_the_hybrid_allocator_on(setup: Setup) -> None:
     for server in (setup.prefill, setup.decode):
-        log = server.log.read_text(errors="replace")
+        log = server.log.readtext(errors="replace")
         assert "in 2 KV-cache groups" in log, server.tail()
         assert "Turning off hybrid kv cache manager" not in log
 
 
 def test_disaggregated_hybrid_output_equals_a_single_instance(setup: Setup) -> None:
     prompt = tiny_llama.prompt(3, 150)  # 150 tokens: 5 blocks
-    alone = _text(complete(setup.prefill.url, prompt, kv_transfer_params=None))
+    alone = text(complete(setup.prefill.url, prompt, kv_transfer_params=None))
     before = setup.decode.stats().get("pd_bytes", 0)
-    assert _text(complete(setup.proxy.url, prompt)) == alone
-    moved = _wait_stats(setup.decode, "pd_bytes", before)
+    assert text(complete(setup.proxy.url, prompt)) == alone
+    moved = wait_stats(setup.decode, "pd_bytes", before)
     # full attention: all 5 blocks; the window: the 2 its next token reads (tokens 111..149)
     assert moved - before == (5 + 2) * LAYER_BLOCK
     assert setup.decode.stats().get("pd_failed", 0) == 0
@@ -108,11 +62,11 @@ def test_disaggregated_hybrid_output_equals_a_single_instance(setup: Setup) -> N
 def test_second_instance_reuses_a_hybrid_prefix_from_the_pool(setup: Setup) -> None:
     prompt = tiny_llama.prompt(8, 200)  # 6 full blocks and 8 tokens
     saved = setup.prefill.stats().get("pool_bytes_saved", 0)
-    first = _text(complete(setup.prefill.url, prompt))
+    first = text(complete(setup.prefill.url, prompt))
     # full attention's 6 blocks and the window's last 2 (tokens 153..191 at the hit's end)
     blocks = (6 + 2) * LAYER_BLOCK
-    _wait_stats(setup.prefill, "pool_bytes_saved", saved + blocks - 1)
+    wait_stats(setup.prefill, "pool_bytes_saved", saved + blocks - 1)
     before = setup.decode.stats().get("pool_bytes_loaded", 0)
-    assert _text(complete(setup.decode.url, prompt)) == first
-    loaded = _wait_stats(setup.decode, "pool_bytes_loaded", before)
+    assert text(complete(setup.decode.url, prompt)) == first
+    loaded = wait_stats(setup.decode, "pool_bytes_loaded", before)
     assert loaded - before == blocks
