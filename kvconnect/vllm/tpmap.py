@@ -31,6 +31,11 @@ KV layout are what it maps between)."""
 KV_HALVES_BACKENDS = frozenset({"CPU_ATTN"})
 """vLLM attention backends whose blocks hold K/V halves (``kv_cache.view(blocks, heads,
 2 * block_size, head_size).chunk(2, dim=2)`` in vLLM's CPU attention)."""
+BLOCK_PACKED_BACKENDS = frozenset({"CPU_ATTN"})
+"""vLLM attention backends whose kernels lay a block's tokens out by the block size (vLLM's CPU
+attention picks its kernel, and with it the cache's order inside a block, by block size):
+blocks of another size cannot be mapped token by token. Found end to end (P 32 → D 64 read
+every byte, and decode's output differed); equal block sizes map heads only, whole blocks."""
 
 
 class Span(NamedTuple):
@@ -219,6 +224,13 @@ def check_mappable(
     problems: list[str] = []
     for rank in sorted(remotes):
         theirs = remotes[rank]
+        packed = _backends(theirs.format) | _backends(local.format)
+        if theirs.format.block_size != local.format.block_size and packed & BLOCK_PACKED_BACKENDS:
+            problems.append(
+                f"block size: {theirs.format.block_size} at prefill rank {rank}, "
+                f"{local.format.block_size} here, and {sorted(packed & BLOCK_PACKED_BACKENDS)} "
+                "lays a block's tokens out by its block size"
+            )
         if strict:
             problems += _format_differences(theirs.format, local.format)
         if len(theirs.layers) != len(local.layers):
@@ -230,6 +242,10 @@ def check_mappable(
         if problems:
             return "; ".join(problems)
     return None
+
+
+def _backends(fmt: KVFormat) -> frozenset[str]:
+    return frozenset(fmt.attention_backend.split(","))
 
 
 def _layer_problems(mine: Sequence[LayerLayout], theirs: Sequence[LayerLayout]) -> list[str]:

@@ -43,7 +43,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 
 def test_vllm_keeps_the_hybrid_allocator_on(setup: Setup) -> None:
     for server in (setup.prefill, setup.decode):
-        log = server.log.readtext(errors="replace")
+        log = server.log.read_text(errors="replace")
         assert "in 2 KV-cache groups" in log, server.tail()
         assert "Turning off hybrid kv cache manager" not in log
 

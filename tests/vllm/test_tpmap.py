@@ -26,7 +26,7 @@ from kvconnect.vllm.tpmap import (
 )
 
 CONTENT = 6  # int32 elements of one token of one head (K|V)
-FORMAT = KVFormat("vllm 0.33.0", "m", "", "auto/float32", 16, 1, "CPU_ATTN", "LBHNC")
+FORMAT = KVFormat("vllm 0.33.0", "m", "", "auto/float32", 16, 1, "FLASH_ATTN", "LBHNC")
 EMPTY = -1
 
 
