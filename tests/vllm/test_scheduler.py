@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from kvconnect.store.launch import Cluster
 from kvconnect.vllm import messages as msg
 from kvconnect.vllm.connector import KVConnectHandshake
 from kvconnect.vllm.layout import LayerLayout, RankLayout
-from kvconnect.vllm.pool import pool_keys
+from kvconnect.vllm.pool import PoolKeys, pool_keys
 from kvconnect.vllm.sidechannel import SideChannelClient
 from kvconnect.vllm.worker import ConnectorWorker
 from tests.support.waiting import wait_for
@@ -240,10 +241,13 @@ def _layout() -> RankLayout:
     return RankLayout("segment", "c0ffee" * 4, (layer, layer), FORMAT.kv_format())
 
 
-def test_shared_pool_hit_loads_the_prefix_and_saves_the_rest(tiny_config: Path) -> None:
+@contextmanager
+def _pool_engine(tiny_config: Path, **extra: Any) -> Iterator[tuple[Any, StoreClient, PoolKeys]]:
+    """A ``kv_both`` scheduler with the pool on a real store (``extra``: more settings), its
+    workers' layout handed over; a client of that store; the pool's key scheme."""
     with Cluster(servers=1, server_size=8 << 20) as cluster:
-        extra = {"pool": True, "master": cluster.master_endpoint}
-        s = make_scheduler(tiny_config, "kv_both", extra)
+        settings = {"pool": True, "master": cluster.master_endpoint, **extra}
+        s = make_scheduler(tiny_config, "kv_both", settings)
         store = StoreClient(StoreClientConfig(master=cluster.master_endpoint))
         store.start()
         try:
@@ -251,45 +255,49 @@ def test_shared_pool_hit_loads_the_prefix_and_saves_the_rest(tiny_config: Path) 
             s.connector.set_xfer_handshake_metadata(
                 {0: KVConnectHandshake(msgspec.msgpack.encode(layout))}
             )
-            keys = pool_keys(namespace="", model=layout.format.model, compat=layout.compat)
-            prompt = list(range(100, 156))  # 3 full blocks and 8 tokens
-            probe = make_request("probe", prompt)
-            for block_hash in probe.block_hashes[:2]:  # the pool has the first two blocks
-                assert store.put(keys.block_key(block_hash.hex()), b"x" * 64).name == "OK"
-
-            s.add_request(make_request("hit", prompt, max_tokens=1))
-            output, _ = step(s)
-            # The lookup runs in the background: vLLM skips the request, the scheduler thread
-            # goes on, and the next step after the answer came in schedules the load.
-            assert output.num_scheduled_tokens == {}, "scheduled before the lookup answered"
-            assert not plan_of(output).load
-            settle_lookups(s)
-            output, _ = step(s)
-            (load,) = plan_of(output).load
-            assert load.hashes == tuple(h.hex() for h in probe.block_hashes[:2])
-            assert len(load.blocks[0]) == 2
-            step(s, recving=["hit"])
-            output, _ = step(s)
-            assert output.num_scheduled_tokens == {"hit": len(prompt) - 2 * BLOCK}
-            (save,) = plan_of(output).save  # the block the pool lacked, once computed
-            assert save.hashes == (probe.block_hashes[2].hex(),)
-            step(s)
-            assert "hit" in s.requests, "the save holds the blocks"
-            step(s, sending=["hit"])
-            assert_empty(s)
-
-            s.add_request(make_request("miss", list(range(200, 240)), max_tokens=1))
-            step(s)
-            settle_lookups(s)
-            output, _ = step(s)
-            assert not plan_of(output).load
-            assert output.num_scheduled_tokens == {"miss": 40}
-            assert len(plan_of(output).save[0].hashes) == 2
-            step(s, sending=["miss"])
-            assert_empty(s)
+            yield s, store, pool_keys(namespace="", model=layout.format.model, compat=layout.compat)
         finally:
             store.close()
             s.shutdown()
+
+
+def test_shared_pool_hit_loads_the_prefix_and_saves_the_rest(tiny_config: Path) -> None:
+    with _pool_engine(tiny_config) as (s, store, keys):
+        prompt = list(range(100, 156))  # 3 full blocks and 8 tokens
+        probe = make_request("probe", prompt)
+        for block_hash in probe.block_hashes[:2]:  # the pool has the first two blocks
+            assert store.put(keys.block_key(block_hash.hex()), b"x" * 64).name == "OK"
+
+        s.add_request(make_request("hit", prompt, max_tokens=1))
+        output, _ = step(s)
+        # The lookup runs in the background: vLLM skips the request, the scheduler thread
+        # goes on, and the next step after the answer came in schedules the load.
+        assert output.num_scheduled_tokens == {}, "scheduled before the lookup answered"
+        assert not plan_of(output).load
+        settle_lookups(s)
+        output, _ = step(s)
+        (load,) = plan_of(output).load
+        assert load.hashes == tuple(h.hex() for h in probe.block_hashes[:2])
+        assert len(load.blocks[0]) == 2
+        step(s, recving=["hit"])
+        output, _ = step(s)
+        assert output.num_scheduled_tokens == {"hit": len(prompt) - 2 * BLOCK}
+        (save,) = plan_of(output).save  # the block the pool lacked, once computed
+        assert save.hashes == (probe.block_hashes[2].hex(),)
+        step(s)
+        assert "hit" in s.requests, "the save holds the blocks"
+        step(s, sending=["hit"])
+        assert_empty(s)
+
+        s.add_request(make_request("miss", list(range(200, 240)), max_tokens=1))
+        step(s)
+        settle_lookups(s)
+        output, _ = step(s)
+        assert not plan_of(output).load
+        assert output.num_scheduled_tokens == {"miss": 40}
+        assert len(plan_of(output).save[0].hashes) == 2
+        step(s, sending=["miss"])
+        assert_empty(s)
 
 
 def test_a_fleet_whose_block_hashes_differ_refuses_the_pool_with_one_error(
@@ -297,38 +305,25 @@ def test_a_fleet_whose_block_hashes_differ_refuses_the_pool_with_one_error(
 ) -> None:
     """An instance seeded unlike the fleet (the probe object holds another hash of the fixed
     probe block) would never hit: it logs one ERROR, looks nothing up and saves nothing."""
-    with Cluster(servers=1, server_size=8 << 20) as cluster:
-        extra = {"pool": True, "master": cluster.master_endpoint}
-        s = make_scheduler(tiny_config, "kv_both", extra)
-        store = StoreClient(StoreClientConfig(master=cluster.master_endpoint))
-        store.start()
-        try:
-            layout = _layout()
-            s.connector.set_xfer_handshake_metadata(
-                {0: KVConnectHandshake(msgspec.msgpack.encode(layout))}
-            )
-            keys = pool_keys(namespace="", model=layout.format.model, compat=layout.compat)
-            assert store.put(keys.probe_key, b"another fleet's seed").name == "OK"
-            prompts = {"a": list(range(100, 156)), "b": list(range(200, 256))}
-            for prompt in prompts.values():
-                for block_hash in make_request("probe", prompt).block_hashes:
-                    assert store.put(keys.block_key(block_hash.hex()), b"x" * 64).name == "OK"
-            for rid, prompt in prompts.items():
-                s.add_request(make_request(rid, prompt, max_tokens=1))
+    with _pool_engine(tiny_config) as (s, store, keys):
+        assert store.put(keys.probe_key, b"another fleet's seed").name == "OK"
+        prompts = {"a": list(range(100, 156)), "b": list(range(200, 256))}
+        for prompt in prompts.values():
+            for block_hash in make_request("probe", prompt).block_hashes:
+                assert store.put(keys.block_key(block_hash.hex()), b"x" * 64).name == "OK"
+        for rid, prompt in prompts.items():
+            s.add_request(make_request(rid, prompt, max_tokens=1))
+            step(s)
+            settle_lookups(s)
+            output, _ = step(s)
+            assert output.num_scheduled_tokens == {rid: len(prompt)}, "a hit"
+            assert not plan_of(output).load
+            assert not plan_of(output).save, "saved under another fleet's keys"
+            while s.requests:
                 step(s)
-                settle_lookups(s)
-                output, _ = step(s)
-                assert output.num_scheduled_tokens == {rid: len(prompt)}, "a hit"
-                assert not plan_of(output).load
-                assert not plan_of(output).save, "saved under another fleet's keys"
-                while s.requests:
-                    step(s)
-            refusals = [r for r in caplog.records if "pool refused" in r.getMessage()]
-            assert [r.levelname for r in refusals] == ["ERROR"]
-            assert_empty(s)
-        finally:
-            store.close()
-            s.shutdown()
+        refusals = [r for r in caplog.records if "pool refused" in r.getMessage()]
+        assert [r.levelname for r in refusals] == ["ERROR"]
+        assert_empty(s)
 
 
 def test_a_finished_requests_output_blocks_are_saved_with_pool_save_generated(
@@ -336,36 +331,28 @@ def test_a_finished_requests_output_blocks_are_saved_with_pool_save_generated(
 ) -> None:
     """Multi-turn: with ``pool_save_generated`` the full blocks of the output (whose KV was
     computed) are saved once the request finished, and its blocks wait for that save."""
-    with Cluster(servers=1, server_size=8 << 20) as cluster:
-        extra = {"pool": True, "master": cluster.master_endpoint, "pool_save_generated": True}
-        s = make_scheduler(tiny_config, "kv_both", extra)
-        try:
-            s.connector.set_xfer_handshake_metadata(
-                {0: KVConnectHandshake(msgspec.msgpack.encode(_layout()))}
-            )
-            request = make_request("chat", PROMPT, max_tokens=30)  # 40 + 30 tokens
-            s.add_request(request)
-            step(s)
-            settle_lookups(s)
-            output, _ = step(s)
-            (prompt_save,) = plan_of(output).save
-            assert prompt_save.hashes == tuple(h.hex() for h in request.block_hashes[:2])
-            saves = []
-            while request.status is not RequestStatus.FINISHED_LENGTH_CAPPED:
-                output, _ = step(s, sending=[])
-                saves += plan_of(output).save
-            assert saves == [], "saved before the request finished"
-            output, _ = step(s)
-            (output_save,) = plan_of(output).save
-            # 69 tokens have KV (the last sampled one has none yet): 4 full blocks of 16.
-            assert output_save.hashes == tuple(h.hex() for h in request.block_hashes[2:4])
-            blocks = s.kv_cache_manager.get_block_ids("chat")[0]
-            assert output_save.blocks == (tuple(blocks[2:4]),), "the full group's blocks 2, 3"
-            assert "chat" in s.requests, "the output's save holds the blocks"
-            step(s, sending=["chat"])
-            assert_empty(s)
-        finally:
-            s.shutdown()
+    with _pool_engine(tiny_config, pool_save_generated=True) as (s, _, _):
+        request = make_request("chat", PROMPT, max_tokens=30)  # 40 + 30 tokens
+        s.add_request(request)
+        step(s)
+        settle_lookups(s)
+        output, _ = step(s)
+        (prompt_save,) = plan_of(output).save
+        assert prompt_save.hashes == tuple(h.hex() for h in request.block_hashes[:2])
+        saves = []
+        while request.status is not RequestStatus.FINISHED_LENGTH_CAPPED:
+            output, _ = step(s, sending=[])
+            saves += plan_of(output).save
+        assert saves == [], "saved before the request finished"
+        output, _ = step(s)
+        (output_save,) = plan_of(output).save
+        # 69 tokens have KV (the last sampled one has none yet): 4 full blocks of 16.
+        assert output_save.hashes == tuple(h.hex() for h in request.block_hashes[2:4])
+        blocks = s.kv_cache_manager.get_block_ids("chat")[0]
+        assert output_save.blocks == (tuple(blocks[2:4]),), "the full group's blocks 2, 3"
+        assert "chat" in s.requests, "the output's save holds the blocks"
+        step(s, sending=["chat"])
+        assert_empty(s)
 
 
 def test_a_second_instance_loads_the_pooled_prefix_byte_for_byte(tiny_config: Path) -> None:
