@@ -23,7 +23,8 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from kvconnect._config import cluster_token
@@ -51,6 +52,18 @@ def kv_caches(seed: int | None, layout: str = "kv_first", blocks: int = BLOCKS) 
         name: torch.randn(*shape, generator=generator) if seed is not None else torch.zeros(*shape)
         for name in _LAYERS
     }
+
+
+@contextmanager
+def decode_worker(config: VllmConnectorConfig) -> Iterator[tuple[ConnectorWorker, dict[str, Any]]]:
+    """A decode rank's worker side over empty :func:`kv_caches`, registered, and its caches."""
+    caches = kv_caches(seed=None)
+    worker = ConnectorWorker(config, FORMAT, BLOCKS)
+    try:
+        worker.register(caches)
+        yield worker, caches
+    finally:
+        worker.close()
 
 
 def block_digest(caches: Mapping[str, Any], blocks: Sequence[int]) -> str:

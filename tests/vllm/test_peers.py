@@ -28,7 +28,13 @@ from kvconnect.vllm.scheduler import ConnectorScheduler
 from kvconnect.vllm.sidechannel import SideChannelClient, SideChannelServer
 from kvconnect.vllm.worker import ConnectorWorker
 from tests.support.leaks import kvconnect_threads, open_fds
-from tests.support.prefill_peer import BLOCKS, FORMAT, PrefillPeer, block_digest, kv_caches
+from tests.support.prefill_peer import (
+    FORMAT,
+    PrefillPeer,
+    block_digest,
+    decode_worker,
+    kv_caches,
+)
 from tests.support.waiting import wait_for
 
 torch = pytest.importorskip("torch")
@@ -41,13 +47,8 @@ CONFIG = VllmConnectorConfig.from_mapping(
 
 @pytest.fixture
 def decode() -> Iterator[tuple[ConnectorWorker, dict[str, Any]]]:
-    caches = kv_caches(seed=None)
-    worker = ConnectorWorker(CONFIG, FORMAT, BLOCKS)
-    try:
-        worker.register(caches)
-        yield worker, caches
-    finally:
-        worker.close()
+    with decode_worker(CONFIG) as pair:
+        yield pair
 
 
 def _read(worker: ConnectorWorker, job: RecvJob, timeout: float = 15.0) -> bool:

@@ -33,7 +33,14 @@ from kvconnect.vllm.roles import SchedulerServices
 from kvconnect.vllm.sidechannel import SideChannelClient
 from kvconnect.vllm.trace import Phase, parse_line
 from kvconnect.vllm.worker import ConnectorWorker
-from tests.support.prefill_peer import BLOCKS, FORMAT, PrefillPeer, block_digest, kv_caches
+from tests.support.prefill_peer import (
+    BLOCKS,
+    FORMAT,
+    PrefillPeer,
+    block_digest,
+    decode_worker,
+    kv_caches,
+)
 from tests.support.waiting import wait_for
 
 torch = pytest.importorskip("torch")
@@ -92,13 +99,8 @@ def prefill() -> Iterator[tuple[ConnectorWorker, PrefillService, dict[str, Any]]
 
 @pytest.fixture
 def decode() -> Iterator[tuple[ConnectorWorker, dict[str, Any]]]:
-    caches = kv_caches(seed=None)
-    worker = ConnectorWorker(CONFIG, FORMAT, BLOCKS)
-    try:
-        worker.register(caches)
-        yield worker, caches
-    finally:
-        worker.close()
+    with decode_worker(CONFIG) as pair:
+        yield pair
 
 
 def _job(service: PrefillService, local: tuple[int, ...], remote: tuple[int, ...]) -> RecvJob:
