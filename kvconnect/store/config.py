@@ -114,9 +114,30 @@ class StoreServerConfig(Section):
     """Timeout of one call to the master."""
     metrics_port: int = 0
     """Prometheus metrics HTTP port on 127.0.0.1 (0: no metrics server)."""
+    disk: str = ""
+    """``PATH[,PATH…]``: a disk tier under the memory, one per path (a file, or a directory
+    in which the server keeps ``kvconnect-<server_id>.data`` and its index). Objects the memory
+    evicts are written there and read back from there; they survive a restart with the same
+    ``server_id``."""
+    disk_size: int = 0
+    """Bytes of disk offered in all, split evenly between the ``disk`` paths (preallocated)."""
+    disk_queue: int = 64 * MiB
+    """Bytes of evicted objects waiting to be written (per disk); a demotion that finds the
+    queue full is dropped, as an eviction without a disk would be."""
+    disk_timeout: float = 10.0
+    """A disk operation that takes longer than this takes the disk out of service."""
 
     def __post_init__(self) -> None:
         check_positive(self, "size", "heartbeat_interval", "rpc_timeout")
+        check_positive(self, "disk_queue", "disk_timeout")
+        if bool(self.disk) != (self.disk_size > 0):
+            raise ConfigError("disk and disk_size go together: set both or neither")
+        if self.disk_size and self.disk_size < len(self.disk_paths()) * MiB:
+            raise ConfigError(f"disk_size must give each disk at least 1 MiB, got {self.disk_size}")
+
+    def disk_paths(self) -> list[str]:
+        """The ``disk`` paths, in order."""
+        return [path.strip() for path in self.disk.split(",") if path.strip()]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
