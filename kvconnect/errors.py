@@ -4,7 +4,8 @@
 - ``ClosedError``: *you* closed the object; it will not work again.
 - ``BrokenError``: something outside failed (a peer died, a link dropped); retry elsewhere or later.
 - ``ProtocolError``: the peer speaks another version or sent garbage; the connection is dropped.
-- ``TransferError``: a transfer did not complete (``TransferTimeout``, ``AccessDenied`` refine it).
+- ``TransferError``: a transfer did not complete (``TransferTimeout``, ``AccessDenied``,
+  ``SourceUnavailable`` refine it).
 - ``RegistrationError``: memory could not be registered or unregistered.
 - ``StoreError``: a store call failed as a whole (``MasterUnavailable``, ``CircuitOpen``).
 """
@@ -71,6 +72,11 @@ class AccessDenied(TransferError):
     """The target refused the access: unknown region, out of bounds, or read-only."""
 
 
+class SourceUnavailable(TransferError):
+    """The bytes of a FILE region cannot be served (read error, checksum mismatch, tier down);
+    other ranges, and other replicas, may still be."""
+
+
 class RegistrationError(KVConnectError):
     """Memory could not be registered or unregistered."""
 
@@ -116,6 +122,7 @@ __all__ = [
     "RegionBusy",
     "RegistrationError",
     "SegmentNotFound",
+    "SourceUnavailable",
     "StoreError",
     "TransferError",
     "TransferTimeout",

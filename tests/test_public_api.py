@@ -21,6 +21,7 @@ def test_public_names_snapshot() -> None:
         "Capabilities",
         "EmbeddedMetadata",
         "EngineStats",
+        "FileSource",
         "ListenerStats",
         "MemoryKind",
         "MemoryRegion",

@@ -19,6 +19,7 @@ from kvconnect.transfer.metadata import (
     SegmentRegistry,
 )
 from kvconnect.transfer.segment import RegionInfo, SegmentDescriptor
+from kvconnect.transfer.source import FileSource
 from kvconnect.transfer.stats import EngineStats, ListenerStats, TransportStats
 from kvconnect.transfer.transports.base import Transport
 from kvconnect.transfer.types import Capabilities, TransferOp, TransferRequest, TransferStatus
@@ -27,6 +28,7 @@ __all__ = [
     "Capabilities",
     "EmbeddedMetadata",
     "EngineStats",
+    "FileSource",
     "ListenerStats",
     "MemoryKind",
     "MemoryRegion",

@@ -35,7 +35,7 @@ from kvconnect.transfer.datapath.copying import Copier, CopyWorkers
 from kvconnect.transfer.datapath.cuda import DeviceCopier, default_copier
 from kvconnect.transfer.datapath.iov import DataPath, select_datapath
 from kvconnect.transfer.datapath.staging import StagingPool
-from kvconnect.transfer.memory import MemoryRegion, MemoryRegistry
+from kvconnect.transfer.memory import MemoryKind, MemoryRegion, MemoryRegistry
 from kvconnect.transfer.metadata import EmbeddedMetadata, MetadataBackend, P2PMetadata
 from kvconnect.transfer.metadata.directory import SegmentDirectory
 from kvconnect.transfer.protocol.listener import Listener
@@ -47,6 +47,7 @@ from kvconnect.transfer.segment import (
     host_identity,
     process_identity,
 )
+from kvconnect.transfer.source import FileSource
 from kvconnect.transfer.stats import EngineStats, ListenerStats
 from kvconnect.transfer.transports import local as local_registry
 from kvconnect.transfer.transports import registry
@@ -299,6 +300,21 @@ class TransferEngine(Lifecycle):
         """
         self._require_open()
         region = self._registry.allocate(nbytes, hugepages=hugepages, writable=writable)
+        self._republish()
+        return region
+
+    def register_source(self, source: FileSource, length: int) -> MemoryRegion:
+        """Publish bytes ``[0, length)`` of ``source`` as a read-only FILE region.
+
+        Peers READ it like memory: over TCP (the listener asks ``source`` for each frame's
+        ranges before answering; a SourceUnavailable fails just that frame's requests) or, in
+        this process, through the local transport; RDMA and shared memory never reach it.
+        WRITEs to it are refused, it cannot be the ``local`` region of a request, and it is not
+        shareable. ``fence``/``unregister``/``users`` work on it as on memory; while
+        ``users`` is not 0 a read may be calling ``source``. Raises RegistrationError.
+        """
+        self._require_open()
+        region = self._registry.register_source(source, length)
         self._republish()
         return region
 
@@ -611,6 +627,8 @@ def _check_request(op: TransferOp, request: TransferRequest) -> None:
         )
     if request.remote_offset < 0:
         raise InvalidRequest(f"remote_offset must be >= 0, got {request.remote_offset}")
+    if request.local.kind is MemoryKind.FILE:
+        raise InvalidRequest(f"region {request.local.id} is a FILE region: only peers read it")
     if op is TransferOp.READ and not request.local.writable:
         raise InvalidRequest(f"cannot READ into read-only region {request.local.id}")
 

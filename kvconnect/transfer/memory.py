@@ -23,6 +23,7 @@ from typing import Final, final
 import numpy as np
 
 from kvconnect.errors import InvalidRequest, RegionBusy, RegistrationError
+from kvconnect.transfer.source import FileSource
 
 
 class MemoryKind(enum.Enum):
@@ -30,6 +31,8 @@ class MemoryKind(enum.Enum):
 
     HOST = "host"
     CUDA = "cuda"
+    FILE = "file"
+    """Not memory: a :class:`~kvconnect.transfer.source.FileSource` produces the bytes."""
 
 
 class Access(enum.IntEnum):
@@ -62,12 +65,14 @@ class MemoryRegion:
 
     Host regions expose ``view`` (a writable-or-not 1-D byte memoryview). CUDA regions expose only
     ``address``/``device``; transports that cannot reach device memory stage through host buffers.
-    The region keeps the registered object alive until it is unregistered.
+    FILE regions expose only ``source`` (read-only, never shareable, ``address`` 0). The region
+    keeps the registered object alive until it is unregistered.
     """
 
     __slots__ = (
         "_keepalive",
         "_shared",
+        "_source",
         "_view",
         "address",
         "device",
@@ -89,6 +94,7 @@ class MemoryRegion:
         view: memoryview | None = None,
         keepalive: object = None,
         shared: _SharedMemory | None = None,
+        source: FileSource | None = None,
     ) -> None:
         self.id = region_id
         self.kind = kind
@@ -99,6 +105,7 @@ class MemoryRegion:
         self._view = view
         self._keepalive = keepalive
         self._shared = shared
+        self._source = source
 
     @property
     def view(self) -> memoryview:
@@ -106,6 +113,13 @@ class MemoryRegion:
         if self._view is None:
             raise InvalidRequest(f"region {self.id} is {self.kind.value} memory and has no view")
         return self._view
+
+    @property
+    def source(self) -> FileSource:
+        """What produces the region's bytes (FILE regions only)."""
+        if self._source is None:
+            raise InvalidRequest(f"region {self.id} is {self.kind.value} memory, not a file")
+        return self._source
 
     @property
     def shareable(self) -> bool:
@@ -188,6 +202,23 @@ class MemoryRegistry:
             self._users[region_id] = 0
         return region
 
+    def register_source(self, source: FileSource, length: int) -> MemoryRegion:
+        """Register ``length`` bytes produced by ``source`` as a read-only FILE region."""
+        if length <= 0:
+            raise RegistrationError(f"register_source: length must be > 0, got {length}")
+        region = MemoryRegion(
+            region_id=self._take_id(),
+            kind=MemoryKind.FILE,
+            address=0,
+            length=length,
+            writable=False,
+            source=source,
+        )
+        with self._lock:
+            self._regions[region.id] = region
+            self._users[region.id] = 0
+        return region
+
     def unregister(self, region: MemoryRegion) -> None:
         """Remove ``region``; RegionBusy while transfers use it."""
         with self._lock:
@@ -217,6 +248,7 @@ class MemoryRegistry:
             view=region._view,
             keepalive=region._keepalive,
             shared=region._shared,
+            source=region._source,
         )
         with self._lock:
             if self._regions.get(region.id) is not region:

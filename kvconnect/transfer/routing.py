@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from kvconnect.errors import InvalidRequest
 from kvconnect.transfer.config import TransportName
+from kvconnect.transfer.memory import MemoryKind
 from kvconnect.transfer.segment import RegionInfo, SegmentDescriptor
 from kvconnect.transfer.types import Capabilities
 
@@ -24,6 +25,8 @@ def unreachable(
             return f"this engine has no {capabilities.endpoint_label}"
         if endpoint not in peer.endpoints:
             return f"{peer.name} offers no {capabilities.endpoint_label}"
+    if capabilities.memory_only and region.kind == MemoryKind.FILE.value:
+        return f"{peer.name} region {region.id} is a FILE region (served over TCP)"
     if capabilities.shared_regions_only and not region.shareable:
         return (
             f"{peer.name} region {region.id} is not shared memory "

@@ -37,6 +37,8 @@ class ListenerStats:
     """Connections closed because their handshake did not finish within connect_timeout."""
     handshakes_dropped: int = 0
     """Connections closed in their handshake to make room for a newer one (max_handshakes)."""
+    unavailable: int = 0
+    """READ frames answered UNAVAILABLE: a FILE region's source failed (SourceUnavailable)."""
 
 
 LATENCY_BOUNDS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)

@@ -60,3 +60,6 @@ class Capabilities:
     """Only reaches engines in this process."""
     shared_regions_only: bool = False
     """Only reaches regions in shared memory (``RegionInfo.shareable``)."""
+    memory_only: bool = False
+    """Only reaches regions of memory: never FILE regions, whose bytes only their owner's
+    engine can produce (it touches the peer's memory without the peer engine's help)."""

@@ -81,6 +81,23 @@ def _descriptor(process: str, host: str, endpoints: dict[str, str]) -> SegmentDe
     )
 
 
+FILE = RegionInfo(3, 100, "file", False, False)
+
+
+@pytest.mark.parametrize(
+    ("peer", "expected"), [(SAME_PROCESS, "local"), (SAME_HOST, "tcp"), (OTHER_HOST, "tcp")]
+)
+def test_file_regions_are_reached_only_by_transports_that_ask_their_owner(
+    peer: SegmentDescriptor, expected: str
+) -> None:
+    me = _segment("h1", "p1", {"tcp": "a:1", "shm": "@a", "rdma": "mlx5_0"})
+    with_rdma = _segment(peer.host_id, peer.process_id, {**peer.endpoints, "rdma": "mlx5_1"})
+    assert choose_transport("auto", me, with_rdma, FILE, BUILTIN) == expected
+    for forced in ("rdma",) if peer is OTHER_HOST else ("shm", "rdma"):
+        with pytest.raises(InvalidRequest, match="region 3 is a FILE region"):
+            choose_transport(forced, me, with_rdma, FILE, BUILTIN)  # type: ignore[arg-type]
+
+
 def test_routing_prefers_rdma_between_hosts_and_names_the_missing_side() -> None:
     region = RegionInfo(1, 4096, "host", True, False)
     me = _descriptor("a", "h1", {"tcp": "x:1", "rdma": "mlx5_0"})

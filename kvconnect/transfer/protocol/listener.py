@@ -3,9 +3,11 @@
 One TCP socket (the configured interface only) and, for same-host peers, one abstract Unix socket
 (which can also hand over shared-memory fds). One thread per connection; each request frame is
 validated against the registry before a byte moves, and a malformed frame closes only its own
-connection. Every blocking call has a timeout: ``connect_timeout`` for the whole handshake,
-``idle_timeout`` between frames, ``io_timeout`` for a frame's header, entries and control
-message together, and for each stall of its payload.
+connection. READs of FILE regions are filled from their source before the answer; a source that
+fails gets the frame answered UNAVAILABLE, and the connection goes on. Every blocking call has a
+timeout: ``connect_timeout`` for the whole handshake, ``idle_timeout`` between frames,
+``io_timeout`` for a frame's header, entries and control message together, and for each stall
+of its payload.
 
 Connections still in their handshake are counted apart (at most ``max_handshakes``; one more
 drops the oldest of them), so unauthenticated clients can take neither the
@@ -21,10 +23,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvconnect.errors import AuthenticationError, KVConnectError, ProtocolError
+from kvconnect.errors import AuthenticationError, KVConnectError, ProtocolError, SourceUnavailable
 from kvconnect.transfer.config import TransferConfig
 from kvconnect.transfer.datapath.iov import DataPath
-from kvconnect.transfer.datapath.staging import StagedWindow, StagingPool, close_all, host_views
+from kvconnect.transfer.datapath.staging import StagingPool, Window, close_all, host_views
 from kvconnect.transfer.memory import MemoryRegion, MemoryRegistry
 from kvconnect.transfer.protocol import wire
 from kvconnect.transfer.protocol.wire import FrameKind, Status
@@ -271,7 +273,7 @@ class _Session:
 
     def _views(
         self, regions: list[MemoryRegion], flat: tuple[int, ...]
-    ) -> tuple[list[memoryview], list[StagedWindow]]:
+    ) -> tuple[list[memoryview], list[Window]]:
         entries = zip(regions, flat[1::3], flat[2::3], strict=True)
         return host_views(entries, self.listener._staging)
 
@@ -304,18 +306,33 @@ class _Session:
         total: int,
         frame_id: int,
     ) -> None:
-        header = wire.HEADER.pack(FrameKind.RESPONSE, status, 0, 0, frame_id)
         if status is not Status.OK:
-            self.conn.sendall(header)
+            self.conn.sendall(wire.HEADER.pack(FrameKind.RESPONSE, status, 0, 0, frame_id))
             return
         views, staged = self._views(regions, flat)
         try:
-            for window in staged:
-                window.load()
-            self.datapath.sendv(self.conn, [memoryview(header), *views], self.config.io_timeout)
+            status = self._load(staged)
+            header = memoryview(wire.HEADER.pack(FrameKind.RESPONSE, status, 0, 0, frame_id))
+            if status is not Status.OK:
+                self.conn.sendall(header)
+                return
+            self.datapath.sendv(self.conn, [header, *views], self.config.io_timeout)
         finally:
             close_all(staged)
         self.listener.counters.add(bytes_served=total)
+
+    def _load(self, windows: list[Window]) -> Status:
+        """Fill a READ frame's windows before its header goes out: OK, or UNAVAILABLE when a
+        FILE region's source failed (the frame is answered without payload and the connection
+        keeps serving: the other ranges and frames are not at fault)."""
+        try:
+            for window in windows:
+                window.load()
+        except SourceUnavailable as exc:
+            self.listener.counters.add(unavailable=1)
+            log.debug("answered a READ frame UNAVAILABLE: %s", exc)
+            return Status.UNAVAILABLE
+        return Status.OK
 
     def _discard(self, total: int) -> None:
         scratch = memoryview(bytearray(min(total, _DISCARD_CHUNK)))

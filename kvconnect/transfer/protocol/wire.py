@@ -65,6 +65,8 @@ class Status(enum.IntEnum):
     READ_ONLY = 3
     BAD_REQUEST = 4
     INTERNAL = 5
+    UNAVAILABLE = 6
+    """A FILE region's source could not produce the bytes of an entry (no payload follows)."""
 
 
 _ENTRY_STRUCTS: dict[int, struct.Struct] = {}

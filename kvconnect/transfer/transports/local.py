@@ -2,7 +2,8 @@
 
 Engines publish their memory registry here at start; a copy acquires the peer's region through
 that registry (bounds, permissions and user counts checked exactly as the listener would), so a
-peer that unregisters or closes is refused, never read after free.
+peer that unregisters or closes is refused, never read after free. A READ of a FILE region asks
+its source, straight into the local region (through a bounce buffer for device memory).
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ import threading
 import weakref
 from collections.abc import Sequence
 
-from kvconnect.errors import AccessDenied, PeerUnreachable
+import numpy as np
+
+from kvconnect.errors import AccessDenied, PeerUnreachable, SourceUnavailable
 from kvconnect.transfer.batch import Slice, complete_slices, pin_slices, unpin_slices
 from kvconnect.transfer.datapath.copying import Copier, CopyWorkers
 from kvconnect.transfer.memory import MemoryKind, MemoryRegion, MemoryRegistry
 from kvconnect.transfer.segment import SegmentDescriptor
+from kvconnect.transfer.source import FileSource, read_source
 from kvconnect.transfer.stats import Counters, TransportStats
 from kvconnect.transfer.transports.base import TransportContext, TransportEntry
 from kvconnect.transfer.types import Capabilities, TransferOp
@@ -76,33 +80,70 @@ class LocalTransport:
         held: list[MemoryRegion] = []
         copied: list[Slice] = []
         try:
-            work = []
-            for piece in pinned:
-                access, region = registry.acquire(
-                    piece.remote_region,
-                    piece.remote_offset,
-                    piece.length,
-                    write=op is TransferOp.WRITE,
-                )
-                if region is None:
-                    piece.done(AccessDenied(f"region {piece.remote_region}: {access.name}"))
-                    self._counters.add(errors=1)
-                    continue
-                held.append(region)
-                start = piece.remote_offset
-                view = (
-                    region.view[start : start + piece.length]
-                    if region.kind is MemoryKind.HOST
-                    else None
-                )
-                work.append((piece, view, region.address + start))
-            copied = self._copier.copy(op, work)
+            work, filled = self._gather(registry, op, pinned, held)
+            copied = filled + self._copier.copy(op, work)
         finally:
             registry.release_many(held)
             unpin_slices(pinned)
         complete_slices(copied)
         key = "bytes_read" if op is TransferOp.READ else "bytes_written"
         self._counters.add(ops=len(copied), **{key: sum(p.length for p in copied)})
+
+    def _gather(
+        self,
+        registry: MemoryRegistry,
+        op: TransferOp,
+        pinned: Sequence[Slice],
+        held: list[MemoryRegion],
+    ) -> tuple[list[tuple[Slice, memoryview | None, int]], list[Slice]]:
+        """Acquire each piece's remote region (appended to ``held``, which the caller releases)
+        and return the copier's work and the pieces already read from a FILE region's source.
+        Pieces refused, or whose source failed, are completed with their error here."""
+        work: list[tuple[Slice, memoryview | None, int]] = []
+        filled: list[Slice] = []
+        for piece in pinned:
+            start = piece.remote_offset
+            access, region = registry.acquire(
+                piece.remote_region, start, piece.length, write=op is TransferOp.WRITE
+            )
+            if region is None:
+                piece.done(AccessDenied(f"region {piece.remote_region}: {access.name}"))
+                self._counters.add(errors=1)
+                continue
+            held.append(region)
+            if region.kind is MemoryKind.FILE:
+                try:
+                    bounce = _read_source(region.source, piece)
+                except SourceUnavailable as exc:
+                    piece.done(exc)
+                    self._counters.add(errors=1)
+                    continue
+                if bounce is None:
+                    filled.append(piece)
+                else:
+                    work.append((piece, bounce, 0))
+                continue
+            view = (
+                region.view[start : start + piece.length]
+                if region.kind is MemoryKind.HOST
+                else None
+            )
+            work.append((piece, view, region.address + start))
+        return work, filled
+
+
+def _read_source(source: FileSource, piece: Slice) -> memoryview | None:
+    """Read ``piece``'s bytes from ``source``: straight into its local region when that is host
+    memory (None: nothing left to copy), else into a bounce buffer, returned for the copier to
+    move to the device. Raises SourceUnavailable."""
+    local = piece.local
+    if local.kind is MemoryKind.HOST:
+        start = piece.local_offset
+        read_source(source, piece.remote_offset, local.view[start : start + piece.length])
+        return None
+    bounce = np.empty(piece.length, dtype=np.uint8).data
+    read_source(source, piece.remote_offset, bounce)
+    return bounce
 
 
 def _build(context: TransportContext) -> LocalTransport:

@@ -81,6 +81,7 @@ class ShmTransport:
         endpoint_label="shared-memory endpoint",
         same_host_only=True,
         shared_regions_only=True,
+        memory_only=True,
     )
 
     def __init__(

@@ -8,7 +8,10 @@ in flight per stream.
 
 Failures: a broken connection requeues its in-flight frames for the other streams (at most
 ``max_retries`` times per frame) and reconnects; a peer that refuses connections or turned out
-to be another engine fails the channel's queued work at once with PeerUnreachable.
+to be another engine fails the channel's queued work at once with PeerUnreachable. A READ frame
+answered UNAVAILABLE (a FILE region's source failed on one of its entries, and the status does
+not say which) is asked again one slice per frame, so only the slices at fault fail, with
+SourceUnavailable.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from kvconnect.errors import (
     KVConnectError,
     PeerUnreachable,
     ProtocolError,
+    SourceUnavailable,
     TransferError,
 )
 from kvconnect.transfer.batch import (
@@ -41,7 +45,7 @@ from kvconnect.transfer.batch import (
 )
 from kvconnect.transfer.config import TransferConfig
 from kvconnect.transfer.datapath.iov import DataPath
-from kvconnect.transfer.datapath.staging import StagedWindow, StagingPool, close_all, host_views
+from kvconnect.transfer.datapath.staging import StagingPool, Window, close_all, host_views
 from kvconnect.transfer.protocol import wire
 from kvconnect.transfer.protocol.wire import FrameKind, Status
 from kvconnect.transfer.segment import SegmentDescriptor
@@ -251,6 +255,17 @@ class _Channel:
             self.transport.counters.add(errors=sum(len(f.slices) for f in failed))
             fail_frames(failed, broken)
 
+    def resend(self, frames: list[Frame]) -> None:
+        """Send ``frames`` next (a frame the peer answered as a whole, asked again in parts);
+        fails them if the channel has ended."""
+        with self._cond:
+            error = self._error
+            if error is None:
+                self._queue.extendleft(reversed(frames))
+                self._cond.notify_all()
+        if error is not None:
+            fail_frames(frames, error)
+
     def fail(self, error: KVConnectError) -> None:
         """The peer is gone: drop the channel, then fail its queued frames and stop streams.
 
@@ -453,7 +468,7 @@ class _Connection:
         frame.sent = pinned
         if not pinned:
             return
-        staged: list[StagedWindow] = []
+        staged: list[Window] = []
         try:
             views, staged = self._views(pinned)
             for window in staged:
@@ -474,7 +489,7 @@ class _Connection:
             close_all(staged)
             unpin_slices(pinned, self.abort)
 
-    def _views(self, pieces: list[Slice]) -> tuple[list[memoryview], list[StagedWindow]]:
+    def _views(self, pieces: list[Slice]) -> tuple[list[memoryview], list[Window]]:
         entries = ((p.local, p.local_offset, p.length) for p in pieces)
         return host_views(entries, self.transport.staging)
 
@@ -541,7 +556,7 @@ class _Connection:
 
     def _receive_payload(self, pieces: list[Slice]) -> None:
         pinned = pin_slices(pieces, self.abort)
-        staged: list[StagedWindow] = []
+        staged: list[Window] = []
         try:
             if len(pinned) == len(pieces):
                 views, staged = self._views(pieces)
@@ -569,8 +584,13 @@ class _Connection:
             key = "bytes_read" if frame.op is TransferOp.READ else "bytes_written"
             self.transport.counters.add(ops=len(frame.sent), **{key: nbytes})
             return
+        if status is Status.UNAVAILABLE and len(frame.sent) > 1:
+            self.channel.resend([Frame(frame.op, [piece]) for piece in frame.sent])
+            return
         error: KVConnectError
-        if status in _ACCESS_STATUSES:
+        if status is Status.UNAVAILABLE:
+            error = SourceUnavailable(f"{self.channel.peer.name} cannot serve those bytes")
+        elif status in _ACCESS_STATUSES:
             error = AccessDenied(f"{self.channel.peer.name} refused the access: {status.name}")
         else:
             error = TransferError(f"{self.channel.peer.name} failed the request: {status.name}")

@@ -79,7 +79,9 @@ class RdmaTransport:
     """Moves slices with RDMA READ/WRITE; also answers peers' connect requests."""
 
     name = "rdma"
-    capabilities = Capabilities(endpoint="rdma", endpoint_label="RDMA NIC", both_ends=True)
+    capabilities = Capabilities(
+        endpoint="rdma", endpoint_label="RDMA NIC", both_ends=True, memory_only=True
+    )
 
     def __init__(
         self,
@@ -251,7 +253,7 @@ class RdmaTransport:
         keys = []
         for region_id in region_ids:
             region = self._registry.get(region_id)
-            if region is None:
+            if region is None or region.kind is MemoryKind.FILE:  # no memory to register
                 continue
             try:
                 mrs = [(nic.name, self._memory.mr(region, nic)) for nic in self._nics.values()]
