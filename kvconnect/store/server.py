@@ -45,6 +45,7 @@ from kvconnect.store.rpc import RpcClient
 from kvconnect.transfer import TransferConfig
 from kvconnect.transfer.engine import TransferEngine
 from kvconnect.transfer.memory import MemoryRegion
+from kvconnect.transfer.stats import LatencySnapshot
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class StoreServer(Lifecycle):
         """What this server holds, as the master's journal told it."""
         self.disks: list[MountedDisk] = []
         """The disk tiers in service (one taken out of service leaves the list)."""
+        self.retired: list[MountedDisk] = []
+        """Disk tiers taken out of service (their metrics stay, at ``up`` 0)."""
 
     @property
     def spec(self) -> m.SegmentSpec:
@@ -286,6 +289,7 @@ class StoreServer(Lifecycle):
         """Unmount the disks taken out of service (the master forgets what only they held)."""
         for disk in [disk for disk in self.disks if not disk.tier.up]:
             self.disks.remove(disk)
+            self.retired.append(disk)
             if disk.mounted:
                 try:
                     self._rpc.call(m.Unmount(self.server_id, [disk.mount_id]))
@@ -308,7 +312,7 @@ def _data_file(given: Path, server_id: str, named: bool) -> Path:
 
 
 class _ServerCollector(Collector):
-    """Capacity and traffic of one store server."""
+    """Capacity and traffic of one store server, and of each of its disks."""
 
     def __init__(self, server: StoreServer) -> None:
         self._server = server
@@ -330,16 +334,66 @@ class _ServerCollector(Collector):
             "kvconnect_store_received_bytes", "Bytes written by peers", labels=labels
         )
         received.add_metric(name, stats.bytes_received)
-        latency = engine_stats.served_latency
+        frames = _histogram(
+            "kvconnect_store_transfer_seconds",
+            "Time to serve one READ/WRITE frame over TCP",
+            {self._server.spec.name: engine_stats.served_latency},
+        )
+        return [capacity, served, received, frames, *self._disks()]
+
+    def _disks(self) -> list[Any]:
+        mounted = [*self._server.disks, *self._server.retired]
+        disks = {disk.name: disk.tier.stats() for disk in mounted}
+        families = []
+        for metric, field, kind, doc in _DISK_METRICS:
+            family = kind(f"kvconnect_store_disk_{metric}", doc, labels=["segment"])
+            for name, stats in disks.items():
+                family.add_metric([name], float(getattr(stats, field)))
+            families.append(family)
+        families.append(
+            _histogram(
+                "kvconnect_store_disk_read_seconds",
+                "Time of one read of a disk's data file",
+                {name: stats.read_latency for name, stats in disks.items()},
+            )
+        )
+        families.append(
+            _histogram(
+                "kvconnect_store_disk_write_seconds",
+                "Time of one write of an object to a disk's data file",
+                {name: stats.write_latency for name, stats in disks.items()},
+            )
+        )
+        return families
+
+
+_DISK_METRICS = (
+    ("up", "up", GaugeMetricFamily, "1 while the disk is in service"),
+    ("capacity_bytes", "capacity", GaugeMetricFamily, "Disk space offered"),
+    ("used_bytes", "used", GaugeMetricFamily, "Bytes of the objects the disk holds"),
+    ("objects", "objects", GaugeMetricFamily, "Objects the disk holds"),
+    ("queue_bytes", "queue_bytes", GaugeMetricFamily, "Evicted bytes waiting to be written"),
+    ("written_bytes", "bytes_written", CounterMetricFamily, "Bytes written to the data file"),
+    ("read_bytes", "bytes_read", CounterMetricFamily, "Bytes read from the data file"),
+    ("demotions", "demotions", CounterMetricFamily, "Objects moved in from memory (durable)"),
+    ("demotions_failed", "demotions_failed", CounterMetricFamily, "Moves in given up (queue full, errors)"),
+    ("loads", "loads", CounterMetricFamily, "Objects read back into memory (promotions)"),
+    ("loads_failed", "loads_failed", CounterMetricFamily, "Promotions given up"),
+    ("checksum_failures", "checksum_failures", CounterMetricFamily, "Reads whose bytes failed their checksum"),
+    ("read_errors", "read_errors", CounterMetricFamily, "Reads that failed or came back short"),
+    ("lost", "lost", CounterMetricFamily, "Objects dropped because they could not be served"),
+    ("compactions", "compactions", CounterMetricFamily, "Rewrites of the index"),
+)
+
+
+def _histogram(name: str, doc: str, snapshots: dict[str, LatencySnapshot]) -> Any:
+    """A Prometheus histogram per segment from latency snapshots."""
+    family = HistogramMetricFamily(name, doc, labels=["segment"])
+    for segment, latency in snapshots.items():
         buckets = []
         cumulative = 0
         for bound, count in zip((*latency.bounds, float("inf")), latency.counts, strict=True):
             cumulative += count
             buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
-        frames = HistogramMetricFamily(
-            "kvconnect_store_transfer_seconds",
-            "Time to serve one READ/WRITE frame over TCP",
-            labels=labels,
-        )
-        frames.add_metric(name, buckets, latency.total)
-        return [capacity, served, received, frames]
+        family.add_metric([segment], buckets, latency.total)
+    return family

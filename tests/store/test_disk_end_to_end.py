@@ -14,12 +14,15 @@ from pathlib import Path
 import pytest
 
 from kvconnect._config import cluster_token
+from kvconnect.bench.etcd import EtcdServer, etcd_available
+from kvconnect.errors import StoreError
+from kvconnect.etcd import Etcd
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
 from kvconnect.store.config import StoreClientConfig
-from kvconnect.store.launch import Cluster, Process
+from kvconnect.store.launch import Cluster, Process, free_port
 from kvconnect.store.messages import Code
-from kvconnect.store.rpc import RpcClient
+from kvconnect.store.rpc import RpcClient, find_leader
 from kvconnect.testing.peer import pattern
 from tests.support.waiting import wait_for
 
@@ -174,6 +177,74 @@ def test_a_corrupt_object_is_a_miss_never_wrong_bytes(tmp_path: Path) -> None:
         wait_for(lambda: not client.exists("obj-0"), timeout=10)
         found = _read_back(client)
         assert sum(found.values()) == COUNT - 1
+
+
+def _leader(url: str) -> str | None:
+    etcd = Etcd(url)
+    try:
+        return find_leader(etcd)
+    finally:
+        etcd.close()
+
+
+@pytest.mark.skipif(not etcd_available(), reason="etcd is not installed")
+def test_disk_objects_survive_a_failover(tmp_path: Path) -> None:
+    with EtcdServer() as etcd:
+        masters = [
+            Process(
+                ["master", "--ha", etcd.url, "--master-listen", f"tcp://127.0.0.1:{free_port()}"],
+                "listening on",
+            )
+            for _ in range(2)
+        ]
+        args = _server_args(tmp_path / "disk.data")
+        server = Process(["store", "--store-master", etcd.url, *args], "kvconnect store server")
+        try:
+            config = {"master": etcd.url, "negative_ttl": 0.0, "rpc_timeout": 0.5}
+            client = StoreClient(StoreClientConfig.from_mapping(config))
+            client.start()
+            try:
+                _put_all(client)
+                leader = _leader(etcd.url)
+                assert leader is not None
+                stats = _Stats(etcd.url)
+                wait_for(lambda: stats.disk_objects() >= COUNT - MEMORY // OBJECT, timeout=30)
+                next(p for p in masters if leader in p.args).kill()
+                wait_for(lambda: _leader(etcd.url) not in (None, leader), timeout=15)
+                wait_for(lambda: stats.keys() == COUNT, timeout=30)  # memory and disk reported
+                found = _read_back(client)
+                assert all(found.values()), f"missing: {[n for n, ok in found.items() if not ok]}"
+            finally:
+                client.close()
+        finally:
+            for process in (server, *masters):
+                process.stop()
+
+
+class _Stats:
+    """The leader's stats through etcd (zeros while no leader answers)."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+
+    def _reply(self) -> m.StatsReply | None:
+        rpc = RpcClient(self._url, 1.0, token=cluster_token(None, "", False))
+        try:
+            reply = rpc.call(m.Stats())
+        except StoreError:
+            return None
+        finally:
+            rpc.close()
+        return reply if isinstance(reply, m.StatsReply) else None
+
+    def keys(self) -> int:
+        reply = self._reply()
+        return 0 if reply is None else reply.keys
+
+    def disk_objects(self) -> int:
+        reply = self._reply()
+        tiers = [] if reply is None else reply.tiers
+        return sum(t.objects for t in tiers if t.tier is m.Tier.DISK)
 
 
 @pytest.fixture
