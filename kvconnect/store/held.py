@@ -59,6 +59,8 @@ class HeldObjects:
         return [Change(key, offset, self._by_key[key].size) for offset, key in ordered]
 
     def _apply(self, change: Change) -> None:
+        if change.source_region:
+            return  # a move: not held until the master commits it (docs/store.md, tiers)
         # Whatever was at this offset is gone: released, or overwritten by the new object.
         key = self._by_offset.pop(change.offset, None)
         if key is not None:
