@@ -3,6 +3,8 @@ moves cancelled or cut off by a lost segment, per-tier eviction, promotion, per-
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvconnect.store.config import MasterConfig
 from kvconnect.store.master.objects import MoveKind
 from kvconnect.store.master.state import MasterState
@@ -89,9 +91,9 @@ def _report(
     state: MasterState,
     mount_id: str,
     now: float,
-    done: list[Change] = (),  # type: ignore[assignment]
-    failed: list[Change] = (),  # type: ignore[assignment]
-    lost: list[tuple[str, int]] = (),  # type: ignore[assignment]
+    done: Sequence[Change] = (),
+    failed: Sequence[Change] = (),
+    lost: Sequence[tuple[str, int]] = (),
 ) -> None:
     """Server "s"'s next heartbeat, carrying the outcomes of moves into ``mount_id``."""
     report = TierReport(
@@ -458,3 +460,19 @@ def _check_space(state: MasterState) -> None:
     for segment in state.segments.live():
         assert segment.in_transit == 0, segment.spec.name
         assert segment.allocator.used == footprint.get(segment.index, 0), segment.spec.name
+
+
+def test_a_read_during_a_demotion_keeps_its_dram_bytes_until_the_lease_ends() -> None:
+    state = _state()
+    dram, disk = _server(state)
+    _fill(state)
+    moves = _moves(state, disk)
+    read = state.get_replicas([moves[0].key], 1.5)[0].locations  # leased until 11.5
+    assert read[0].region == DRAM_REGION
+    _report(state, disk, 2.0, done=moves)
+    _settle(state, 2.0)
+    segment = state.segments.by_mount[dram]
+    assert segment.in_transit == 4 * KiB, "the read's DRAM copy is not reused under its lease"
+    _settle(state, 12.0)
+    assert segment.in_transit == 0
+    _check_space(state)
