@@ -272,6 +272,10 @@ def _check_books(state: MasterState) -> None:
             stored += size
         for replica in objects.replicas(slot):
             take(replica, size)
+    for slot, move in objects.moving.items():
+        assert (move.slot, move.key, move.cancelled) == (slot, objects.keys[slot], False)
+        assert objects.moves[move.target] is move
+        assert objects.state[slot] == State.COMPLETE
     for move in objects.moves.values():
         take(move.target, move.size)
         if move.holds_source and not move.cancelled:

@@ -476,3 +476,16 @@ def test_a_read_during_a_demotion_keeps_its_dram_bytes_until_the_lease_ends() ->
     _settle(state, 12.0)
     assert segment.in_transit == 0
     _check_space(state)
+
+
+def test_a_demoting_copy_reported_unreadable_loses_the_object_and_no_space() -> None:
+    state = _state()
+    dram, disk = _server(state)
+    _fill(state)
+    moves = _moves(state, disk)
+    _report(state, dram, 1.5, lost=[(moves[0].key, moves[0].source_offset)])
+    assert state.exists([moves[0].key]) == [False]
+    _report(state, disk, 2.0, done=moves)
+    assert _tiers(state, moves[1].key, 2.0) == [Tier.DISK]
+    _settle(state, 20.0)
+    _check_space(state)

@@ -643,10 +643,23 @@ class MasterState:
         """Drop some (not all) replicas of a complete object; their space waits out its
         lease."""
         objects = self.objects
-        size = objects.size[slot]
         for replica in replicas:
-            self.segments.release(*replica, size, committed=True, until=objects.lease[slot])
+            self._release(slot, replica)
         objects.set_replicas(slot, [r for r in objects.replicas(slot) if r not in replicas])
+
+    def _release(self, slot: int, replica: Replica) -> None:
+        """Release one replica of a complete object through its segment's journal (reused
+        after the lease). The source of the object's move cancels the move; a demotion's
+        source is only forgotten now, its space released at the move's outcome."""
+        objects = self.objects
+        move = objects.moving.get(slot)
+        if move is not None and move.source == replica:
+            objects.cancel_move(slot)
+            if move.holds_source:
+                self._detach_source(move, objects.lease[slot])
+                return
+        size = objects.size[slot]
+        self.segments.release(*replica, size, committed=True, until=objects.lease[slot])
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -700,15 +713,9 @@ class MasterState:
             return
         if reason is not None:
             self._log_removal(slot, reason)
-        size = objects.size[slot]
-        self.bytes_stored -= size
-        lease = objects.lease[slot]
-        move = objects.cancel_move(slot)
+        self.bytes_stored -= objects.size[slot]
         for replica in objects.replicas(slot):
-            if move is not None and move.holds_source and replica == move.source:
-                self._detach_source(move, lease)
-            else:
-                self.segments.release(*replica, size, committed=True, until=lease)
+            self._release(slot, replica)
         objects.drop(slot)
 
     # --------------------------------------------------------------------------------- moves
@@ -861,9 +868,6 @@ class MasterState:
         if lost not in replicas:
             return
         self.counters[segment.tier].lost += 1
-        move = objects.moving.get(slot)
-        if move is not None and move.source == lost:
-            objects.cancel_move(slot)  # a promotion from it: its outcome no longer matters
         rest = [r for r in replicas if r != lost]
         if any(self.segments.alive[r.segment] for r in rest):
             self._release_replicas(slot, [lost])
