@@ -173,6 +173,7 @@ class SegmentTable:
         self.disk = bytearray()  # by segment index: 1 for a disk segment
         self.by_name: dict[str, Segment] = {}
         self.by_mount: dict[str, Segment] = {}
+        self._by_server: dict[str, list[Segment]] = {}  # live segments of each server
         self._rng = random.Random(seed)
         self._waiting: list[InTransit] = []  # a heap: the earliest due first
 
@@ -195,6 +196,7 @@ class SegmentTable:
         self.disk.append(disk)
         self.by_name[spec.name] = segment
         self.by_mount[mount_id] = segment
+        self._by_server.setdefault(server, []).append(segment)
         return segment
 
     def retire(self, segment: Segment) -> None:
@@ -204,6 +206,11 @@ class SegmentTable:
         if self.by_name.get(segment.spec.name) is segment:
             del self.by_name[segment.spec.name]
         self.by_mount.pop(segment.mount_id, None)
+        mounted = self._by_server.get(segment.server, [])
+        if segment in mounted:
+            mounted.remove(segment)
+            if not mounted:
+                del self._by_server[segment.server]
 
     def length(self, size: int) -> int:
         """Bytes an object of ``size`` takes in a DRAM segment (rounded up to the alignment;
@@ -216,11 +223,8 @@ class SegmentTable:
 
     def of_server(self, server: str, tier: Tier) -> list[Segment]:
         """Mounted segments of ``server`` in ``tier`` that are open for allocation."""
-        return [
-            s
-            for s in self.by_name.values()
-            if s.server == server and s.tier is tier and s.recovering is None
-        ]
+        mounted = self._by_server.get(server, ())
+        return [s for s in mounted if s.tier is tier and s.recovering is None]
 
     def adopt(self, segment: Segment, offset: int, size: int) -> bool:
         """Take a reported object's range into a recovering segment's books; False (and
