@@ -217,6 +217,12 @@ class SegmentTable:
         a segment's own is ``segment.allocator.length``)."""
         return -(-size // self.alignment) * self.alignment
 
+    def dram_first(self, replicas: list[Replica]) -> list[Replica]:
+        """``replicas`` with the DRAM ones first (stable): an object's primary replica tells
+        its best tier."""
+        disk = self.disk
+        return sorted(replicas, key=lambda r: disk[r.segment])
+
     def live(self) -> list[Segment]:
         """Mounted segments, by index."""
         return [s for s in self.by_name.values() if s.alive]

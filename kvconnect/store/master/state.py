@@ -16,12 +16,12 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from kvconnect.store.config import MasterConfig, Strategy
-from kvconnect.store.master.objects import Move, MoveKind, ObjectTable, Pending, Replica, State
+from kvconnect.store.master.moves import Mover, TierCounters
+from kvconnect.store.master.objects import ObjectTable, Pending, Replica, State
 from kvconnect.store.master.removals import RemovalLog
 from kvconnect.store.master.segments import Segment, SegmentTable
 from kvconnect.store.messages import (
@@ -53,18 +53,6 @@ objects go when nothing else is eligible), so it is tied to the put timeout rath
 setting of its own: a store tuned for slow writers keeps what they pinned longer too."""
 
 
-@dataclass(slots=True)
-class TierCounters:
-    """Event counts of one tier (see :class:`~kvconnect.store.messages.TierStats`)."""
-
-    hits: int = 0
-    demotions: int = 0
-    demotions_failed: int = 0
-    promotions: int = 0
-    evictions: int = 0
-    lost: int = 0
-
-
 class MasterState:
     """All master metadata; see the module docstring."""
 
@@ -86,6 +74,7 @@ class MasterState:
         self.evictions = 0  # objects eviction dropped (any tier; a demotion is no drop)
         self.evicted_bytes = 0  # capacity eviction freed (any tier)
         self.counters = [TierCounters() for _ in Tier]  # by tier value
+        self.mover = Mover(config, self.objects, self.segments, self.counters)
         self.removals = RemovalLog()
         """Complete objects that stopped existing (removed, evicted, lost)."""
 
@@ -161,7 +150,7 @@ class MasterState:
         )
         if usable:
             added = [*replicas, Replica(segment.index, change.offset)]
-            objects.set_replicas(slot, self._dram_first(added))
+            objects.set_replicas(slot, self.segments.dram_first(added))
         else:
             self.segments.release(segment.index, change.offset, change.size, committed=True)
 
@@ -207,7 +196,7 @@ class MasterState:
         # no move into or out of it.
         self.segments.retire(segment)
         self._lost.append(segment.index)
-        self._drop_moves(segment.index)
+        self.mover.drop(segment.index)
 
     # ------------------------------------------------------------------------------- objects
 
@@ -407,7 +396,7 @@ class MasterState:
             tier = disk[live[0].segment]
             hits[tier].hits += 1
             if tier and now - objects.access[slot] < self.config.promote_window:
-                self._promote(slot, live[0])
+                self.mover.promote(slot, live[0])
             objects.access[slot] = now
             results.append(Replicas(Code.OK, objects.size[slot], self._locations(live)))
         return results
@@ -633,44 +622,17 @@ class MasterState:
         freed = sum(segments[r.segment].allocator.length(size) for r in dram)
         self.counters[Tier.DRAM].evictions += 1
         if len(dram) < len(live):
-            self._release_replicas(slot, dram)
-        elif not self._demote(slot, dram):
+            self.mover.release_replicas(slot, dram)
+        elif not self.mover.demote(slot, dram):
             self._free(slot, now, RemovalReason.EVICTED)
             self.evictions += 1
         return freed
-
-    def _release_replicas(self, slot: int, replicas: list[Replica]) -> None:
-        """Drop some (not all) replicas of a complete object; their space waits out its
-        lease."""
-        objects = self.objects
-        for replica in replicas:
-            self._release(slot, replica)
-        objects.set_replicas(slot, [r for r in objects.replicas(slot) if r not in replicas])
-
-    def _release(self, slot: int, replica: Replica) -> None:
-        """Release one replica of a complete object through its segment's journal (reused
-        after the lease). The source of the object's move cancels the move; a demotion's
-        source is only forgotten now, its space released at the move's outcome."""
-        objects = self.objects
-        move = objects.moving.get(slot)
-        if move is not None and move.source == replica:
-            objects.cancel_move(slot)
-            if move.holds_source:
-                self._detach_source(move, objects.lease[slot])
-                return
-        size = objects.size[slot]
-        self.segments.release(*replica, size, committed=True, until=objects.lease[slot])
 
     # ------------------------------------------------------------------------------ helpers
 
     def _replicas_of(self, key: str) -> list[Replica]:
         slot = self.objects.slots.get(key)
         return [] if slot is None else self.objects.replicas(slot)
-
-    def _dram_first(self, replicas: list[Replica]) -> list[Replica]:
-        """``replicas`` with the DRAM ones first (stable): the primary tells the best tier."""
-        disk = self.segments.disk
-        return sorted(replicas, key=lambda r: disk[r.segment])
 
     def _live(self, slot: int) -> list[Replica]:
         segments = self.segments.all
@@ -715,10 +677,10 @@ class MasterState:
             self._log_removal(slot, reason)
         self.bytes_stored -= objects.size[slot]
         for replica in objects.replicas(slot):
-            self._release(slot, replica)
+            self.mover.release(slot, replica)
         objects.drop(slot)
 
-    # --------------------------------------------------------------------------------- moves
+    # ------------------------------------------------------------------------- tier reports
 
     def tier_report(self, server: str, report: TierReport, now: float) -> None:
         """Outcomes a server reports for one of its mounts: moves into it done or failed,
@@ -728,134 +690,14 @@ class MasterState:
         if segment is None or segment.server != server:
             return
         for moved in report.done:
-            self._move_done(segment, moved)
+            self.mover.done(segment, moved)
         for moved in report.failed:
-            self._move_failed(segment, moved, now)
+            slot = self.mover.failed(segment, moved)
+            if slot is not None:
+                self._free(slot, now, RemovalReason.EVICTED)
+                self.evictions += 1
         for moved in report.lost:
             self._replica_lost(segment, moved, now)
-
-    def _demote(self, slot: int, dram: list[Replica]) -> bool:
-        """Start moving an object from DRAM (its live replicas ``dram``, all of them) to a
-        disk segment of the server of the first one, if one has room and its demotions in
-        flight allow; other DRAM copies go at once. False (nothing changed) if none can."""
-        objects = self.objects
-        source = dram[0]
-        from_segment = self.segments.all[source.segment]
-        size = objects.size[slot]
-        limit = self.config.demotion_inflight
-        disks = self.segments.of_server(from_segment.server, Tier.DISK)
-        disks.sort(key=lambda d: d.allocator.free_bytes, reverse=True)
-        for disk in disks:
-            offset = disk.allocator.allocate(size) if disk.demoting < limit else None
-            if offset is not None:
-                break
-        else:
-            return False
-        key = objects.keys[slot]
-        assert key is not None
-        disk.demoting += disk.allocator.length(size)
-        disk.move(key, offset, size, from_segment.spec.region, source.offset)
-        if len(dram) > 1:
-            self._release_replicas(slot, dram[1:])
-        from_segment.hold(size)  # its bytes are on their way out of DRAM
-        target = Replica(disk.index, offset)
-        objects.start_move(
-            Move(MoveKind.DEMOTE, key, slot, size, source, target, holds_source=True)
-        )
-        return True
-
-    def _promote(self, slot: int, source: Replica) -> None:
-        """Start copying a disk-only object back into a DRAM segment of its server, if one has
-        room below the high watermark (nothing is evicted for a promotion)."""
-        objects = self.objects
-        if slot in objects.moving:
-            return
-        from_segment = self.segments.all[source.segment]
-        size = objects.size[slot]
-        high = self.config.high_watermark
-        for dram in self.segments.of_server(from_segment.server, Tier.DRAM):
-            room = dram.used + dram.allocator.length(size) <= high * dram.allocator.capacity
-            offset = dram.allocator.allocate(size) if room else None
-            if offset is not None:
-                break
-        else:
-            return
-        key = objects.keys[slot]
-        assert key is not None
-        dram.move(key, offset, size, from_segment.spec.region, source.offset)
-        objects.start_move(
-            Move(MoveKind.PROMOTE, key, slot, size, source, Replica(dram.index, offset))
-        )
-
-    def _move_done(self, segment: Segment, moved: Moved) -> None:
-        objects = self.objects
-        move = objects.end_move(Replica(segment.index, moved.offset), moved.key)
-        if move is None:
-            return
-        self._moved(move)
-        if move.cancelled:
-            self._release_target(move)
-            return
-        slot, size = move.slot, move.size
-        segment.objects += 1
-        if move.kind is MoveKind.PROMOTE:
-            objects.set_replicas(slot, [move.target, *objects.replicas(slot)])
-            segment.commit(moved.key, moved.offset, size)
-            self.counters[Tier.DRAM].promotions += 1
-            return
-        # A demotion: the disk copy replaces the DRAM one (whose reads are under lease).
-        rest = [r for r in objects.replicas(slot) if r != move.source]
-        self.segments.release(*move.source, size, committed=True, until=objects.lease[slot])
-        objects.set_replicas(slot, self._dram_first([*rest, move.target]))
-        self.counters[Tier.DISK].demotions += 1
-
-    def _move_failed(self, segment: Segment, moved: Moved, now: float) -> None:
-        move = self.objects.end_move(Replica(segment.index, moved.offset), moved.key)
-        if move is None:
-            return
-        self._moved(move)
-        self._release_target(move)
-        if move.kind is MoveKind.DEMOTE:
-            self.counters[Tier.DISK].demotions_failed += 1
-            if not move.cancelled:  # evicted as it would have been without a disk
-                self._free(move.slot, now, RemovalReason.EVICTED)
-                self.evictions += 1
-
-    def _moved(self, move: Move) -> None:
-        """Bookkeeping of a move whose outcome arrived: in-flight bytes, the source's hold."""
-        if move.kind is MoveKind.DEMOTE:
-            target = self.segments.all[move.target.segment]
-            target.demoting -= target.allocator.length(move.size)
-        self._let_go(move)
-
-    def _release_target(self, move: Move) -> None:
-        """Give back the target space of a move that did not add a replica. A disk server may
-        hold it (a cancelled move it completed): released through the journal. In DRAM it
-        holds nothing until the master commits it: free at once."""
-        target = self.segments.all[move.target.segment]
-        if target.tier is Tier.DISK:
-            target.journal_release(move.target.offset, move.size, 0.0)
-        else:
-            target.allocator.free(move.target.offset, move.size)
-
-    def _detach_source(self, move: Move, lease: float) -> None:
-        """The object of a demotion under way goes: its server forgets the DRAM copy now, but
-        the space stays held until the move's outcome (the server may still be copying it)."""
-        source = self.segments.all[move.source.segment]
-        source.objects -= 1
-        if source.alive:
-            source.forget(move.source.offset)
-        move.until = lease
-
-    def _let_go(self, move: Move) -> None:
-        """The move no longer needs its DRAM source held; a detached one is released now."""
-        if not move.holds_source:
-            return
-        move.holds_source = False
-        source = self.segments.all[move.source.segment]
-        source.unhold(move.size)
-        if move.cancelled and source.alive:
-            source.journal_release(move.source.offset, move.size, move.until)
 
     def _replica_lost(self, segment: Segment, moved: Moved, now: float) -> None:
         """A server cannot serve a replica any more (checksum mismatch, read error)."""
@@ -870,21 +712,6 @@ class MasterState:
         self.counters[segment.tier].lost += 1
         rest = [r for r in replicas if r != lost]
         if any(self.segments.alive[r.segment] for r in rest):
-            self._release_replicas(slot, [lost])
+            self.mover.release_replicas(slot, [lost])
         else:
             self._free(slot, now, RemovalReason.LOST)
-
-    def _drop_moves(self, index: int) -> None:
-        """Segment ``index`` is gone: moves into it end (their objects keep their replicas),
-        moves out of it are cancelled (their target space waits for their outcome)."""
-        objects = self.objects
-        for move in list(objects.moves.values()):
-            if move.target.segment == index:
-                del objects.moves[move.target]
-                if not move.cancelled:
-                    del objects.moving[move.slot]
-                self._let_go(move)
-            elif move.source.segment == index:
-                if not move.cancelled:
-                    objects.cancel_move(move.slot)
-                self._let_go(move)
