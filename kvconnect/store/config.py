@@ -63,6 +63,12 @@ class MasterConfig(Section):
     """Eviction frees this fraction of capacity each time it starts."""
     eviction_step: int = 32
     """Objects evicted per step between requests (bounds the latency eviction adds)."""
+    demotion_inflight: int = 256 * MiB
+    """Bytes of demotions under way into one disk segment at most; DRAM eviction beyond it
+    drops objects instead of demoting them (0: never demote)."""
+    promote_window: float = 30.0
+    """A disk-only object read again within this many seconds is copied back into free DRAM
+    of its server (0: never promote)."""
     max_message_bytes: int = 128 * MiB
     """Largest request the master accepts; a peer sending more is disconnected."""
     token: str | None = field(default=None, repr=False)
@@ -90,6 +96,8 @@ class MasterConfig(Section):
         if self.quarantine < 0:
             raise ConfigError(f"quarantine must be >= 0, got {self.quarantine}")
         check_positive(self, "max_message_bytes")
+        if self.demotion_inflight < 0 or self.promote_window < 0:
+            raise ConfigError("demotion_inflight and promote_window must be >= 0")
         check_token(self.token)
 
 
