@@ -63,6 +63,10 @@ class TransferError(KVConnectError):
         self.errors = errors
 
 
+class SourceUnavailable(TransferError):
+    """The bytes cannot be served: a read of a FILE region's source failed or did not verify."""
+
+
 class TransferTimeout(TransferError):
     """A request did not complete before its deadline."""
 
@@ -99,6 +103,10 @@ class CircuitOpen(StoreError):
     """The client fails fast: the store failed repeatedly and is cooling down."""
 
 
+class DiskUnavailable(StoreError):
+    """A disk tier cannot be used at all (its files cannot be created, opened, sized or locked)."""
+
+
 __all__ = [
     "AccessDenied",
     "AuthenticationError",
@@ -107,6 +115,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "CoordinationUnavailable",
+    "DiskUnavailable",
     "InvalidRequest",
     "KVConnectError",
     "MasterUnavailable",
@@ -116,6 +125,7 @@ __all__ = [
     "RegionBusy",
     "RegistrationError",
     "SegmentNotFound",
+    "SourceUnavailable",
     "StoreError",
     "TransferError",
     "TransferTimeout",

@@ -82,6 +82,15 @@ class Change(msgspec.Struct, array_like=True, frozen=True):
     key: str
     offset: int
     size: int
+    source_region: int = 0  # != 0: a MOVE: copy the object at (source_region, source_offset)
+    source_offset: int = 0  # of this server's engine into (this mount, offset); not held until done
+
+
+class Moved(msgspec.Struct, array_like=True, frozen=True):
+    """A move into (or an object of) the mount a ``TierReport`` names."""
+
+    key: str
+    offset: int  # in the mount the TierReport names
 
 
 class Changes(msgspec.Struct, array_like=True, frozen=True):
