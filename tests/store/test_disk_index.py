@@ -28,8 +28,15 @@ def write_log(path: Path, records: list[bytes]) -> None:
 
 def test_replay_keeps_puts_in_offset_order_and_applies_dels(tmp_path: Path) -> None:
     path = tmp_path / "t.index"
-    write_log(path, [encode_put(rec("b", 1 << 19, 100)), encode_put(rec("a", 0, CHUNK * 2 + 1)),
-                     encode_put(rec("c", 1 << 20, 5)), encode_del(1 << 20)])
+    write_log(
+        path,
+        [
+            encode_put(rec("b", 1 << 19, 100)),
+            encode_put(rec("a", 0, CHUNK * 2 + 1)),
+            encode_put(rec("c", 1 << 20, 5)),
+            encode_del(1 << 20),
+        ],
+    )
     log, result = IndexLog.open(path, SIZE)
     log.close()
     assert result.records == [rec("a", 0, CHUNK * 2 + 1), rec("b", 1 << 19, 100)]

@@ -48,8 +48,8 @@ def test_demoted_objects_read_back_byte_for_byte_whole_and_in_ranges(path: Path)
         for key, offset, size in objects:
             data = payload(key, size)
             assert read(tier, offset, size) == data
-            for lo, hi in [(0, 1), (size - 1, size), (CHUNK - 10, CHUNK + 10), (1, size - 1)]:
-                lo, hi = max(0, min(lo, size)), max(0, min(hi, size))
+            for a, b in [(0, 1), (size - 1, size), (CHUNK - 10, CHUNK + 10), (1, size - 1)]:
+                lo, hi = max(0, min(a, size)), max(0, min(b, size))
                 if lo < hi:
                     assert read(tier, offset + lo, hi - lo) == data[lo:hi], (key, lo, hi)
         stats = tier.stats()
@@ -170,8 +170,10 @@ def test_a_promotion_loads_verified_bytes_into_dram(path: Path) -> None:
         tier.load("hot", 0, size, memoryview(dst)[size : 2 * size], token=12345)
         tier.load("bad", 4 * CHUNK, size, memoryview(dst)[2 * size :], token=999)
         tier.load("absent", 8 * CHUNK, size, memoryview(dst)[:size], token=1)
-        wait_for(lambda: len(collected.pull().loaded) + len(collected.all.load_failed) == 3,
-                 "loads not settled")
+        wait_for(
+            lambda: len(collected.pull().loaded) + len(collected.all.load_failed) == 3,
+            "loads not settled",
+        )
         assert collected.all.loaded == [Moved("hot", 12345)]
         assert set(collected.all.load_failed) == {Moved("absent", 1), Moved("bad", 999)}
         assert bytes(dst[size : 2 * size]) == payload("hot", size)
@@ -180,7 +182,9 @@ def test_a_promotion_loads_verified_bytes_into_dram(path: Path) -> None:
         assert collected.all.lost == [Moved("bad", 4 * CHUNK)]
 
 
-def test_a_removed_data_file_takes_the_tier_down(path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_removed_data_file_takes_the_tier_down(
+    path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     with new_tier(path) as tier:
         tier.open()
         collected = demote_all(tier, [("k", 0, 10000)])
@@ -198,7 +202,9 @@ def test_a_removed_data_file_takes_the_tier_down(path: Path, caplog: pytest.LogC
     assert "ENOENT" in errors[0].getMessage()
 
 
-def test_a_truncated_data_file_serves_no_bytes(path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_truncated_data_file_serves_no_bytes(
+    path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     with new_tier(path) as tier:
         tier.open()
         demote_all(tier, [("k", 1 << 20, 10000)])

@@ -17,7 +17,9 @@ def payload(key: str, size: int) -> bytes:
     return random.Random(key).randbytes(size)
 
 
-def new_tier(path: Path, size: int = 16 << 20, queue: int = 8 << 20, timeout: float = 10.0) -> DiskTier:
+def new_tier(
+    path: Path, size: int = 16 << 20, queue: int = 8 << 20, timeout: float = 10.0
+) -> DiskTier:
     """A tier on ``path`` (not opened)."""
     return DiskTier(path, size, queue_bytes=queue, timeout=timeout)
 
