@@ -10,11 +10,6 @@ CHUNK = 64 << 10
 """Bytes covered by one checksum (the last chunk of an object may be shorter)."""
 
 
-def chunk_count(size: int) -> int:
-    """Checksums an object of ``size`` bytes carries."""
-    return (size + CHUNK - 1) // CHUNK
-
-
 def chunk_crcs(data: memoryview) -> bytes:
     """The CRC32C of every chunk of ``data``, as little-endian uint32s (the index's encoding).
 

@@ -40,6 +40,20 @@ class Extents:
         for bucket in _buckets(record):
             bisect.insort(self._buckets.setdefault(bucket, []), record.offset)
 
+    def load(self, records: list[Record]) -> None:
+        """Index ``records`` (in offset order, non-overlapping) into an empty table, in bulk."""
+        assert not self._by_offset
+        self._by_offset = {r.offset: r for r in records}
+        buckets = self._buckets
+        for r in records:  # appends keep each bucket sorted: the records come in offset order
+            first, last = r.offset >> _SHIFT, (r.offset + r.size - 1) >> _SHIFT
+            for bucket in range(first, last + 1):
+                starts = buckets.get(bucket)
+                if starts is None:
+                    buckets[bucket] = [r.offset]
+                else:
+                    starts.append(r.offset)
+
     def remove(self, offset: int) -> Record | None:
         """Forget the record starting at ``offset``; returns it (None: there was none)."""
         record = self._by_offset.pop(offset, None)

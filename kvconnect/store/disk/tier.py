@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import gc
 import logging
 import mmap
 import os
@@ -141,8 +142,7 @@ class DiskTier(Closing):
         except (OSError, ValueError) as e:
             self.close()
             raise DiskUnavailable(f"disk tier {self.path}: {e}") from e
-        for record in replay.records:
-            self._install(record)
+        self._recover(replay.records)
         self._meters.recovered(time.monotonic() - began, len(replay.records), replay.dropped)
         log.info(
             "disk tier %s: %d objects recovered in %.2f s (%d dropped), O_DIRECT %s",
@@ -297,6 +297,18 @@ class DiskTier(Closing):
         self._objects.add(record)
         self._used += record.size
         self._live_index += put_length(record)
+
+    def _recover(self, records: list[Record]) -> None:
+        """Index what replay found (non-overlapping, in offset order), collector paused."""
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._objects.load(records)
+            self._used = sum(r.size for r in records)
+            self._live_index = sum(put_length(r) for r in records)
+        finally:
+            if collecting:
+                gc.enable()
 
     def _forget(self, offset: int) -> Record | None:
         record = self._objects.remove(offset)
