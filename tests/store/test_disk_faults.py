@@ -132,3 +132,30 @@ def test_a_full_disk_takes_the_tier_down_and_serves_nothing_wrong(
         assert {c.key for c in held} >= demoted
         for change in held:
             assert read(tier, change.offset, change.size) == payload(change.key, change.size)
+
+
+def test_a_stuck_disk_takes_the_tier_down_and_fails_its_moves(
+    small_fs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    if shutil.which("fsfreeze") is None:
+        pytest.skip("fsfreeze is not installed")
+    path = small_fs / "tier.data"
+    with new_tier(path, size=8 << 20, timeout=0.5) as tier:
+        tier.open()
+        collected = Collected(tier)
+        collected.wait_demoted([Moved("before", 0)] if demote(tier, "before", 0, 5000) else [])
+        subprocess.run(["fsfreeze", "--freeze", str(small_fs)], check=True)
+        try:  # writes block in the kernel until the thaw: the watchdog must notice
+            demote(tier, "stuck", 1 << 20, 5000)
+            wait_for(lambda: not tier.up, "the tier stayed up")
+            assert collected.pull().demote_failed == [Moved("stuck", 1 << 20)]
+            with pytest.raises(SourceUnavailable):
+                read(tier, 0, 5000)
+        finally:
+            subprocess.run(["fsfreeze", "--unfreeze", str(small_fs)], check=True)
+    # close() waited for the writer, whose write completed after the thaw: still not done.
+    assert Moved("stuck", 1 << 20) not in collected.pull().demoted
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    assert "ETIMEDOUT" in errors[0].getMessage()
+    assert str(path) in errors[0].getMessage()
