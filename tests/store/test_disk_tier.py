@@ -9,6 +9,7 @@ import pytest
 
 from kvconnect.errors import DiskUnavailable, SourceUnavailable
 from kvconnect.store.disk.checksum import CHUNK
+from kvconnect.store.disk.reading import WINDOW
 from kvconnect.store.disk.tier import DiskTier
 from kvconnect.store.messages import Change, Moved
 from tests.support.disk import Collected, demote, new_tier, payload, read, release
@@ -58,6 +59,17 @@ def test_demoted_objects_read_back_byte_for_byte_whole_and_in_ranges(path: Path)
         assert stats.demotions == len(objects)
         assert stats.up
         assert stats.queue_bytes == 0
+
+
+def test_an_object_larger_than_a_read_window_reads_back_across_windows(path: Path) -> None:
+    size = 2 * WINDOW + 3 * CHUNK + 17
+    with new_tier(path, size=64 << 20, queue=32 << 20) as tier:
+        tier.open()
+        demote_all(tier, [("large", 4096, size)])
+        data = payload("large", size)
+        assert read(tier, 4096, size) == data
+        lo = WINDOW - 100
+        assert read(tier, 4096 + lo, WINDOW + 200) == data[lo : lo + WINDOW + 200]
 
 
 def test_a_read_outside_every_object_is_refused(path: Path) -> None:
@@ -126,6 +138,20 @@ def test_a_release_while_the_write_is_in_flight_waits_for_it(path: Path) -> None
         assert tier.stats().objects == 0
     with new_tier(path) as tier:
         assert tier.open() == []
+
+
+def test_a_release_while_a_load_is_in_flight_waits_for_it(path: Path) -> None:
+    size = 2 * WINDOW
+    with new_tier(path, size=64 << 20, queue=32 << 20) as tier:
+        tier.open()
+        collected = demote_all(tier, [(f"k{i}", i * size, size) for i in range(3)])
+        dst = bytearray(size)
+        for i in range(3):
+            tier.load(f"k{i}", i * size, size, memoryview(dst), token=i)
+            while not release(tier, i * size):  # not while the load is queued or running
+                pass
+            assert Moved(f"k{i}", i) in collected.pull().loaded  # it was done first
+            assert bytes(dst) == payload(f"k{i}", size)
 
 
 def test_a_move_bigger_than_the_queue_fails_at_once(path: Path) -> None:
