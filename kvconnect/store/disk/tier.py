@@ -187,7 +187,7 @@ class DiskTier(Closing):
         reported nothing more is written to ``dst``. Never waits for the disk.
         """
         with self._lock:
-            ok = self._up and len(dst) >= size
+            ok = self._up and not self._closed and len(dst) >= size
             if ok:
                 self._loads.append(_Load(key, offset, size, dst, token))
                 self._loading_at[offset] += 1
@@ -248,6 +248,7 @@ class DiskTier(Closing):
         with self._lock:
             ok = (
                 self._up
+                and not self._closed
                 and change.size > 0
                 and change.offset % BLOCK == 0
                 and change.offset + reserve <= self.size
@@ -326,7 +327,7 @@ class DiskTier(Closing):
                     self._work.wait(_POLL)
                 if not self._up or not (self._queued or self._dels):
                     return
-                jobs, self._writing = list(self._queued), list(self._queued)
+                self._writing = jobs = list(self._queued)
                 self._queued.clear()
                 dels, self._dels = self._dels, []
             try:
@@ -515,7 +516,7 @@ class DiskTier(Closing):
     def _go_down(self, err: int, why: str) -> None:
         """Take the tier out (once): every queued or in-flight move fails, reads are refused."""
         with self._lock:
-            if not self._up or self._closed:
+            if not self._up:
                 return
             self._up = False
             writes = [*self._writing, *self._queued]
