@@ -183,9 +183,7 @@ class StoreServer(Lifecycle):
         """Mount one segment, reporting what it holds in offset order, in batches."""
         batches = [changes[i : i + m.MAX_BATCH] for i in range(0, len(changes), m.MAX_BATCH)]
         first = batches[0] if batches else []
-        request: m.Request = m.Mount(
-            self.server_id, mount_id, spec, first, more=len(batches) > 1
-        )
+        request: m.Request = m.Mount(self.server_id, mount_id, spec, first, more=len(batches) > 1)
         for n in range(len(batches) or 1):
             if n:
                 more = n + 1 < len(batches)
@@ -376,10 +374,20 @@ _DISK_METRICS = (
     ("written_bytes", "bytes_written", CounterMetricFamily, "Bytes written to the data file"),
     ("read_bytes", "bytes_read", CounterMetricFamily, "Bytes read from the data file"),
     ("demotions", "demotions", CounterMetricFamily, "Objects moved in from memory (durable)"),
-    ("demotions_failed", "demotions_failed", CounterMetricFamily, "Moves in given up (queue full, errors)"),
+    (
+        "demotions_failed",
+        "demotions_failed",
+        CounterMetricFamily,
+        "Moves in given up (queue full, errors)",
+    ),
     ("loads", "loads", CounterMetricFamily, "Objects read back into memory (promotions)"),
     ("loads_failed", "loads_failed", CounterMetricFamily, "Promotions given up"),
-    ("checksum_failures", "checksum_failures", CounterMetricFamily, "Reads whose bytes failed their checksum"),
+    (
+        "checksum_failures",
+        "checksum_failures",
+        CounterMetricFamily,
+        "Reads whose bytes failed their checksum",
+    ),
     ("read_errors", "read_errors", CounterMetricFamily, "Reads that failed or came back short"),
     ("lost", "lost", CounterMetricFamily, "Objects dropped because they could not be served"),
     ("compactions", "compactions", CounterMetricFamily, "Rewrites of the index"),

@@ -31,7 +31,7 @@ MiB = 1 << 20
 OBJECT = MiB
 MEMORY = 8 * MiB
 DISK = 48 * MiB
-COUNT = 24  # 3× the memory: most objects end up on the disk only
+COUNT = 24  # three times the memory: most objects end up on the disk only
 FAST = ["--master-heartbeat-ttl", "3", "--master-lease-ttl", "2"]
 
 
@@ -255,7 +255,9 @@ def small_fs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     mount.mkdir()
     subprocess.run(["truncate", "-s", "24M", str(image)], check=True)
     subprocess.run(["mkfs.ext4", "-q", str(image)], check=True)
-    done = subprocess.run(["mount", "-o", "loop", str(image), str(mount)], capture_output=True)
+    done = subprocess.run(
+        ["mount", "-o", "loop", str(image), str(mount)], check=False, capture_output=True
+    )
     if done.returncode:
         pytest.skip(f"cannot loop-mount a file system here: {done.stderr.decode().strip()}")
     try:
@@ -299,8 +301,11 @@ def test_a_full_disk_is_taken_out_and_memory_keeps_serving(
     cluster, server = _small_store(data, memory=MiB, disk=8 * MiB)
     try:
         # Fill what the preallocated data file left: the index soon cannot grow.
-        subprocess.run(["dd", "if=/dev/zero", f"of={mount / 'filler'}", "bs=1M"], check=False,
-                       capture_output=True)
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={mount / 'filler'}", "bs=1M"],
+            check=False,
+            capture_output=True,
+        )
         small = 4096
         with _client(cluster) as client:
             for n in range(3000):

@@ -79,9 +79,7 @@ class MountedDisk:
         mount's (loads for promotions)."""
         if outcomes.demoted or outcomes.demote_failed or outcomes.lost:
             self._unsent.append(
-                m.TierReport(
-                    self.mount_id, outcomes.demoted, outcomes.demote_failed, outcomes.lost
-                )
+                m.TierReport(self.mount_id, outcomes.demoted, outcomes.demote_failed, outcomes.lost)
             )
         if outcomes.loaded or outcomes.load_failed:
             self._unsent.append(m.TierReport(dram_mount, outcomes.loaded, outcomes.load_failed))

@@ -198,6 +198,18 @@ class DiskTier(Closing):
         if not ok:
             self._wake()
 
+    def held(self) -> list[Change]:
+        """The objects held now ``Change(key, offset, size)``, in offset order (what a new
+        mount reports)."""
+        with self._lock:
+            records = sorted(self._objects, key=lambda r: r.offset)
+        return [Change(r.key, r.offset, r.size) for r in records]
+
+    def loading(self) -> int:
+        """Loads queued or running: each may still write its ``dst``."""
+        with self._lock:
+            return len(self._loads) + (self._loading is not None)
+
     def take_outcomes(self) -> DiskOutcomes:
         """Every outcome since the last call (any thread)."""
         with self._lock:
