@@ -205,9 +205,10 @@ class StoreServer(Lifecycle):
         old += [disk.fence(self.engine) for disk in self.disks]
         deadline = time.monotonic() + self.config.rpc_timeout
         while not self._stop.wait(_DRAIN_POLL):
-            # Loads of promotions write our memory without the engine: they end first too.
+            # Loads of promotions write our memory without the engine, and moves to disk in
+            # flight would be held without the new master knowing: both end first too.
             busy = sum(self.engine.users(region) for region in old)
-            busy += sum(disk.tier.loading() for disk in self.disks)
+            busy += sum(disk.tier.busy() for disk in self.disks)
             if not busy:
                 break
             if time.monotonic() > deadline:

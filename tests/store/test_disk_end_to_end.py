@@ -7,7 +7,6 @@ a wrong byte. Every read is checked byte for byte."""
 from __future__ import annotations
 
 import contextlib
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from kvconnect.store.launch import Cluster, Process, free_port
 from kvconnect.store.messages import Code
 from kvconnect.store.rpc import RpcClient, find_leader
 from kvconnect.testing.peer import pattern
+from tests.support.loopfs import fill, loop_fs
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -79,7 +79,11 @@ def _put_all(client: StoreClient, count: int = COUNT) -> None:
     """Put objects beyond the memory; a put finding it full retries while eviction (and
     demotion) makes room."""
     for n in range(count):
-        wait_for(lambda n=n: client.put(f"obj-{n}", _value(n)) is Code.OK, timeout=30)
+        wait_for(
+            lambda n=n: client.put(f"obj-{n}", _value(n)) is Code.OK,
+            "a put never found room",
+            timeout=30,
+        )
 
 
 def _tier(cluster: Cluster, tier: m.Tier) -> m.TierStats:
@@ -89,6 +93,12 @@ def _tier(cluster: Cluster, tier: m.Tier) -> m.TierStats:
 
 def _disk_objects(cluster: Cluster) -> int:
     return sum(t.objects for t in cluster.stats().tiers if t.tier is m.Tier.DISK)
+
+
+def _synced(stats: m.StatsReply | None) -> bool:
+    """Whether the store servers know every object the master completed (after a master
+    restart, objects completed within a heartbeat before it are otherwise lost)."""
+    return stats is not None and not any(s.backlog for s in stats.segments)
 
 
 def _read_back(client: StoreClient, count: int = COUNT) -> dict[int, bool]:
@@ -117,7 +127,11 @@ def _disk_location(cluster: Cluster, key: str) -> m.Location:
 def test_evicted_objects_move_to_disk_and_read_back(tmp_path: Path) -> None:
     with _store(tmp_path / "disk.data") as (cluster, _server), _client(cluster) as client:
         _put_all(client)
-        wait_for(lambda: _disk_objects(cluster) >= COUNT - MEMORY // OBJECT, timeout=30)
+        wait_for(
+            lambda: _disk_objects(cluster) >= COUNT - MEMORY // OBJECT,
+            "evicted objects never reached the disk",
+            timeout=30,
+        )
         found = _read_back(client)
         assert all(found.values()), f"missing: {[n for n, ok in found.items() if not ok]}"
         disk = _tier(cluster, m.Tier.DISK)
@@ -129,11 +143,19 @@ def test_evicted_objects_move_to_disk_and_read_back(tmp_path: Path) -> None:
 def test_disk_objects_survive_a_killed_store_server(tmp_path: Path) -> None:
     with _store(tmp_path / "disk.data") as (cluster, server), _client(cluster) as client:
         _put_all(client)
-        wait_for(lambda: _disk_objects(cluster) >= COUNT - MEMORY // OBJECT, timeout=30)
+        wait_for(
+            lambda: _disk_objects(cluster) >= COUNT - MEMORY // OBJECT,
+            "evicted objects never reached the disk",
+            timeout=30,
+        )
         on_disk = _disk_objects(cluster)
         server.kill()  # SIGKILL: memory is gone, the disk and its index stay
         server.start()
-        wait_for(lambda: _disk_objects(cluster) >= on_disk, timeout=30)
+        wait_for(
+            lambda: _disk_objects(cluster) >= on_disk,
+            "the restarted server did not report its disk objects",
+            timeout=30,
+        )
         found = _read_back(client)
         assert sum(found.values()) >= on_disk
 
@@ -141,10 +163,19 @@ def test_disk_objects_survive_a_killed_store_server(tmp_path: Path) -> None:
 def test_a_restarted_master_finds_memory_and_disk_objects(tmp_path: Path) -> None:
     with _store(tmp_path / "disk.data") as (cluster, _server), _client(cluster) as client:
         _put_all(client)
-        wait_for(lambda: _disk_objects(cluster) >= COUNT - MEMORY // OBJECT, timeout=30)
+        wait_for(
+            lambda: _disk_objects(cluster) >= COUNT - MEMORY // OBJECT,
+            "evicted objects never reached the disk",
+            timeout=30,
+        )
+        wait_for(lambda: _synced(cluster.stats()), "the journal was never acknowledged", 10)
         cluster.master.kill()
         cluster.restart_master()  # no HA: the new master knows nothing until servers report
-        wait_for(lambda: cluster.stats().keys == COUNT, timeout=30)
+        wait_for(
+            lambda: cluster.stats().keys == COUNT,
+            "the store server did not report its objects to the new master",
+            timeout=30,
+        )
         found = _read_back(client)
         assert all(found.values()), f"missing: {[n for n, ok in found.items() if not ok]}"
 
@@ -156,7 +187,11 @@ def test_a_kill_during_demotions_serves_only_whole_objects(tmp_path: Path) -> No
         seen = _disk_objects(cluster)
         server.kill()
         server.start()
-        wait_for(lambda: _disk_objects(cluster) >= seen, timeout=30)
+        wait_for(
+            lambda: _disk_objects(cluster) >= seen,
+            "the restarted server did not report its disk objects",
+            timeout=30,
+        )
         found = _read_back(client)  # every object read is whole: a torn one is never served
         assert sum(found.values()) >= seen
 
@@ -165,7 +200,11 @@ def test_a_corrupt_object_is_a_miss_never_wrong_bytes(tmp_path: Path) -> None:
     data = tmp_path / "disk.data"
     with _store(data) as (cluster, _server), _client(cluster) as client:
         _put_all(client)
-        wait_for(lambda: _disk_objects(cluster) >= COUNT - MEMORY // OBJECT, timeout=30)
+        wait_for(
+            lambda: _disk_objects(cluster) >= COUNT - MEMORY // OBJECT,
+            "evicted objects never reached the disk",
+            timeout=30,
+        )
         location = _disk_location(cluster, "obj-0")  # the oldest: on disk by now
         with data.open("r+b") as file:
             file.seek(location.offset + 12345)
@@ -173,8 +212,14 @@ def test_a_corrupt_object_is_a_miss_never_wrong_bytes(tmp_path: Path) -> None:
             file.seek(location.offset + 12345)
             file.write(bytes([byte[0] ^ 0xFF]))
         assert client.get("obj-0") is None
-        wait_for(lambda: _tier(cluster, m.Tier.DISK).lost >= 1, timeout=10)
-        wait_for(lambda: not client.exists("obj-0"), timeout=10)
+        wait_for(
+            lambda: _tier(cluster, m.Tier.DISK).lost >= 1,
+            "the corrupt object was not reported lost",
+            timeout=10,
+        )
+        wait_for(
+            lambda: not client.exists("obj-0"), "the corrupt object is still indexed", timeout=10
+        )
         found = _read_back(client)
         assert sum(found.values()) == COUNT - 1
 
@@ -208,10 +253,21 @@ def test_disk_objects_survive_a_failover(tmp_path: Path) -> None:
                 leader = _leader(etcd.url)
                 assert leader is not None
                 stats = _Stats(etcd.url)
-                wait_for(lambda: stats.disk_objects() >= COUNT - MEMORY // OBJECT, timeout=30)
+                wait_for(lambda: _synced(stats.reply()), "the journal was never acknowledged", 10)
+                wait_for(
+                    lambda: stats.disk_objects() >= COUNT - MEMORY // OBJECT,
+                    "evicted objects never reached the disk",
+                    timeout=30,
+                )
                 next(p for p in masters if leader in p.args).kill()
-                wait_for(lambda: _leader(etcd.url) not in (None, leader), timeout=15)
-                wait_for(lambda: stats.keys() == COUNT, timeout=30)  # memory and disk reported
+                wait_for(
+                    lambda: _leader(etcd.url) not in (None, leader), "no new leader", timeout=15
+                )
+                wait_for(
+                    lambda: stats.keys() == COUNT,
+                    "the store server did not report its objects to the new leader",
+                    timeout=30,
+                )  # memory and disk reported
                 found = _read_back(client)
                 assert all(found.values()), f"missing: {[n for n, ok in found.items() if not ok]}"
             finally:
@@ -227,7 +283,7 @@ class _Stats:
     def __init__(self, url: str) -> None:
         self._url = url
 
-    def _reply(self) -> m.StatsReply | None:
+    def reply(self) -> m.StatsReply | None:
         rpc = RpcClient(self._url, 1.0, token=cluster_token(None, "", False))
         try:
             reply = rpc.call(m.Stats())
@@ -238,32 +294,20 @@ class _Stats:
         return reply if isinstance(reply, m.StatsReply) else None
 
     def keys(self) -> int:
-        reply = self._reply()
+        reply = self.reply()
         return 0 if reply is None else reply.keys
 
     def disk_objects(self) -> int:
-        reply = self._reply()
+        reply = self.reply()
         tiers = [] if reply is None else reply.tiers
         return sum(t.objects for t in tiers if t.tier is m.Tier.DISK)
 
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    """A 24 MiB ext4 file system on a loop device (needs root and loop devices): (its mount
-    point, its image file)."""
-    image, mount = tmp_path / "fs.img", tmp_path / "fs"
-    mount.mkdir()
-    subprocess.run(["truncate", "-s", "24M", str(image)], check=True)
-    subprocess.run(["mkfs.ext4", "-q", str(image)], check=True)
-    done = subprocess.run(
-        ["mount", "-o", "loop", str(image), str(mount)], check=False, capture_output=True
-    )
-    if done.returncode:
-        pytest.skip(f"cannot loop-mount a file system here: {done.stderr.decode().strip()}")
-    try:
-        yield mount, image
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    """A 24 MiB ext4 file system on a loop device: (its mount point, its image file)."""
+    with loop_fs(tmp_path, "24M") as mounted:
+        yield mounted
 
 
 def _small_store(data: Path, memory: int, disk: int) -> tuple[Cluster, Process]:
@@ -283,11 +327,12 @@ def _disk_mounted(cluster: Cluster) -> bool:
 
 
 def _assert_taken_out(cluster: Cluster, server: Process, data: Path) -> None:
-    """The disk left service with an error naming it; the memory tier still stores and
+    """The disk left service with one error line naming it; the memory tier still stores and
     serves."""
-    wait_for(lambda: not _disk_mounted(cluster), timeout=30)
+    wait_for(lambda: not _disk_mounted(cluster), "the failing disk stayed mounted", timeout=30)
     log = server.stderr()
-    assert any("ERROR" in line and str(data) in line for line in log.splitlines()), log[-3000:]
+    down = [line for line in log.splitlines() if f"{data} is down" in line]
+    assert len(down) == 1, log[-3000:]
     with _client(cluster) as client:
         assert client.put("after", b"y" * 4096) is Code.OK
         assert client.get("after") == b"y" * 4096
@@ -300,23 +345,19 @@ def test_a_full_disk_is_taken_out_and_memory_keeps_serving(
     data = mount / "disk.data"
     cluster, server = _small_store(data, memory=MiB, disk=8 * MiB)
     try:
-        # Fill what the preallocated data file left: the index soon cannot grow.
-        subprocess.run(
-            ["dd", "if=/dev/zero", f"of={mount / 'filler'}", "bs=1M"],
-            check=False,
-            capture_output=True,
-        )
+        # Take what the preallocated data file left: the index soon cannot grow.
+        fill(mount)
         small = 4096
         with _client(cluster) as client:
             for n in range(3000):
                 value = pattern(n, small).tobytes()
-                if client.put(f"small-{n}", value) is not Code.OK:
+                if client.put(_long_key(n), value) is not Code.OK:
                     continue
                 if not _disk_mounted(cluster):
                     break
             _assert_taken_out(cluster, server, data)
             for n in range(0, 3000, 7):  # whatever is still found is whole
-                value = client.get(f"small-{n}")
+                value = client.get(_long_key(n))
                 assert value is None or bytes(value) == pattern(n, small).tobytes()
     finally:
         cluster.close()
@@ -329,10 +370,19 @@ def test_a_failing_disk_serves_no_wrong_byte(small_fs: tuple[Path, Path]) -> Non
     try:
         with _client(cluster) as client:
             _put_all(client, 16)
-            wait_for(lambda: _disk_objects(cluster) >= 16 - MEMORY // OBJECT, timeout=30)
+            wait_for(
+                lambda: _disk_objects(cluster) >= 16 - MEMORY // OBJECT,
+                "evicted objects never reached the disk",
+                timeout=30,
+            )
             image.write_bytes(b"")  # the device under the file system is gone: reads fail
             found = _read_back(client, 16)  # no wrong byte (asserted inside)
             assert not all(found.values())
             _assert_taken_out(cluster, server, data)
     finally:
         cluster.close()
+
+
+def _long_key(n: int) -> str:
+    """A key of ~900 bytes: its index records fill the file system fast."""
+    return f"{'k' * 900}-{n}"

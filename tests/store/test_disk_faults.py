@@ -19,6 +19,7 @@ from kvconnect.store.messages import Moved
 from tests.support.child import child_env
 from tests.support.disk import Collected, demote, new_tier, payload, read
 from tests.support.disk_writer import SIZES
+from tests.support.loopfs import fill, loop_fs
 from tests.support.waiting import wait_for
 
 DONE_BEFORE_KILL = 60
@@ -62,31 +63,8 @@ def test_sigkill_mid_write_recovers_every_done_object_and_nothing_partial(tmp_pa
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A 16 MiB ext4 file system, loop-mounted (root only)."""
-    if shutil.which("mkfs.ext4") is None:
-        pytest.skip("mkfs.ext4 is not installed")
-    image, mount = tmp_path / "fs.img", tmp_path / "mnt"
-    mount.mkdir()
-    subprocess.run(["truncate", "-s", "16M", str(image)], check=True)
-    subprocess.run(["mkfs.ext4", "-q", "-m", "0", str(image)], check=True)
-    result = subprocess.run(
-        ["mount", "-o", "loop", str(image), str(mount)], capture_output=True, text=True, check=False
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot loop-mount an ext4 image: {result.stderr.strip()}")
-    try:
+    with loop_fs(tmp_path) as (mount, _image):
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
-
-
-def fill(directory: Path) -> int:
-    """Take every free block of the file system ``directory`` is on; the errno that stopped it."""
-    with open(directory / "ballast", "wb", buffering=0) as f:
-        while True:
-            try:
-                f.write(b"\xab" * 4096)
-            except OSError as e:
-                return e.errno or 0
 
 
 def test_a_tier_bigger_than_the_disk_is_refused(small_fs: Path) -> None:

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 COMPACT_MIN = 1 << 20
 """An index is compacted only once larger than this (and than twice its live records)."""
 _POLL = 1.0  # seconds a worker waits on its condition before looking again
+_FAILING_READS = 3
+"""Bad reads in a row (errors or mismatches, no good read between) that mean the device is
+failing rather than one object is bad."""
 
 
 class DiskOutcomes(NamedTuple):
@@ -110,6 +113,7 @@ class DiskTier(Closing):
         self._loads: collections.deque[_Load] = collections.deque()
         self._loading: _Load | None = None
         self._loading_at: collections.Counter[int] = collections.Counter()
+        self._bad_reads = 0  # reads that failed since the last good one (any thread)
         self._out = DiskOutcomes([], [], [], [], [])
         self._up = False
         self._closed = False
@@ -205,10 +209,16 @@ class DiskTier(Closing):
             records = sorted(self._objects, key=lambda r: r.offset)
         return [Change(r.key, r.offset, r.size) for r in records]
 
-    def loading(self) -> int:
-        """Loads queued or running: each may still write its ``dst``."""
+    def busy(self) -> int:
+        """Moves and loads queued or running. A load may still write its ``dst``; a move,
+        once durable, is held (and reported by a new mount)."""
         with self._lock:
-            return len(self._loads) + (self._loading is not None)
+            return (
+                len(self._loads)
+                + (self._loading is not None)
+                + len(self._queued)
+                + len(self._writing)
+            )
 
     def take_outcomes(self) -> DiskOutcomes:
         """Every outcome since the last call (any thread)."""
@@ -442,6 +452,7 @@ class DiskTier(Closing):
         except ReadFault as fault:
             self._fault(record, fault)
             return False
+        self._bad_reads = 0
         return True
 
     # -- reads (the listener's threads) --------------------------------------------------
@@ -470,20 +481,29 @@ class DiskTier(Closing):
         except ReadFault as fault:
             self._fault(record, fault)
             raise SourceUnavailable(f"disk tier {self.path}: {fault}") from fault
+        self._bad_reads = 0
 
     def _data_file(self) -> DataFile:
         assert self._data is not None
         return self._data
 
     def _fault(self, record: Record, fault: ReadFault) -> None:
-        """A bad chunk or a bad sector loses the object; a file shorter than it was, or any
-        other error, takes the tier down."""
+        """A bad chunk or a bad sector loses the object; a file shorter than it was, any
+        other error, or ``_FAILING_READS`` bad reads in a row (a failing device, not a bad
+        sector) take the tier down."""
         if fault.fault is Fault.MISMATCH:
             self._meters.count(checksum_failures=1)
         else:
             self._meters.count(read_errors=1)
-        if fault.fault is Fault.SHORT or (fault.fault is Fault.ERROR and fault.errno != errno.EIO):
-            self._go_down(fault.errno or errno.EIO, f"read: {fault}")
+        self._bad_reads += 1
+        failing = self._bad_reads >= _FAILING_READS
+        if (
+            failing
+            or fault.fault is Fault.SHORT
+            or (fault.fault is Fault.ERROR and fault.errno != errno.EIO)
+        ):
+            why = f"{self._bad_reads} bad reads in a row, the last" if failing else "read"
+            self._go_down(fault.errno or errno.EIO, f"{why}: {fault}")
             return
         with self._lock:
             if self._objects.at(record.offset) is not record:
