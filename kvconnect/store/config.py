@@ -114,7 +114,9 @@ class StoreServerConfig(Section):
     hugepages: bool = False
     """Back the memory with huge pages (needs vm.nr_hugepages)."""
     server_id: str = ""
-    """Identity at the master; default: host name, pid and a random suffix."""
+    """Identity at the master, unique in the cluster; when set it also names this server's
+    segments, so a restart replaces the old mounts and finds its disks again. Default: host
+    name, pid and a random suffix."""
     heartbeat_interval: float = 0.5
     """Seconds between heartbeats. Each also acknowledges the master's journal, and released
     space is reused only once acknowledged, so this bounds how soon evicted space returns."""

@@ -81,8 +81,11 @@ class StoreServer(Lifecycle):
     def spec(self) -> m.SegmentSpec:
         """What this server mounts at the master."""
         assert self.region is not None
+        # A configured server_id names the memory segment, so a restarted server's mount
+        # replaces its predecessor's at once (the master would otherwise keep it while the
+        # same server_id heartbeats).
         return m.SegmentSpec(
-            name=self.engine.name,
+            name=self.config.server_id or self.engine.name,
             engine_segment=self.engine.name,
             region=self.region.id,
             size=self.region.length,

@@ -158,6 +158,10 @@ def test_disk_objects_survive_a_killed_store_server(tmp_path: Path) -> None:
         )
         found = _read_back(client)
         assert sum(found.values()) >= on_disk
+        segments = [(s.name, s.tier) for s in cluster.stats().segments]
+        assert segments == [("disk-e2e", m.Tier.DRAM), ("disk-e2e/disk0", m.Tier.DISK)], (
+            "the restarted server's mounts replace its predecessor's"
+        )
 
 
 def test_a_restarted_master_finds_memory_and_disk_objects(tmp_path: Path) -> None:
