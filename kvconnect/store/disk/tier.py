@@ -27,7 +27,14 @@ from kvconnect.lifecycle import Closing
 from kvconnect.store.disk.checksum import chunk_crcs
 from kvconnect.store.disk.extents import Extents
 from kvconnect.store.disk.files import BLOCK, DataFile, aligned_buffer, round_up
-from kvconnect.store.disk.index import IndexLog, Record, encode_del, encode_put, put_length
+from kvconnect.store.disk.index import (
+    HEADER_BYTES,
+    IndexLog,
+    Record,
+    encode_del,
+    encode_put,
+    put_length,
+)
 from kvconnect.store.disk.reading import Fault, ReadFault, verified
 from kvconnect.store.disk.stats import DiskStats, Meters
 from kvconnect.store.disk.watchdog import OpsInFlight
@@ -382,9 +389,9 @@ class DiskTier(Closing):
         index = self._index
         assert index is not None
         with self._lock:
-            if index.length <= max(COMPACT_MIN, 2 * (16 + self._live_index)):
+            if index.length <= max(COMPACT_MIN, 2 * (HEADER_BYTES + self._live_index)):
                 return
-            live = sorted(self._objects, key=lambda r: r.offset)
+            live = list(self._objects)  # any order: replay sorts
         with self._ops.track("index compaction"):
             index.compact(live)
         self._meters.count(compactions=1)
