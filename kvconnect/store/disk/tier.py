@@ -35,7 +35,7 @@ from kvconnect.store.disk.index import (
     encode_put,
     put_length,
 )
-from kvconnect.store.disk.reading import Fault, ReadFault, verified
+from kvconnect.store.disk.reading import Bounces, Fault, ReadFault, verified
 from kvconnect.store.disk.stats import DiskStats, Meters
 from kvconnect.store.disk.watchdog import OpsInFlight
 from kvconnect.store.messages import Change, Moved
@@ -105,6 +105,7 @@ class DiskTier(Closing):
         self._work = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._ops = OpsInFlight()
+        self._bounces = Bounces()
         self._meters = Meters()
         self._objects = Extents()
         self._used = 0
@@ -428,7 +429,7 @@ class DiskTier(Closing):
     def _load(self, job: _Load, record: Record) -> bool:
         try:
             for pos, window in verified(
-                self._data_file(), record, 0, job.size, self._ops, self._meters.read
+                self._bounces, self._data_file(), record, 0, job.size, self._ops, self._meters.read
             ):
                 with self._lock:
                     if job.abandoned:
@@ -454,6 +455,7 @@ class DiskTier(Closing):
             )
         try:
             for pos, window in verified(
+                self._bounces,
                 self._data_file(),
                 record,
                 offset - record.offset,
