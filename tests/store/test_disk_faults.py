@@ -140,7 +140,7 @@ def test_a_stuck_disk_takes_the_tier_down_and_fails_its_moves(
     if shutil.which("fsfreeze") is None:
         pytest.skip("fsfreeze is not installed")
     path = small_fs / "tier.data"
-    with new_tier(path, size=8 << 20, timeout=0.5) as tier:
+    with new_tier(path, size=8 << 20, timeout=2.0) as tier:  # ample for a live disk
         tier.open()
         collected = Collected(tier)
         collected.wait_demoted([Moved("before", 0)] if demote(tier, "before", 0, 5000) else [])
