@@ -222,6 +222,7 @@ class DiskTier(Closing):
                 objects=len(self._objects),
                 queue_bytes=self._staged,
                 up=self._up,
+                direct=self._data.direct if self._data else False,
                 index_records=index.records if index else 0,
                 index_bytes=index.length if index else 0,
             )
