@@ -118,7 +118,7 @@ def test_a_stuck_disk_takes_the_tier_down_and_fails_its_moves(
     if shutil.which("fsfreeze") is None:
         pytest.skip("fsfreeze is not installed")
     path = small_fs / "tier.data"
-    with new_tier(path, size=8 << 20, timeout=0.5) as tier:
+    with new_tier(path, size=8 << 20, timeout=2.0) as tier:  # ample for a live disk
         tier.open()
         collected = Collected(tier)
         collected.wait_demoted([Moved("before", 0)] if demote(tier, "before", 0, 5000) else [])
@@ -137,3 +137,34 @@ def test_a_stuck_disk_takes_the_tier_down_and_fails_its_moves(
     assert len(errors) == 1
     assert "ETIMEDOUT" in errors[0].getMessage()
     assert str(path) in errors[0].getMessage()
+
+
+@pytest.fixture
+def ramfs(tmp_path: Path) -> Iterator[Path]:
+    """A ramfs mount: a file system that refuses O_DIRECT (root only)."""
+    mount = tmp_path / "ram"
+    mount.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "ramfs", "ramfs", str(mount)], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a ramfs: {result.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_where_o_direct_is_refused_the_tier_uses_buffered_io(ramfs: Path) -> None:
+    path = ramfs / "tier.data"
+    objects = [("a", 0, 100_000), ("b", 1 << 20, 4096), ("c", 2 << 20, 3 * 65536 + 1)]
+    with new_tier(path) as tier:
+        tier.open()
+        assert not tier.stats().direct
+        Collected(tier).wait_demoted([Moved(k, o) for k, o, s in objects if demote(tier, k, o, s)])
+        for key, offset, size in objects:
+            assert read(tier, offset, size) == payload(key, size)
+        assert read(tier, 65530, 20) == payload("a", 100_000)[65530:65550]
+    with new_tier(path) as tier:
+        assert [c.key for c in tier.open()] == ["a", "b", "c"]
+        assert read(tier, 2 << 20, 3 * 65536 + 1) == payload("c", 3 * 65536 + 1)

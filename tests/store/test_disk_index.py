@@ -130,3 +130,15 @@ def test_extents_find_the_object_covering_any_byte() -> None:
     assert extents.covering(5000) is None
     assert extents.overlapping(4096, 3 << 20) == []
     assert len(extents) == 2
+
+
+def test_extents_loaded_in_bulk_answer_as_added_ones() -> None:
+    objects = [rec(f"k{i}", i * (700 << 10), (i % 3 + 1) * (300 << 10)) for i in range(40)]
+    added, loaded = Extents(), Extents()
+    for r in objects:
+        added.add(r)
+    loaded.load(objects)
+    for probe in range(0, 40 * (700 << 10), 37 << 10):
+        assert added.covering(probe) == loaded.covering(probe), probe
+    assert loaded.remove(objects[5].offset) == objects[5]
+    assert loaded.covering(objects[5].offset) is None

@@ -47,12 +47,15 @@ class Extents:
         buckets = self._buckets
         for r in records:  # appends keep each bucket sorted: the records come in offset order
             first, last = r.offset >> _SHIFT, (r.offset + r.size - 1) >> _SHIFT
-            for bucket in range(first, last + 1):
-                starts = buckets.get(bucket)
+            if first == last:  # the common case, without building a range
+                starts = buckets.get(first)
                 if starts is None:
-                    buckets[bucket] = [r.offset]
+                    buckets[first] = [r.offset]
                 else:
                     starts.append(r.offset)
+                continue
+            for bucket in range(first, last + 1):
+                buckets.setdefault(bucket, []).append(r.offset)
 
     def remove(self, offset: int) -> Record | None:
         """Forget the record starting at ``offset``; returns it (None: there was none)."""

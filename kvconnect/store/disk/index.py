@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"KVCDISK\x00"
 VERSION = 1
 _FILE_HEAD = struct.Struct("<8sII")
+HEADER_BYTES = _FILE_HEAD.size  # magic, version, chunk size
 _HEAD = struct.Struct("<IBxHQQ")
 
 
@@ -91,7 +92,7 @@ def replay(data: bytes, usable: int) -> Replay:
     view, end_of_data, head, unpack = memoryview(data), len(data), _HEAD.size, _HEAD.unpack_from
     crc_of, put, delete = crc32c.crc32c, Kind.PUT.value, Kind.DEL.value
     live: dict[int, Record] = {}  # in record order: a replaced offset moves to the end
-    pos, entries = _FILE_HEAD.size, 0
+    pos, entries = HEADER_BYTES, 0
     collecting = gc.isenabled()
     gc.disable()
     try:

@@ -1,5 +1,5 @@
-"""Verified reads of one object: whole chunks into an aligned bounce buffer, checked, then handed
-out window by window. Nothing is handed out before its chunks verified."""
+"""Verified reads of one object: whole chunks into a pooled, page-aligned bounce buffer, checked,
+then handed out window by window. Nothing is handed out before its chunks verified."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from kvconnect.store.disk.checksum import CHUNK, bad_chunk
 from kvconnect.store.disk.files import DataFile, aligned_buffer, round_up
@@ -14,9 +15,9 @@ from kvconnect.store.disk.index import Record
 from kvconnect.store.disk.watchdog import OpsInFlight
 
 WINDOW = 4 << 20
-"""Bytes read per pread (a multiple of CHUNK): the size of each thread's bounce buffer."""
-
-_local = threading.local()
+"""Bytes read per pread (a multiple of CHUNK): the size of a bounce buffer."""
+KEPT = 4
+"""Bounce buffers a pool keeps between reads (more are made while more reads run at once)."""
 
 
 class Fault(enum.Enum):
@@ -36,7 +37,30 @@ class ReadFault(Exception):
         self.errno = errno
 
 
+class Bounces:
+    """Page-aligned bounce buffers for reads on any thread, reused (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._free: list[memoryview] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def buffer(self) -> Iterator[memoryview]:
+        """A WINDOW-sized buffer for the block; given back after it."""
+        with self._lock:
+            buffer = self._free.pop() if self._free else None
+        if buffer is None:
+            buffer = memoryview(aligned_buffer(WINDOW))
+        try:
+            yield buffer
+        finally:
+            with self._lock:
+                if len(self._free) < KEPT:
+                    self._free.append(buffer)
+
+
 def verified(
+    bounces: Bounces,
     data: DataFile,
     record: Record,
     start: int,
@@ -50,7 +74,19 @@ def verified(
     Runs on the caller's thread (blocking preads); ``observe(seconds, bytes)`` is called per
     pread. Raises ReadFault; the caller decides what happens to the object.
     """
-    bounce = _bounce()
+    with bounces.buffer() as bounce:
+        yield from _windows(bounce, data, record, start, length, ops, observe)
+
+
+def _windows(
+    bounce: memoryview,
+    data: DataFile,
+    record: Record,
+    start: int,
+    length: int,
+    ops: OpsInFlight,
+    observe: Callable[[float, int], None],
+) -> Iterator[tuple[int, memoryview]]:
     crcs = memoryview(record.crcs).cast("I")
     stop = min(record.size, round_up(start + length, CHUNK))
     pos = start - start % CHUNK
@@ -74,12 +110,3 @@ def verified(
         lo, hi = max(start, pos) - pos, min(start + length, pos + n) - pos
         yield max(start, pos) - start, window[lo:hi]
         pos += n
-
-
-def _bounce() -> memoryview:
-    """This thread's page-aligned bounce buffer (kept for the thread's life)."""
-    buffer = getattr(_local, "buffer", None)
-    if buffer is None:
-        buffer = _local.buffer = memoryview(aligned_buffer(WINDOW))
-    assert isinstance(buffer, memoryview)
-    return buffer

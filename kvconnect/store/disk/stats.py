@@ -34,6 +34,8 @@ class DiskStats:
     queue_bytes: int = 0
     """Staging memory of demotions not yet durable."""
     up: bool = False
+    direct: bool = False
+    """O_DIRECT I/O (False: buffered, pages dropped after use: the file system refused it)."""
     index_records: int = 0
     index_bytes: int = 0
     compactions: int = 0
@@ -102,6 +104,7 @@ class Meters:
         objects: int,
         queue_bytes: int,
         up: bool,
+        direct: bool,
         index_records: int,
         index_bytes: int,
     ) -> DiskStats:
@@ -126,6 +129,7 @@ class Meters:
             lost=c["lost"],
             queue_bytes=queue_bytes,
             up=up,
+            direct=direct,
             index_records=index_records,
             index_bytes=index_bytes,
             compactions=c["compactions"],

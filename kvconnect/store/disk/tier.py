@@ -27,8 +27,15 @@ from kvconnect.lifecycle import Closing
 from kvconnect.store.disk.checksum import chunk_crcs
 from kvconnect.store.disk.extents import Extents
 from kvconnect.store.disk.files import BLOCK, DataFile, aligned_buffer, round_up
-from kvconnect.store.disk.index import IndexLog, Record, encode_del, encode_put, put_length
-from kvconnect.store.disk.reading import Fault, ReadFault, verified
+from kvconnect.store.disk.index import (
+    HEADER_BYTES,
+    IndexLog,
+    Record,
+    encode_del,
+    encode_put,
+    put_length,
+)
+from kvconnect.store.disk.reading import Bounces, Fault, ReadFault, verified
 from kvconnect.store.disk.stats import DiskStats, Meters
 from kvconnect.store.disk.watchdog import OpsInFlight
 from kvconnect.store.messages import Change, Moved
@@ -101,6 +108,7 @@ class DiskTier(Closing):
         self._work = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._ops = OpsInFlight()
+        self._bounces = Bounces()
         self._meters = Meters()
         self._objects = Extents()
         self._used = 0
@@ -236,6 +244,7 @@ class DiskTier(Closing):
                 objects=len(self._objects),
                 queue_bytes=self._staged,
                 up=self._up,
+                direct=self._data.direct if self._data else False,
                 index_records=index.records if index else 0,
                 index_bytes=index.length if index else 0,
             )
@@ -404,9 +413,9 @@ class DiskTier(Closing):
         index = self._index
         assert index is not None
         with self._lock:
-            if index.length <= max(COMPACT_MIN, 2 * (16 + self._live_index)):
+            if index.length <= max(COMPACT_MIN, 2 * (HEADER_BYTES + self._live_index)):
                 return
-            live = sorted(self._objects, key=lambda r: r.offset)
+            live = list(self._objects)  # any order: replay sorts
         with self._ops.track("index compaction"):
             index.compact(live)
         self._meters.count(compactions=1)
@@ -443,7 +452,7 @@ class DiskTier(Closing):
     def _load(self, job: _Load, record: Record) -> bool:
         try:
             for pos, window in verified(
-                self._data_file(), record, 0, job.size, self._ops, self._meters.read
+                self._bounces, self._data_file(), record, 0, job.size, self._ops, self._meters.read
             ):
                 with self._lock:
                     if job.abandoned:
@@ -470,6 +479,7 @@ class DiskTier(Closing):
             )
         try:
             for pos, window in verified(
+                self._bounces,
                 self._data_file(),
                 record,
                 offset - record.offset,
