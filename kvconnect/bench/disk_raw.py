@@ -189,7 +189,7 @@ def read_tier(tier: DiskTier, count: int, size: int, depth: int) -> float:
         buffer = np.empty(size, dtype=np.uint8)
         try:
             for index in range(first, count, depth):
-                tier.source.read_into(index * size, memoryview(buffer))
+                tier.source.read_into(index * size, buffer.data)
         except BaseException as exc:  # re-raised below, in the caller's thread
             errors.append(exc)
 
@@ -211,7 +211,7 @@ def check_tier(
     demoted."""
     buffer = np.empty(size, dtype=np.uint8)
     for index in range(0, count, max(1, count // 64)):
-        tier.source.read_into(index * size, memoryview(buffer))
+        tier.source.read_into(index * size, buffer.data)
         start = object_offset(index, size)
         if not np.array_equal(buffer, source[start : start + size]):
             raise RuntimeError(f"the disk tier returned wrong bytes for object {index}")

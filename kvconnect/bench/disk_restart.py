@@ -156,7 +156,7 @@ def build_disk(
     start = time.perf_counter()
     try:
         tier.open()
-        dram = memoryview(source)
+        dram = source.data
         sent = done = 0
         while done < objects:
             # half the queue in flight: staging never refuses for want of room

@@ -64,8 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the chosen phases; print tables; write the JSON report."""
     if args.tier == "disk":
-        report = disk.run(args, _parse_size)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        Path(args.out).write_text(json.dumps(disk.run(args, _parse_size), indent=2))
         print(f"\nresults written to {args.out}")
         return 0
     mooncake = find_mooncake_python(args.mooncake_python)
