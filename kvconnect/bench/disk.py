@@ -38,6 +38,7 @@ import numpy as np
 
 from kvconnect.bench.baselines import direct_io
 from kvconnect.bench.baselines.mooncake_engine import find_mooncake_python
+from kvconnect.bench.baselines.mooncake_store import MooncakeStoreBaseline
 from kvconnect.bench.disk_raw import RawCase
 from kvconnect.bench.disk_report import (
     lru_hit_rate,
@@ -128,7 +129,9 @@ def run(args: argparse.Namespace, parse_size: Callable[[str], int]) -> dict[str,
             )
             print_kill(report["kill"])
         if DiskPhase.MOONCAKE in phases:
-            report["mooncake"] = mooncake_offload(find_mooncake_python(args.mooncake_python))
+            python = find_mooncake_python(args.mooncake_python)
+            objects = 64 if args.quick else 256
+            report["mooncake"] = mooncake_offload(python, _fresh(root, "mooncake"), objects)
             print(f"\nmooncake SSD offload: {report['mooncake']['reason']}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -241,8 +244,9 @@ def _put_one(client: StoreClient, region: MemoryRegion, key: str, offset: int, s
 # ------------------------------------------------------------------------ mooncake phase
 
 # What Mooncake's SSD offload needs from its binaries (its master's and real client's flags).
-MOONCAKE_MASTER_FLAGS = ("enable_offload", "offload_on_evict", "promotion_on_hit", "root_fs_dir")
+MOONCAKE_MASTER_FLAGS = ("enable_offload", "offload_on_evict", "promotion_on_hit")
 MOONCAKE_CLIENT_FLAGS = ("enable_offload", "start_offload_rpc_server")
+MOONCAKE_SEGMENT = 64 * MiB
 _MOONCAKE_PROBE = (
     "import importlib.metadata as md, json, mooncake, os; "
     "names = md.packages_distributions().get('mooncake', []); "
@@ -251,10 +255,11 @@ _MOONCAKE_PROBE = (
 )
 
 
-def mooncake_offload(python: str | None) -> dict[str, Any]:
-    """What the Mooncake wheel of ``python`` offers for SSD offload, as data: its
-    distribution, which offload flags its ``mooncake_master`` and ``mooncake_client`` accept,
-    and why it is not run side by side (``reason``)."""
+def mooncake_offload(python: str | None, directory: Path, objects: int) -> dict[str, Any]:
+    """Mooncake's SSD offload, as far as its wheel gets: its distribution, which offload flags
+    its ``mooncake_master`` and ``mooncake_client`` accept and, when they all are there, a run
+    (``objects`` puts of 1 MiB into a 64 MiB store offloading to ``directory``: bytes on disk,
+    write GB/s, early objects read back). ``reason`` says in words what happened."""
     if python is None:
         return {"available": False, "run": False, "reason": "no interpreter with mooncake"}
     probe = subprocess.run(
@@ -262,27 +267,36 @@ def mooncake_offload(python: str | None) -> dict[str, Any]:
     )
     info = json.loads(probe.stdout)
     package = Path(info["dir"])
-    found = {
-        "master": _flags(package / "mooncake_master", MOONCAKE_MASTER_FLAGS),
-        "client": _flags(package / "mooncake_client", MOONCAKE_CLIENT_FLAGS),
-    }
-    missing = [f for f in MOONCAKE_MASTER_FLAGS[:2] if f not in found["master"]]
-    missing += [f"client {f}" for f in MOONCAKE_CLIENT_FLAGS[:1] if f not in found["client"]]
-    reason = (
-        f"the wheel lacks {', '.join(missing)}"
-        if missing
-        else "the wheel has local-disk offload (master --enable_offload --offload_on_evict, "
-        "mooncake_client --enable_offload, MOONCAKE_OFFLOAD_* environment); not run: "
-        "kvconnect's Mooncake runner does not drive its offload yet"
-    )
-    return {
+    result: dict[str, Any] = {
         "available": True,
         "wheel": info["wheel"],
-        "master_flags": found["master"],
-        "client_flags": found["client"],
-        "run": False,
-        "reason": reason,
+        "master_flags": _flags(package / "mooncake_master", MOONCAKE_MASTER_FLAGS),
+        "client_flags": _flags(package / "mooncake_client", MOONCAKE_CLIENT_FLAGS),
     }
+    missing = [f"master --{f}" for f in MOONCAKE_MASTER_FLAGS if f not in result["master_flags"]]
+    missing += [f"client --{f}" for f in MOONCAKE_CLIENT_FLAGS if f not in result["client_flags"]]
+    if missing:
+        return {**result, "run": False, "reason": f"the wheel lacks {', '.join(missing)}"}
+    runner = MooncakeStoreBaseline(
+        python, "same-host", MOONCAKE_SEGMENT, 16 * MiB, ["--offload", str(directory)]
+    )
+    try:
+        run = runner.call({"op": "offload", "size": MiB, "count": objects, "wait": 20.0})
+    finally:
+        runner.close()
+    result.update(run, run=True)
+    if run["disk_bytes"]:
+        result["write_gbps"] = run["disk_bytes"] / run["seconds"] / 1e9
+        result["reason"] = "offloaded (see disk_bytes, write_gbps, early_read_right)"
+    else:
+        result["reason"] = (
+            f"offload on: master --enable_offload --offload_on_evict, mooncake_client "
+            f"--enable_offload, bucket backend in the run's directory; {objects} puts of 1 MiB "
+            f"into {MOONCAKE_SEGMENT // MiB} MiB (codes {run['put_codes']}) left 0 bytes on "
+            f"disk within 20 s and {run['early_read_right']}/{run['early_checked']} of the "
+            "first objects readable: nothing to measure"
+        )
+    return result
 
 
 def _flags(binary: Path, wanted: Sequence[str]) -> list[str]:

@@ -18,7 +18,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -266,13 +266,16 @@ def _watch_recovery(
 # ---------------------------------------------------------------------------- kill phase
 
 
-def kill_phase(directory: Path, objects: int, dram: int, seed: int) -> dict[str, Any]:
+def kill_phase(directory: Path, objects: int, seed: int) -> dict[str, Any]:
     """The kill phase (see the module docstring): ``objects`` puts of 256 KiB are attempted
-    into a ``dram``-byte store; the server dies once a third of them were demoted."""
+    into a store with a quarter of their bytes in DRAM; the server dies once a third of them
+    were demoted, and starts again once the master has dropped it (heartbeat TTL 2 s)."""
     size, batch = 256 * KiB, 4
+    dram = max(4 * MiB, objects * size // 4)
     source = source_bytes(seed)
-    flags = [*disk_flags(directory, 2 * objects * size)]
-    with store(dram, flags, ["--master-promote-window", "0"]) as (cluster, client):
+    flags = disk_flags(directory, 2 * objects * size)
+    master = ["--master-promote-window", "0", "--master-heartbeat-ttl", "2"]
+    with store(dram, ["--store-size", str(dram), *flags], master) as (cluster, client):
         region = client.register(source)
         stop = threading.Event()
         completed: list[int] = []
@@ -283,19 +286,19 @@ def kill_phase(directory: Path, objects: int, dram: int, seed: int) -> dict[str,
         writer.start()
         try:
             demoted = _wait_demoted(cluster, objects // 3)
-            before = disk_segment(cluster)
-            server = cluster.servers[0]
-            server.kill()
+            cluster.servers[0].kill()
         finally:
             stop.set()
             writer.join(timeout=DEADLINE)
         puts = len(completed)
-        server.start()
-        _wait_remounted(cluster, None if before is None else before.server)
+        _wait_until(lambda: disk_segment(cluster) is None, "the master never dropped the server")
+        cluster.servers[0].start()
+        _wait_until(lambda: disk_segment(cluster) is not None, "the disk was not mounted again")
         keys = [f"kill-{i}" for i in completed]
         good, bad = check_objects(client, keys, completed, size, source, 16)
     return {
         "object_bytes": size,
+        "dram": dram,
         "puts_completed_before_kill": puts,
         "demoted_before_kill": demoted,
         "recovered": good,
@@ -343,18 +346,11 @@ def _wait_demoted(cluster: Cluster, count: int) -> int:
     raise RuntimeError(f"fewer than {count} demotions within {DEADLINE}s")
 
 
-def _wait_remounted(cluster: Cluster, old_server: str | None) -> None:
-    """Wait until a disk segment of a server other than ``old_server`` (the killed process's
-    engine) is mounted and its objects stop changing."""
+def _wait_until(condition: Callable[[], bool], failure: str) -> None:
+    """Poll ``condition`` (the master's state) until true; RuntimeError(``failure``) after
+    ``DEADLINE`` seconds."""
     deadline = time.monotonic() + DEADLINE
-    last, changed = -1, time.monotonic()
-    while time.monotonic() < deadline:
-        segment = disk_segment(cluster)
-        if segment is not None and segment.server != old_server:
-            now = time.monotonic()
-            if segment.objects != last:
-                last, changed = segment.objects, now
-            elif now - changed >= SETTLE:
-                return
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(failure)
         time.sleep(POLL)
-    raise RuntimeError("the restarted server's disk segment was not mounted")
