@@ -169,6 +169,8 @@ def build_disk(
                     source_offset=object_offset(sent, size),
                 )
                 if not tier.apply(change, dram):
+                    if sent == done:  # nothing in flight could free that offset
+                        raise RuntimeError(f"the disk tier refused a write at {change.offset}")
                     break
                 sent += 1
             woke.wait(timeout=DEADLINE)
