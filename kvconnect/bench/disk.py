@@ -52,6 +52,7 @@ from kvconnect.bench.disk_report import (
     zipf_trace,
 )
 from kvconnect.bench.disk_restart import (
+    REFUSED,
     disk_flags,
     kill_phase,
     object_offset,
@@ -87,6 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-bytes", default="1G", help="bytes per raw measurement")
     parser.add_argument("--disk-depths", default="1,4", help="raw baseline concurrencies")
     parser.add_argument("--disk-dram", default="256M", help="the store's DRAM (raw phase)")
+    parser.add_argument("--disk-heartbeat", type=float, default=0.05, help="raw phase's store")
+    parser.add_argument("--disk-evict-fraction", type=float, default=0.25, help="its master")
     parser.add_argument("--zipf-s", type=float, default=1.0)
     parser.add_argument("--zipf-dram", default="64M", help="the store's DRAM (zipf phase)")
     parser.add_argument("--zipf-accesses", type=int, default=6000)
@@ -106,11 +109,19 @@ def run(args: argparse.Namespace, parse_size: Callable[[str], int]) -> dict[str,
         if DiskPhase.RAW in phases:
             depths = [int(d) for d in args.disk_depths.split(",")]
             total, dram = parse_size(args.disk_bytes), parse_size(args.disk_dram)
+            # demoted DRAM is reusable once the server acknowledged its release and eviction
+            # frees evict_fraction a round: defaults (0.5 s, 5 %) would bound the demotion
+            # rate, not the disk
+            server = ["--store-heartbeat-interval", str(args.disk_heartbeat)]
+            master = ["--master-evict-fraction", str(args.disk_evict_fraction)]
+            report["raw_store_flags"] = [*server, *master]
             report["raw"] = [
                 raw_row(
                     size,
                     depths,
-                    RawCase(_fresh(root, "raw"), size, total, dram, depths).run(rounds),
+                    RawCase(_fresh(root, "raw"), size, total, dram, depths, server, master).run(
+                        rounds
+                    ),
                 )
                 for size in OBJECT_SIZES
             ]
@@ -124,13 +135,11 @@ def run(args: argparse.Namespace, parse_size: Callable[[str], int]) -> dict[str,
             )
             print_restart(report["restart"])
         if DiskPhase.KILL in phases:
-            report["kill"] = kill_phase(
-                _fresh(root, "kill"), args.kill_objects, 32 * MiB, args.seed
-            )
+            report["kill"] = kill_phase(_fresh(root, "kill"), args.kill_objects, args.seed)
             print_kill(report["kill"])
         if DiskPhase.MOONCAKE in phases:
             python = find_mooncake_python(args.mooncake_python)
-            objects = 64 if args.quick else 256
+            objects = 128 if args.quick else 256  # 2x / 4x its store
             report["mooncake"] = mooncake_offload(python, _fresh(root, "mooncake"), objects)
             print(f"\nmooncake SSD offload: {report['mooncake']['reason']}")
     finally:
@@ -231,10 +240,11 @@ def _zipf_run(
 
 
 def _put_one(client: StoreClient, region: MemoryRegion, key: str, offset: int, size: int) -> bool:
-    """Put one object; False when the store refused it for now (BUSY: full, space still
-    quarantined), which a cache takes as "not cached"; raises on anything else."""
+    """Put one object; False when the full store refused it for now (BUSY: its space still in
+    transit; NO_SPACE: an eviction round started), which a cache takes as "not cached"; raises
+    on anything else."""
     code = client.batch_put_from([key], region, [offset], [size]).codes[0]
-    if code == Code.BUSY:
+    if code in REFUSED:
         return False
     if code not in (Code.OK, Code.EXISTS):
         raise RuntimeError(f"a put of the zipf phase failed: {code.name}")

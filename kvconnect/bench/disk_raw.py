@@ -19,6 +19,7 @@ from kvconnect.bench.disk_restart import (
     check_objects,
     disk_flags,
     object_offset,
+    put_all,
     settle_demotions,
     source_bytes,
     store,
@@ -39,13 +40,22 @@ BATCH_BYTES = 16 * MiB  # bytes per batch_put_from / batch_get_into call
 
 
 class RawCase:
-    """One object size: a store (``dram`` bytes and a disk) for the rounds, and the files of
-    the baseline and of the in-process DiskTier beside it in ``directory``."""
+    """One object size: a store (``dram`` bytes and a disk; ``server_args`` and
+    ``master_args``: more flags of its processes) for the rounds, and the files of the baseline
+    and of the in-process DiskTier beside it in ``directory``."""
 
     def __init__(
-        self, directory: Path, size: int, total: int, dram: int, depths: Sequence[int]
+        self,
+        directory: Path,
+        size: int,
+        total: int,
+        dram: int,
+        depths: Sequence[int],
+        server_args: Sequence[str] = (),
+        master_args: Sequence[str] = (),
     ) -> None:
         self.directory, self.size, self.depths = directory, size, list(depths)
+        self._server_args, self._master_args = list(server_args), list(master_args)
         self.count = max(4, total // size)
         self.source = source_bytes(size)
         self.samples: dict[str, list[float]] = {}
@@ -57,7 +67,8 @@ class RawCase:
         flags = disk_flags(
             self.directory / "store", self._dram + (rounds + 1) * self.count * self.size
         )
-        with store(self._dram, flags, ["--master-promote-window", "0"]) as (cluster, client):
+        master = ["--master-promote-window", "0", *self._master_args]
+        with store(self._dram, [*flags, *self._server_args], master) as (cluster, client):
             region = client.register(self.source)
             # DRAM filled first: from then on every put demotes an object
             self._put(client, region, "warm", self._dram // self.size)
@@ -124,10 +135,7 @@ class RawCase:
         for first in range(0, count, batch):
             chunk = range(first, min(count, first + batch))
             names = [f"{prefix}-{i}" for i in chunk]
-            offsets = [object_offset(i, self.size) for i in chunk]
-            result = client.batch_put_from(names, region, offsets, [self.size] * len(names))
-            if result.leading() != len(names):
-                raise RuntimeError(f"puts into the disk store failed: {set(result.codes)}")
+            put_all(client, region, names, [object_offset(i, self.size) for i in chunk], self.size)
             keys += names
         return keys
 

@@ -41,6 +41,7 @@ SOURCE = 64 * MiB  # random bytes every object is cut from (a multiple of every 
 POLL = 0.02  # seconds between polls of the master's stats
 SETTLE = 0.5  # demotion counters unchanged this long: the store has settled
 DEADLINE = 300.0  # seconds any wait of a phase may take before it gives up
+REFUSED = (Code.BUSY, Code.NO_SPACE)  # a full store's answers to a put: not now, try again
 
 
 def source_bytes(seed: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
@@ -139,6 +140,32 @@ def check_objects(
     finally:
         client.engine.unregister(region)
     return good, bad
+
+
+def put_all(
+    client: StoreClient,
+    region: MemoryRegion,
+    keys: Sequence[str],
+    offsets: Sequence[int],
+    size: int,
+) -> None:
+    """Put ``keys`` (``region[offsets[i]:+size]``), retrying those a full DRAM refuses for now
+    (``REFUSED``: its space returns once demotions finish and the server acknowledged the
+    release; NO_SPACE starts an eviction round) until ``DEADLINE``; raises RuntimeError for any
+    other failure."""
+    pending = list(zip(keys, offsets, strict=True))
+    deadline = time.monotonic() + DEADLINE
+    while pending:
+        names, starts = [k for k, _ in pending], [o for _, o in pending]
+        codes = client.batch_put_from(names, region, starts, [size] * len(names)).codes
+        failed = {c for c in codes if c not in (Code.OK, Code.EXISTS, *REFUSED)}
+        if failed:
+            raise RuntimeError(f"puts into the disk store failed: {failed}")
+        pending = [item for item, code in zip(pending, codes, strict=True) if code in REFUSED]
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"{len(pending)} puts still refused after {DEADLINE}s")
+        if pending:
+            time.sleep(POLL / 10)
 
 
 # ------------------------------------------------------------------------- restart phase
