@@ -323,6 +323,7 @@ def kill_phase(directory: Path, objects: int, seed: int) -> dict[str, Any]:
         _wait_until(lambda: disk_segment(cluster) is None, "the master never dropped the server")
         cluster.servers[0].start()
         _wait_until(lambda: disk_segment(cluster) is not None, "the disk was not mounted again")
+        _wait_reported(cluster)
         keys = [f"kill-{i}" for i in completed]
         good, bad = check_objects(client, keys, completed, size, source, 16)
     return {
@@ -373,6 +374,21 @@ def _wait_demoted(cluster: Cluster, count: int) -> int:
             return disk.demotions
         time.sleep(POLL)
     raise RuntimeError(f"fewer than {count} demotions within {DEADLINE}s")
+
+
+def _wait_reported(cluster: Cluster) -> None:
+    """Wait until the disk segment's object count stops changing (``SETTLE`` seconds): every
+    recovered object reported, however many messages that took."""
+    last, changed = -1, time.monotonic()
+    deadline = changed + DEADLINE
+    while time.monotonic() - changed < SETTLE:
+        segment = disk_segment(cluster)
+        objects = -1 if segment is None else segment.objects
+        if objects != last:
+            last, changed = objects, time.monotonic()
+        if time.monotonic() > deadline:
+            raise RuntimeError("the disk segment's object count never settled")
+        time.sleep(POLL)
 
 
 def _wait_until(condition: Callable[[], bool], failure: str) -> None:
