@@ -304,7 +304,7 @@ def kill_phase(directory: Path, objects: int, seed: int) -> dict[str, Any]:
     source = source_bytes(seed)
     flags = disk_flags(directory, 2 * objects * size)
     master = ["--master-promote-window", "0", "--master-heartbeat-ttl", "2"]
-    with store(dram, ["--store-size", str(dram), *flags], master) as (cluster, client):
+    with store(dram, flags, master) as (cluster, client):
         region = client.register(source)
         stop = threading.Event()
         completed: list[int] = []

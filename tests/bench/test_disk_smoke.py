@@ -1,6 +1,7 @@
 """``kvconnect bench store --tier disk`` end to end at a tiny size: real master and store
 processes with a disk tier on tmp_path, every phase, the report's invariants (bytes checked,
-objects recovered), never its timings."""
+objects recovered), never its timings. Needs the disk tier (issue 16: ``--store-disk``, the
+master's tier stats, kvconnect/store/disk/)."""
 
 from __future__ import annotations
 
