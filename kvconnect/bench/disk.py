@@ -23,7 +23,6 @@ Phases (``--disk-phases``, each runnable alone; everything on the file system of
 from __future__ import annotations
 
 import argparse
-import enum
 import json
 import logging
 import shutil
@@ -41,6 +40,7 @@ from kvconnect.bench.baselines.mooncake_engine import find_mooncake_python
 from kvconnect.bench.baselines.mooncake_store import MooncakeStoreBaseline
 from kvconnect.bench.disk_raw import RawCase
 from kvconnect.bench.disk_report import (
+    DiskPhase,
     lru_hit_rate,
     percentile,
     print_kill,
@@ -68,34 +68,6 @@ log = logging.getLogger(__name__)
 
 KiB, MiB = 1 << 10, 1 << 20
 OBJECT_SIZES = (64 * KiB, 1 * MiB, 4 * MiB)
-
-
-class DiskPhase(enum.Enum):
-    """The phases of ``--tier disk``."""
-
-    RAW = "raw"
-    ZIPF = "zipf"
-    RESTART = "restart"
-    KILL = "kill"
-    MOONCAKE = "mooncake"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``--tier disk`` options of ``kvconnect bench store``."""
-    parser.add_argument("--tier", choices=["dram", "disk"], default="dram")
-    parser.add_argument("--disk-phases", default=",".join(p.value for p in DiskPhase))
-    parser.add_argument("--disk-dir", default=".", help="where the bench makes its files")
-    parser.add_argument("--disk-bytes", default="1G", help="bytes per raw measurement")
-    parser.add_argument("--disk-depths", default="1,4", help="raw baseline concurrencies")
-    parser.add_argument("--disk-dram", default="256M", help="the store's DRAM (raw phase)")
-    parser.add_argument("--disk-heartbeat", type=float, default=0.05, help="raw phase's store")
-    parser.add_argument("--disk-evict-fraction", type=float, default=0.25, help="its master")
-    parser.add_argument("--zipf-s", type=float, default=1.0)
-    parser.add_argument("--zipf-dram", default="64M", help="the store's DRAM (zipf phase)")
-    parser.add_argument("--zipf-accesses", type=int, default=6000)
-    parser.add_argument("--restart-objects", type=int, default=1_000_000)
-    parser.add_argument("--kill-objects", type=int, default=600)
-    parser.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace, parse_size: Callable[[str], int]) -> dict[str, Any]:

@@ -1,9 +1,12 @@
-"""The pure parts of ``kvconnect bench store --tier disk`` (:mod:`kvconnect.bench.disk`): the
-Zipf workload, an ideal LRU for reference, the spread and ratio math over rounds and the
-tables printed from a report."""
+"""The pure parts of ``kvconnect bench store --tier disk`` (:mod:`kvconnect.bench.disk`): its
+options, the Zipf workload, an ideal LRU for reference, the spread and ratio math over rounds
+and the tables printed from a report. Importing it loads no store code (``bench store``
+declares the options without loading the disk tier)."""
 
 from __future__ import annotations
 
+import argparse
+import enum
 import statistics
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -14,6 +17,34 @@ import numpy as np
 KiB, MiB = 1 << 10, 1 << 20
 TARGET_RAW = 0.8  # tier / baseline at 1 MiB
 TARGET_HITS = 2.0  # hit rate with the disk / without
+
+
+class DiskPhase(enum.Enum):
+    """The phases of ``--tier disk``."""
+
+    RAW = "raw"
+    ZIPF = "zipf"
+    RESTART = "restart"
+    KILL = "kill"
+    MOONCAKE = "mooncake"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--tier disk`` options of ``kvconnect bench store``."""
+    parser.add_argument("--tier", choices=["dram", "disk"], default="dram")
+    parser.add_argument("--disk-phases", default=",".join(p.value for p in DiskPhase))
+    parser.add_argument("--disk-dir", default=".", help="where the bench makes its files")
+    parser.add_argument("--disk-bytes", default="1G", help="bytes per raw measurement")
+    parser.add_argument("--disk-depths", default="1,4", help="raw baseline concurrencies")
+    parser.add_argument("--disk-dram", default="256M", help="the store's DRAM (raw phase)")
+    parser.add_argument("--disk-heartbeat", type=float, default=0.05, help="raw phase: heartbeat s")
+    parser.add_argument("--disk-evict-fraction", type=float, default=0.25, help="raw phase: master evict_fraction")
+    parser.add_argument("--zipf-s", type=float, default=1.0)
+    parser.add_argument("--zipf-dram", default="64M", help="the store's DRAM (zipf phase)")
+    parser.add_argument("--zipf-accesses", type=int, default=6000)
+    parser.add_argument("--restart-objects", type=int, default=1_000_000)
+    parser.add_argument("--kill-objects", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=0)
 
 
 def zipf_trace(keys: int, accesses: int, s: float, seed: int) -> list[int]:

@@ -3,6 +3,7 @@ its raw baseline's own O_DIRECT loop (kvconnect/bench/baselines/direct_io.py, on
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections import Counter
 from pathlib import Path
@@ -102,3 +103,15 @@ def test_the_direct_io_loop_writes_and_reads_whole_stripes(tmp_path: Path, depth
     assert direct_io._loop(path, "write", block, 1 << 20, depth) > 0
     assert path.stat().st_size == (1 << 20) // depth // block * block * depth
     assert direct_io._loop(path, "read", block, 1 << 20, depth) > 0
+
+
+def test_bench_store_keeps_its_phases_unless_the_disk_tier_is_asked_for() -> None:
+    parser = argparse.ArgumentParser()
+    disk_report.add_arguments(parser)
+    assert parser.parse_args([]).tier == "dram"
+    args = parser.parse_args(["--tier", "disk", "--disk-phases", "restart"])
+    assert [disk_report.DiskPhase(p) for p in args.disk_phases.split(",")] == [
+        disk_report.DiskPhase.RESTART
+    ]
+    every = parser.parse_args(["--tier", "disk"]).disk_phases.split(",")
+    assert every == [p.value for p in disk_report.DiskPhase]
