@@ -38,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-depths", default="1,4", help="raw baseline concurrencies")
     parser.add_argument("--disk-dram", default="256M", help="the store's DRAM (raw phase)")
     parser.add_argument("--disk-heartbeat", type=float, default=0.05, help="raw phase: heartbeat s")
-    parser.add_argument("--disk-evict-fraction", type=float, default=0.25, help="raw phase: master evict_fraction")
+    parser.add_argument(
+        "--disk-evict-fraction", type=float, default=0.25, help="raw phase: evict_fraction"
+    )
     parser.add_argument("--zipf-s", type=float, default=1.0)
     parser.add_argument("--zipf-dram", default="64M", help="the store's DRAM (zipf phase)")
     parser.add_argument("--zipf-accesses", type=int, default=6000)
