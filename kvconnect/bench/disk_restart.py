@@ -192,7 +192,7 @@ def build_disk(
                     key=f"restart-{sent}",
                     offset=sent * size,
                     size=size,
-                    source_region=1,
+                    source_region=1,  # any region: non-zero marks a move; ``dram`` is given
                     source_offset=object_offset(sent, size),
                 )
                 if not tier.apply(change, dram):
@@ -200,7 +200,8 @@ def build_disk(
                         raise RuntimeError(f"the disk tier refused a write at {change.offset}")
                     break
                 sent += 1
-            woke.wait(timeout=DEADLINE)
+            if not woke.wait(timeout=DEADLINE):
+                raise RuntimeError(f"the disk tier reported nothing for {DEADLINE}s")
             woke.clear()
             outcomes = tier.take_outcomes()
             if outcomes.demote_failed:
