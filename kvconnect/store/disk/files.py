@@ -12,6 +12,7 @@ import fcntl
 import logging
 import mmap
 import os
+import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,39 @@ def round_up(n: int, to: int = BLOCK) -> int:
 def aligned_buffer(size: int) -> mmap.mmap:
     """Anonymous page-aligned memory of ``size`` bytes rounded up to BLOCK (zero-filled)."""
     return mmap.mmap(-1, round_up(max(size, 1)))
+
+
+class StagingPool:
+    """Page-aligned staging buffers kept for reuse: a copy into fresh anonymous memory faults
+    its pages in and runs at a fifth of the speed of one into warm memory. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._lock = threading.Lock()
+        self.kept = 0
+        """Bytes of buffers kept for reuse."""
+
+    def take(self, size: int) -> mmap.mmap:
+        """A buffer of at least ``size`` bytes (rounded up to BLOCK), zero past ``size``."""
+        length = round_up(max(size, 1))
+        with self._lock:
+            stack = self._free.get(length)
+            buffer = stack.pop() if stack else None
+            if buffer is not None:
+                self.kept -= length
+        if buffer is None:
+            return aligned_buffer(size)
+        if length > size:
+            buffer[size:length] = bytes(length - size)
+        return buffer
+
+    def give(self, buffer: mmap.mmap, room: int) -> None:
+        """Keep ``buffer`` for reuse if the pool then holds at most ``room`` bytes; else let
+        it go."""
+        with self._lock:
+            if self.kept + len(buffer) <= room:
+                self._free.setdefault(len(buffer), []).append(buffer)
+                self.kept += len(buffer)
 
 
 class DataFile:
@@ -69,15 +103,19 @@ class DataFile:
         """The descriptor (for fstat by the watchdog)."""
         return self._fd
 
-    def write(self, offset: int, buffer: mmap.mmap) -> None:
-        """Write all of ``buffer`` at ``offset`` (a short write raises ENOSPC)."""
-        view = memoryview(buffer)
-        done = 0
-        while done < len(view):
-            n = os.pwrite(self._fd, view[done:], offset + done)
+    def write(self, offset: int, buffers: list[mmap.mmap]) -> None:
+        """Write ``buffers`` back to back from ``offset``, in one call where the kernel takes
+        them all (a short write that makes no progress raises ENOSPC)."""
+        views = [memoryview(buffer) for buffer in buffers]
+        while views:
+            n = os.pwritev(self._fd, views, offset)
             if n == 0:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
-            done += n
+            offset += n
+            while views and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if n:
+                views[0] = views[0][n:]
 
     def read_into(self, offset: int, view: memoryview) -> int:
         """Read up to ``len(view)`` bytes at ``offset``; returns how many (short at end of file)."""

@@ -26,7 +26,7 @@ from kvconnect.errors import DiskUnavailable, SourceUnavailable
 from kvconnect.lifecycle import Closing
 from kvconnect.store.disk.checksum import chunk_crcs
 from kvconnect.store.disk.extents import Extents
-from kvconnect.store.disk.files import BLOCK, DataFile, aligned_buffer, round_up
+from kvconnect.store.disk.files import BLOCK, DataFile, StagingPool, round_up
 from kvconnect.store.disk.index import (
     HEADER_BYTES,
     IndexLog,
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 COMPACT_MIN = 1 << 20
 """An index is compacted only once larger than this (and than twice its live records)."""
 _POLL = 1.0  # seconds a worker waits on its condition before looking again
+_RUN_BYTES = 8 << 20  # most bytes written by one call
 _FAILING_READS = 3
 """Bad reads in a row (errors or mismatches, no good read between) that mean the device is
 failing rather than one object is bad."""
@@ -117,6 +118,7 @@ class DiskTier(Closing):
         self._writing: list[_Write] = []
         self._writing_at: set[int] = set()
         self._staged = 0
+        self._pool = StagingPool()  # staging buffers, at most queue_bytes with those staged
         self._dels: list[bytes] = []
         self._loads: collections.deque[_Load] = collections.deque()
         self._loading: _Load | None = None
@@ -290,7 +292,7 @@ class DiskTier(Closing):
             if ok:
                 self._staged += reserve
         if ok:
-            buffer = aligned_buffer(change.size)
+            buffer = self._pool.take(change.size)
             buffer[: change.size] = dram[src : src + change.size]
             with self._lock:
                 ok = self._up  # if not, _go_down dropped the reservation
@@ -379,14 +381,15 @@ class DiskTier(Closing):
             with self._ops.track("index append"):
                 index.append(dels)
                 index.sync()
-        records = []
-        for job in jobs:
-            crcs = chunk_crcs(memoryview(job.buffer)[: job.size])
+        records = [
+            Record(job.key, job.offset, job.size, chunk_crcs(memoryview(job.buffer)[: job.size]))
+            for job in jobs
+        ]
+        for run in _runs(jobs):
             began = time.monotonic()
             with self._ops.track("write"):
-                data.write(job.offset, job.buffer)
-            self._meters.wrote(time.monotonic() - began, len(job.buffer))
-            records.append(Record(job.key, job.offset, job.size, crcs))
+                data.write(run[0].offset, [job.buffer for job in run])
+            self._meters.wrote(time.monotonic() - began, sum(len(job.buffer) for job in run))
         if jobs:
             with self._ops.track("data fdatasync"):
                 data.sync()
@@ -402,6 +405,7 @@ class DiskTier(Closing):
             for job, record in zip(jobs, records, strict=True):
                 self._writing_at.discard(job.offset)
                 self._staged -= round_up(job.size)
+                self._pool.give(job.buffer, self._queue_bytes - self._staged)
                 self._install(record)
                 self._out.demoted.append(Moved(job.key, job.offset))
             self._meters.count(demotions=len(jobs))
@@ -580,6 +584,21 @@ class DiskTier(Closing):
             errno.errorcode.get(err, str(err)),
         )
         self._wake()
+
+
+def _runs(jobs: list[_Write]) -> list[list[_Write]]:
+    """The jobs as runs of adjacent space, each written with one call (the master allocates a
+    round of evictions back to back); at most ``_RUN_BYTES`` per run."""
+    runs: list[list[_Write]] = []
+    end = -1
+    for job in sorted(jobs, key=lambda job: job.offset):
+        run = runs[-1] if runs else None
+        if run is not None and job.offset == end and end - run[0].offset < _RUN_BYTES:
+            run.append(job)
+        else:
+            runs.append([job])
+        end = job.offset + len(job.buffer)
+    return runs
 
 
 class _Source:
