@@ -348,22 +348,26 @@ def _put_until_stopped(
     stop: threading.Event,
     completed: list[int],
 ) -> None:
-    """Put objects ``kill-0``… in batches until ``stop`` or ``objects``; append the indices of
-    those stored (Code.OK) to ``completed``."""
+    """Put objects ``kill-0``… in batches until ``stop`` or ``objects``, retrying those a full
+    DRAM refuses for now (``REFUSED``); append the indices of those stored (Code.OK) to
+    ``completed``."""
     for first in range(0, objects, batch):
+        pending = list(range(first, min(objects, first + batch)))
+        while pending and not stop.is_set():
+            result = client.batch_put_from(
+                [f"kill-{i}" for i in pending],
+                region,
+                [object_offset(i, size) for i in pending],
+                [size] * len(pending),
+                timeout=5,
+            )
+            codes = list(zip(pending, result.codes, strict=True))
+            completed.extend(i for i, code in codes if code == Code.OK)
+            pending = [i for i, code in codes if code in REFUSED]
+            if pending:
+                stop.wait(POLL / 10)
         if stop.is_set():
             return
-        indices = list(range(first, min(objects, first + batch)))
-        result = client.batch_put_from(
-            [f"kill-{i}" for i in indices],
-            region,
-            [object_offset(i, size) for i in indices],
-            [size] * len(indices),
-            timeout=5,
-        )
-        completed.extend(
-            i for i, code in zip(indices, result.codes, strict=True) if code == Code.OK
-        )
 
 
 def _wait_demoted(cluster: Cluster, count: int) -> int:

@@ -242,3 +242,14 @@ def test_a_truncated_data_file_serves_no_bytes(
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1
     assert str(path) in errors[0].getMessage()
+
+
+def test_many_small_adjacent_moves_are_written_and_read_back(path: Path) -> None:
+    """Adjacent moves are written together, in runs capped below the kernel's IOV_MAX."""
+    count, size = 1500, 4096
+    objects = [(f"small-{n}", n * size, size) for n in range(count)]
+    with new_tier(path, size=count * size) as tier:
+        tier.open()
+        demote_all(tier, objects)
+        for key, offset, _ in objects[::97]:
+            assert read(tier, offset, size) == payload(key, size)

@@ -49,6 +49,7 @@ COMPACT_MIN = 1 << 20
 """An index is compacted only once larger than this (and than twice its live records)."""
 _POLL = 1.0  # seconds a worker waits on its condition before looking again
 _RUN_BYTES = 8 << 20  # most bytes written by one call
+_RUN_BUFFERS = 256  # and most buffers (the kernel takes at most IOV_MAX, 1024)
 _FAILING_READS = 3
 """Bad reads in a row (errors or mismatches, no good read between) that mean the device is
 failing rather than one object is bad."""
@@ -588,12 +589,17 @@ class DiskTier(Closing):
 
 def _runs(jobs: list[_Write]) -> list[list[_Write]]:
     """The jobs as runs of adjacent space, each written with one call (the master allocates a
-    round of evictions back to back); at most ``_RUN_BYTES`` per run."""
+    round of evictions back to back); at most ``_RUN_BYTES`` and ``_RUN_BUFFERS`` per run."""
     runs: list[list[_Write]] = []
     end = -1
     for job in sorted(jobs, key=lambda job: job.offset):
         run = runs[-1] if runs else None
-        if run is not None and job.offset == end and end - run[0].offset < _RUN_BYTES:
+        if (
+            run is not None
+            and job.offset == end
+            and end - run[0].offset < _RUN_BYTES
+            and len(run) < _RUN_BUFFERS
+        ):
             run.append(job)
         else:
             runs.append([job])
