@@ -9,14 +9,18 @@ import pytest
 
 from kvconnect.errors import DiskUnavailable, SourceUnavailable
 from kvconnect.store.disk.checksum import CHUNK
+from kvconnect.store.disk.files import aligned_buffer
 from kvconnect.store.disk.reading import WINDOW
-from kvconnect.store.disk.tier import DiskTier
+from kvconnect.store.disk.tier import DiskTier, _runs, _Write
 from kvconnect.store.messages import Change, Moved
 from tests.support.disk import Collected, demote, new_tier, payload, read, release
 from tests.support.waiting import wait_for
 
 # Sizes around the 64 KiB chunk and 4 KiB block boundaries, and one of several chunks.
 SIZES = [1, 4096, CHUNK - 1, CHUNK, CHUNK + 1, 5 * CHUNK + 123]
+
+
+MiB = 1 << 20
 
 
 def place(sizes: list[int], first: int = 0) -> list[tuple[str, int, int]]:
@@ -244,12 +248,14 @@ def test_a_truncated_data_file_serves_no_bytes(
     assert str(path) in errors[0].getMessage()
 
 
-def test_many_small_adjacent_moves_are_written_and_read_back(path: Path) -> None:
-    """Adjacent moves are written together, in runs capped below the kernel's IOV_MAX."""
-    count, size = 1500, 4096
-    objects = [(f"small-{n}", n * size, size) for n in range(count)]
-    with new_tier(path, size=count * size) as tier:
-        tier.open()
-        demote_all(tier, objects)
-        for key, offset, _ in objects[::97]:
-            assert read(tier, offset, size) == payload(key, size)
+def test_adjacent_moves_are_written_in_runs_below_the_kernels_limits() -> None:
+    """One call writes a run of adjacent moves: never more buffers than the kernel takes
+    (IOV_MAX, 1024) nor more than 8 MiB, and a gap always starts a new run."""
+    jobs = [_Write(f"k{n}", n * 4096, 4096, aligned_buffer(4096)) for n in range(1500)]
+    gap = _Write("far", 1 << 30, MiB, aligned_buffer(MiB))
+    runs = _runs([gap, *reversed(jobs)])
+    assert [job for run in runs for job in run] == [*jobs, gap]
+    assert all(len(run) <= 256 and sum(len(j.buffer) for j in run) <= 8 * MiB for run in runs)
+    assert runs[-1] == [gap]
+    big = [_Write(f"b{n}", n * MiB, MiB, aligned_buffer(MiB)) for n in range(20)]
+    assert [len(run) for run in _runs(big)] == [8, 8, 4]
