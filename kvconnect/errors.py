@@ -64,17 +64,16 @@ class TransferError(KVConnectError):
         self.errors = errors
 
 
+class SourceUnavailable(TransferError):
+    """The bytes cannot be served: a read of a FILE region's source failed or did not verify."""
+
+
 class TransferTimeout(TransferError):
     """A request did not complete before its deadline."""
 
 
 class AccessDenied(TransferError):
     """The target refused the access: unknown region, out of bounds, or read-only."""
-
-
-class SourceUnavailable(TransferError):
-    """The bytes of a FILE region cannot be served (read error, checksum mismatch, tier down);
-    other ranges, and other replicas, may still be."""
 
 
 class RegistrationError(KVConnectError):
@@ -105,6 +104,10 @@ class CircuitOpen(StoreError):
     """The client fails fast: the store failed repeatedly and is cooling down."""
 
 
+class DiskUnavailable(StoreError):
+    """A disk tier cannot be used at all (its files cannot be created, opened, sized or locked)."""
+
+
 __all__ = [
     "AccessDenied",
     "AuthenticationError",
@@ -113,6 +116,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "CoordinationUnavailable",
+    "DiskUnavailable",
     "InvalidRequest",
     "KVConnectError",
     "MasterUnavailable",

@@ -11,6 +11,8 @@ Three phases:
   resident bytes per object and ``batch_exists(128)`` p50 at each size, beside Mooncake's master.
 * **eviction** — ``exists`` latency while a writer fills a full store (eviction running all the
   time) against the same writer on a store with room (no eviction).
+
+``--tier disk`` runs the disk tier's phases instead (:mod:`kvconnect.bench.disk`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvconnect._config import cluster_token
-from kvconnect.bench import master_load
+from kvconnect.bench import disk_report, master_load
 from kvconnect.bench.baselines.mooncake_engine import find_mooncake_python
 from kvconnect.bench.baselines.mooncake_store import MooncakeStoreBaseline
 from kvconnect.store import messages as m
@@ -56,10 +58,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mooncake-python", help="interpreter with the mooncake package")
     parser.add_argument("--quick", action="store_true", help="a fraction of the work: a smoke run")
     parser.add_argument("--out", default="bench-store.json")
+    disk_report.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen phases; print tables; write the JSON report."""
+    if args.tier == "disk":
+        from kvconnect.bench import disk  # the disk tier's code loads only for --tier disk
+
+        Path(args.out).write_text(json.dumps(disk.run(args, _parse_size), indent=2))
+        print(f"\nresults written to {args.out}")
+        return 0
     mooncake = find_mooncake_python(args.mooncake_python)
     phases = args.phases.split(",")
     report: dict[str, Any] = {"benchmark": "store", "mooncake": mooncake is not None}

@@ -91,14 +91,29 @@ def run_status(endpoint: str, timeout: float, token: str | None) -> int:
         f"{reply.bytes_stored} bytes stored, {reply.evictions} evictions; "
         f"{reply.refused} connections refused (no cluster token), {reply.dropped} messages dropped"
     )
+    _print_tiers(reply.tiers)
     print(
-        f"{'segment':<40}{'server':<28}{'used':>14}{'in transit':>14}{'capacity':>14}"
-        f"{'use':>7}{'objects':>10}"
+        f"{'segment':<40}{'tier':<6}{'server':<28}{'used':>14}{'in transit':>14}"
+        f"{'capacity':>14}{'use':>7}{'objects':>10}"
     )
     for s in reply.segments:
         share = s.used / s.capacity if s.capacity else 0.0
         print(
-            f"{s.name:<40}{s.server:<28}{s.used:>14}{s.in_transit:>14}{s.capacity:>14}"
-            f"{share:>7.1%}{s.objects:>10}"
+            f"{s.name:<40}{s.tier.name.lower():<6}{s.server:<28}{s.used:>14}{s.in_transit:>14}"
+            f"{s.capacity:>14}{share:>7.1%}{s.objects:>10}"
         )
     return 0
+
+
+def _print_tiers(tiers: list[m.TierStats]) -> None:
+    """The per-tier table of ``kvconnect status``."""
+    print(
+        f"{'tier':<6}{'capacity':>16}{'used':>16}{'objects':>10}{'hits':>12}"
+        f"{'demotions':>11}{'failed':>8}{'promotions':>12}{'evictions':>11}{'lost':>8}"
+    )
+    for t in tiers:
+        print(
+            f"{t.tier.name.lower():<6}{t.capacity:>16}{t.used:>16}{t.objects:>10}{t.hits:>12}"
+            f"{t.demotions:>11}{t.demotions_failed:>8}{t.promotions:>12}{t.evictions:>11}"
+            f"{t.lost:>8}"
+        )

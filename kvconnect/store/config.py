@@ -63,6 +63,12 @@ class MasterConfig(Section):
     """Eviction frees this fraction of capacity each time it starts."""
     eviction_step: int = 32
     """Objects evicted per step between requests (bounds the latency eviction adds)."""
+    demotion_inflight: int = 256 * MiB
+    """Bytes of demotions under way into one disk segment at most; DRAM eviction beyond it
+    drops objects instead of demoting them (0: never demote)."""
+    promote_window: float = 30.0
+    """A disk-only object read again within this many seconds is copied back into free DRAM
+    of its server (0: never promote)."""
     max_message_bytes: int = 128 * MiB
     """Largest request the master accepts; a peer sending more is disconnected."""
     token: str | None = field(default=None, repr=False)
@@ -90,6 +96,8 @@ class MasterConfig(Section):
         if self.quarantine < 0:
             raise ConfigError(f"quarantine must be >= 0, got {self.quarantine}")
         check_positive(self, "max_message_bytes")
+        if self.demotion_inflight < 0 or self.promote_window < 0:
+            raise ConfigError("demotion_inflight and promote_window must be >= 0")
         check_token(self.token)
 
 
@@ -106,7 +114,9 @@ class StoreServerConfig(Section):
     hugepages: bool = False
     """Back the memory with huge pages (needs vm.nr_hugepages)."""
     server_id: str = ""
-    """Identity at the master; default: host name, pid and a random suffix."""
+    """Identity at the master, unique in the cluster; when set it also names this server's
+    segments, so a restart replaces the old mounts and finds its disks again. Default: host
+    name, pid and a random suffix."""
     heartbeat_interval: float = 0.5
     """Seconds between heartbeats. Each also acknowledges the master's journal, and released
     space is reused only once acknowledged, so this bounds how soon evicted space returns."""
@@ -114,9 +124,30 @@ class StoreServerConfig(Section):
     """Timeout of one call to the master."""
     metrics_port: int = 0
     """Prometheus metrics HTTP port on 127.0.0.1 (0: no metrics server)."""
+    disk: str = ""
+    """``PATH[,PATH…]``: a disk tier under the memory, one per path (a file, or a directory
+    in which the server keeps ``kvconnect-<server_id>.data`` and its index). Objects the memory
+    evicts are written there and read back from there; they survive a restart with the same
+    ``server_id``."""
+    disk_size: int = 0
+    """Bytes of disk offered in all, split evenly between the ``disk`` paths (preallocated)."""
+    disk_queue: int = 64 * MiB
+    """Bytes of evicted objects waiting to be written (per disk); a demotion that finds the
+    queue full is dropped, as an eviction without a disk would be."""
+    disk_timeout: float = 10.0
+    """A disk operation that takes longer than this takes the disk out of service."""
 
     def __post_init__(self) -> None:
         check_positive(self, "size", "heartbeat_interval", "rpc_timeout")
+        check_positive(self, "disk_queue", "disk_timeout")
+        if bool(self.disk) != (self.disk_size > 0):
+            raise ConfigError("disk and disk_size go together: set both or neither")
+        if self.disk_size and self.disk_size < len(self.disk_paths()) * MiB:
+            raise ConfigError(f"disk_size must give each disk at least 1 MiB, got {self.disk_size}")
+
+    def disk_paths(self) -> list[str]:
+        """The ``disk`` paths, in order."""
+        return [path.strip() for path in self.disk.split(",") if path.strip()]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

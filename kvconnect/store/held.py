@@ -43,15 +43,22 @@ class HeldObjects:
         """A new mount's journal starts at 0; what is held stays."""
         self.applied = 0
 
-    def apply(self, changes: Changes) -> None:
-        """Apply the changes not applied yet (a reply may repeat some we applied)."""
+    def apply(self, changes: Changes) -> list[Change]:
+        """Apply the changes not applied yet (a reply may repeat some we applied). Returns the
+        new *moves* among them (``source_region`` set: load an object from a disk tier into
+        this segment), which are not held until the master commits them after the load."""
         skip = self.applied - changes.first
         if skip < 0:  # cannot happen: the master keeps every change until acknowledged
             log.error("journal gap: applied %d, master sent from %d", self.applied, changes.first)
-            return
+            return []
+        moves = []
         for change in changes.changes[skip:]:
-            self._apply(change)
+            if change.source_region:
+                moves.append(change)
+            else:
+                self._apply(change)
         self.applied = max(self.applied, changes.first + len(changes.changes))
+        return moves
 
     def report(self) -> list[Change]:
         """Every held object, in offset order (how the master adopts them)."""

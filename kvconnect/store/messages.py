@@ -12,7 +12,7 @@ from typing import Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 2  # 2: store servers keep and report what they hold (journal)
+PROTOCOL_VERSION: Final = 3  # 3: tiers (disk segments, moves between tiers, tier reports)
 MAX_KEY_BYTES: Final = 1024
 MAX_BATCH: Final = 65536
 
@@ -39,6 +39,13 @@ class Code(enum.IntEnum):
     STALE = 14  # the read outlived its lease: the bytes cannot be trusted
     UNSETTLED = 16  # the transfer could not be stopped: its buffer may still be written
     CANCELED = 17  # the caller's cancel hook stopped the read before the key arrived
+
+
+class Tier(enum.IntEnum):
+    """The storage tier of a segment: memory, or a file on a local disk under it."""
+
+    DRAM = 0
+    DISK = 1
 
 
 class Location(msgspec.Struct, array_like=True, frozen=True):
@@ -77,11 +84,18 @@ class Replicas(msgspec.Struct, array_like=True, frozen=True):
 
 class Change(msgspec.Struct, array_like=True, frozen=True):
     """One change to what a segment holds: an object committed there (``key`` set) or the space
-    of the object at ``offset`` released (``key`` empty). Also one held object in a report."""
+    of the object at ``offset`` released (``key`` empty). Also one held object in a report.
+
+    ``source_region`` != 0 makes it a *move*: the server copies the object at
+    (``source_region``, ``source_offset``) of its own transfer engine into (this mount,
+    ``offset``) and reports the outcome in a :class:`TierReport`; the object is not held there
+    until the move is done."""
 
     key: str
     offset: int
     size: int
+    source_region: int = 0
+    source_offset: int = 0
 
 
 class Changes(msgspec.Struct, array_like=True, frozen=True):
@@ -100,6 +114,7 @@ class SegmentSpec(msgspec.Struct, frozen=True):
     region: int
     size: int
     host_id: str
+    tier: Tier = Tier.DRAM
 
 
 class SegmentStats(msgspec.Struct, frozen=True):
@@ -113,6 +128,23 @@ class SegmentStats(msgspec.Struct, frozen=True):
     objects: int
     backlog: int = 0  # journal changes its server has not acknowledged
     in_transit: int = 0  # bytes released but not allocatable yet (acknowledgement, lease)
+    tier: Tier = Tier.DRAM
+
+
+class TierStats(msgspec.Struct, frozen=True):
+    """One tier over its live segments, as ``stats`` reports it. Moves count in the tier they
+    go into (demotions in DISK, promotions in DRAM)."""
+
+    tier: Tier
+    capacity: int
+    used: int  # bytes of stored objects, pending puts and moves under way
+    objects: int  # replicas held in the tier
+    hits: int  # reads answered with a replica of this tier first
+    demotions: int  # objects moved into this tier from the one above
+    demotions_failed: int
+    promotions: int  # objects copied into this tier from the one below
+    evictions: int  # objects this tier's eviction took out of it (dropped or demoted)
+    lost: int  # replicas of this tier lost (a report of unreadable bytes, a lost segment)
 
 
 # ---------------------------------------------------------------------------------- requests
@@ -179,13 +211,32 @@ class Unmount(msgspec.Struct, tag="unmount"):
     mount_ids: list[str]
 
 
+class Moved(msgspec.Struct, array_like=True, frozen=True):
+    """One object of a TierReport: ``offset`` is in the mount the report names."""
+
+    key: str
+    offset: int
+
+
+class TierReport(msgspec.Struct, array_like=True, frozen=True):
+    """Outcomes of one mount since the last report that got a reply. The master ignores any
+    it knows no move or replica for (a resent report is harmless)."""
+
+    mount_id: str
+    done: list[Moved] = []  # moves into this mount completed (durable on disk, loaded in DRAM)
+    failed: list[Moved] = []  # moves into this mount given up (queue full, I/O error, tier down)
+    lost: list[Moved] = []  # objects of this mount that can no longer be served: drop them
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
     """Liveness, and per mount how many journal changes the server has applied (an ack: the
-    master reuses released space only once the server knows it no longer holds that object)."""
+    master reuses released space only once the server knows it no longer holds that object).
+    ``reports``: outcomes of moves and unreadable objects (resent until a reply came)."""
 
     server: str
     mount_ids: list[str]
     applied: list[int]
+    reports: list[TierReport] = []
 
 
 class Stats(msgspec.Struct, tag="stats"):
@@ -252,6 +303,7 @@ class StatsReply(msgspec.Struct, tag="stats"):
     term: int = 0  # with HA: the leader's term (create revision of its etcd key); 0: standby
     refused: int = 0  # connections refused for want of the cluster token
     dropped: int = 0  # messages dropped unanswered (malformed, too deep, reply not sendable)
+    tiers: list[TierStats] = []
 
 
 class RemovalReason(enum.IntEnum):

@@ -3,6 +3,8 @@
 - :mod:`.socket_pair`: a plain Python socket pair across two processes (``sendall`` of each
   block from the same memory, ``recv_into`` a preallocated buffer), one stream.
 - :mod:`.memcpy`: single-thread memcpy of the same blocks between pre-faulted buffers.
+- :mod:`.direct_io`: raw disk throughput of one file (fio, else an O_DIRECT loop), the disk
+  tier's baseline (``kvconnect bench store --tier disk``).
 - :mod:`.mooncake_engine`: Mooncake's TCP transfer engine through ``mooncake_runner.py``, run by an
   interpreter with the ``mooncake`` package.
 - :mod:`.mooncake_store`: Mooncake Store through ``mooncake_store_runner.py`` (its own master and

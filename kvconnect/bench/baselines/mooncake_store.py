@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -17,9 +17,12 @@ _RUNNER = Path(__file__).with_name("mooncake_store_runner.py")
 class MooncakeStoreBaseline:
     """Mooncake Store through mooncake_store_runner.py (its own master and store server)."""
 
-    def __init__(self, python: str, mode: str, segment: int, buffer: int) -> None:
+    def __init__(
+        self, python: str, mode: str, segment: int, buffer: int, extra: Sequence[str] = ()
+    ) -> None:
         """``python``: an interpreter with ``mooncake``; ``mode`` as kvconnect's (``tcp`` or
-        ``same-host``); ``segment``: the store's memory; ``buffer``: the client's buffer."""
+        ``same-host``); ``segment``: the store's memory; ``buffer``: the client's buffer;
+        ``extra``: more runner options (``--offload DIR``)."""
         self.proc = subprocess.Popen(
             [
                 python,
@@ -30,6 +33,7 @@ class MooncakeStoreBaseline:
                 str(segment),
                 "--buffer",
                 str(buffer),
+                *extra,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -34,6 +34,12 @@ JSON line each (``{"error": "..."}`` if a command fails):
   by each other; only metadata is of interest). Data ops are refused until ``remove_all``.
 * ``{"op": "batch_exists_latency", "batch": B, "count": N}``: ``batch_is_exist`` of B random
   filled keys, per-call seconds.
+* ``{"op": "offload", "size": S, "count": N, "wait": W}`` (``same-host --offload DIR``: the
+  master with ``--enable_offload --offload_on_evict``, the real client with
+  ``--enable_offload`` and ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH=DIR``, bucket backend): N puts
+  of S bytes (more than the segment), then up to W seconds watching DIR grow; reports the put
+  codes, the bytes in DIR, seconds from the first put to DIR's last growth, and how many of the
+  first 32 objects read back right.
 
 With ``--role servers`` it only starts the master and ``--holders`` holder processes of
 ``--segment`` bytes each, prints ``{"ready": true, "master": ..., "metadata": ..., "holders":
@@ -122,7 +128,9 @@ def _rss(pid: int) -> int:
 class Child:
     """A child process; stopped by closing its stdin (Python roles) or by SIGTERM (binaries)."""
 
-    def __init__(self, argv: list[str], log: Path | None, *, pipe: bool) -> None:
+    def __init__(
+        self, argv: list[str], log: Path | None, *, pipe: bool, env: dict[str, str] | None = None
+    ) -> None:
         self.name = Path(argv[0]).name if argv[0] != sys.executable else argv[-1]
         self.log = open(log, "ab") if log is not None else None  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -131,6 +139,7 @@ class Child:
             stdout=subprocess.PIPE if pipe else (self.log or subprocess.DEVNULL),
             stderr=self.log or subprocess.DEVNULL,
             text=True,
+            env=env,
             preexec_fn=_die_with_parent,  # noqa: PLW1509
         )
 
@@ -191,6 +200,8 @@ class Master:
             f"--eviction_ratio={args.eviction_ratio}",
             f"--client_ttl={args.client_ttl}",
         ]
+        if args.offload:
+            argv += ["--enable_offload=true", "--offload_on_evict=true"]
         self.child = Child(argv, _log(args, "master"), pipe=False)
         self.pid = self.child.proc.pid
         self.address = f"{HOST}:{self.rpc_port}"
@@ -376,7 +387,16 @@ class Bench:
             "--protocol=tcp",
             f"--threads={self.args.real_client_threads}",
         ]
-        child = Child(argv, _log(self.args, "real_client"), pipe=False)
+        env = None
+        if self.args.offload:
+            argv.append("--enable_offload=true")
+            env = dict(
+                os.environ,
+                MOONCAKE_OFFLOAD_FILE_STORAGE_PATH=self.args.offload,
+                MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR="bucket_storage_backend",
+                MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS="1",
+            )
+        child = Child(argv, _log(self.args, "real_client"), pipe=False, env=env)
         deadline = time.monotonic() + READY_TIMEOUT
         while not _port_open(self.real_client_port):
             if child.proc.poll() is not None or time.monotonic() > deadline:
@@ -444,6 +464,8 @@ class Bench:
             )
         if op == "batch_exists_latency":
             return {"seconds": self._fill_exists(int(cmd.get("batch", 128)), int(cmd["count"]))}
+        if op == "offload":
+            return self._offload(prefix, int(cmd["size"]), int(cmd["count"]), float(cmd["wait"]))
         raise OpError(f"unknown op {op!r}")
 
     def _bytes_op(self, op: str, prefix: str, size: int, count: int) -> list[float]:
@@ -631,6 +653,36 @@ class Bench:
         if not ok:
             raise OpError(what)
 
+    def _offload(self, prefix: str, size: int, count: int, wait: float) -> dict[str, Any]:
+        if not self.args.offload:
+            raise OpError("offload needs --offload DIR")
+        values = [self.rng.bytes(size) for _ in range(min(count, 32))]
+        start = time.monotonic()
+        codes = [self.store.put(f"{prefix}-{i}", values[i % len(values)]) for i in range(count)]
+        grown, last = _dir_bytes(self.args.offload), time.monotonic()
+        # the whole ``wait`` for a first write; once writing, until 3 s without growth
+        while time.monotonic() < start + wait and (not grown or time.monotonic() < last + 3):
+            time.sleep(0.1)
+            now = _dir_bytes(self.args.offload)
+            if now != grown:
+                grown, last = now, time.monotonic()
+        right = 0
+        for i, value in enumerate(values):
+            with contextlib.suppress(OpError):
+                right += self.store.get(f"{prefix}-{i}") == value
+        return {
+            "put_codes": _bad(codes),
+            "disk_bytes": grown,
+            "seconds": last - start,
+            "early_read_right": right,
+            "early_checked": len(values),
+        }
+
+
+def _dir_bytes(root: str) -> int:
+    """Bytes of the files under ``root``."""
+    return sum((Path(d) / f).stat().st_size for d, _, files in os.walk(root) for f in files)
+
 
 def _digest(data: bytes | Buffer) -> str:
     view = data if isinstance(data, bytes) else data.data
@@ -704,6 +756,7 @@ def main() -> None:
     parser.add_argument("--real-client-threads", type=int, default=1)
     parser.add_argument("--holders", type=int, default=1, help="servers: store processes")
     parser.add_argument("--log-dir", default=None, help="keep child logs here")
+    parser.add_argument("--offload", default="", help="same-host: SSD offload into this dir")
     parser.add_argument("--master", help=argparse.SUPPRESS)
     parser.add_argument("--metadata", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)

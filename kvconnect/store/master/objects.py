@@ -3,7 +3,8 @@
 A key maps to a *slot*; per-slot facts live in typed arrays (8-byte size and offset, 4-byte
 segment, 1-byte state, 8-byte lease deadline, 4-byte last access and pin deadline), so an
 object costs its key string, one dict entry and ~41 bytes. Rare facts live in side tables:
-extra replicas (``replicas > 1``) and pending multi-part puts. Pure data, no I/O, no clock.
+extra replicas (``replicas > 1``), pending multi-part puts, and moves between tiers under way
+(by target and by slot). Pure data, no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -38,6 +39,31 @@ class Replica(NamedTuple):
     offset: int  # bytes into that segment
 
 
+class MoveKind(enum.Enum):
+    """Which way a move goes."""
+
+    DEMOTE = "demote"  # DRAM → disk: instead of dropping an object DRAM evicts
+    PROMOTE = "promote"  # disk → DRAM: a disk-only object read again soon
+
+
+@dataclass(slots=True, eq=False)
+class Move:
+    """A copy of object ``key`` (slot ``slot``) from ``source`` into ``target``, space
+    allocated at the target, until the target's server reports it done or failed.
+    ``cancelled``: the object stopped existing (or its source went) meanwhile; the target space
+    stays allocated until that report, then goes back."""
+
+    kind: MoveKind
+    key: str
+    slot: int
+    size: int
+    source: Replica
+    target: Replica
+    cancelled: bool = False
+    holds_source: bool = False  # a demotion: the source's space is held (in transit) for it
+    until: float = 0.0  # a cancelled demotion: the source's release waits for this lease
+
+
 @dataclass(slots=True)
 class Pending:
     """Bookkeeping of a put that is not complete yet."""
@@ -64,6 +90,8 @@ class ObjectTable:
         self.pin = array("f")
         self.extra: dict[int, list[Replica]] = {}  # replicas after the primary
         self.pending: dict[int, Pending] = {}
+        self.moves: dict[Replica, Move] = {}  # by target (segment index, offset)
+        self.moving: dict[int, Move] = {}  # by slot: the one move of a stored object, if any
         self._free: list[int] = []
 
     def __len__(self) -> int:
@@ -141,6 +169,30 @@ class ObjectTable:
             self.extra[slot] = replicas[1:]
         else:
             self.extra.pop(slot, None)
+
+    def start_move(self, move: Move) -> None:
+        """Record a move under way (its slot has none)."""
+        self.moves[move.target] = move
+        self.moving[move.slot] = move
+
+    def cancel_move(self, slot: int) -> Move | None:
+        """Detach the move of ``slot`` from it (the object goes, or its source did); the move
+        stays known by its target until its outcome arrives. Returns it, or None."""
+        move = self.moving.pop(slot, None)
+        if move is not None:
+            move.cancelled = True
+        return move
+
+    def end_move(self, target: Replica, key: str) -> Move | None:
+        """Forget the move into ``target`` of ``key`` (its outcome arrived); None if there is
+        none (a repeated or stray report)."""
+        move = self.moves.get(target)
+        if move is None or move.key != key:
+            return None
+        del self.moves[target]
+        if not move.cancelled:
+            del self.moving[move.slot]
+        return move
 
     @contextmanager
     def columns(self) -> Iterator[dict[str, np.ndarray]]:

@@ -22,6 +22,10 @@ Released space on its way back — awaiting that acknowledgement, the end of a r
 forced removal) or the put quarantine (a discarded put) — is *in transit*: still reserved in
 the allocator, but counted apart from the space objects use (:attr:`Segment.used`), because it
 returns by itself and nothing should be evicted for it.
+
+Disk segments (``SegmentSpec.tier`` DISK, a file of a store server) are allocated with at least
+:data:`DISK_ALIGNMENT` (direct I/O) and only by moves: puts never go there, and their space
+is the disk tier's, apart from the DRAM tier's usage and watermarks.
 """
 
 from __future__ import annotations
@@ -37,9 +41,11 @@ from typing import NamedTuple
 from kvconnect.store.config import Strategy
 from kvconnect.store.master.allocator import OffsetAllocator
 from kvconnect.store.master.objects import Replica
-from kvconnect.store.messages import Change, Changes, SegmentSpec
+from kvconnect.store.messages import Change, Changes, SegmentSpec, Tier
 
 _CHANGES_PER_REPLY = 16384  # journal changes sent in one heartbeat reply
+DISK_ALIGNMENT = 4096
+"""Least alignment of objects in disk segments: the block size direct I/O needs."""
 
 
 class InTransit(NamedTuple):
@@ -79,6 +85,7 @@ class Segment:
     journal_sent: int = 0  # changes before this one were sent to the server
     releasing: deque[_Release] = field(default_factory=deque)  # oldest first
     in_transit: int = 0  # bytes released but not allocatable yet (see the module docstring)
+    demoting: int = 0  # disk: bytes of demotions under way into this segment
     _ranks: dict[str, int] = field(default_factory=dict)
 
     def rank(self, writer: str) -> int:
@@ -92,6 +99,10 @@ class Segment:
         return weight
 
     @property
+    def tier(self) -> Tier:
+        return self.spec.tier
+
+    @property
     def used(self) -> int:
         """Bytes of stored objects and pending puts; space in transit is not counted."""
         return self.allocator.used - self.in_transit
@@ -99,6 +110,11 @@ class Segment:
     def commit(self, key: str, offset: int, size: int) -> None:
         """Journal an object completed here."""
         self.journal.append(Change(key, offset, size))
+
+    def move(self, key: str, offset: int, size: int, source_region: int, source: int) -> None:
+        """Journal a move of the object at (``source_region``, ``source``) of this segment's
+        server into ``offset`` here (see :class:`~kvconnect.store.messages.Change`)."""
+        self.journal.append(Change(key, offset, size, source_region, source))
 
     def journal_release(self, offset: int, size: int, until: float) -> None:
         """Journal a committed object's release now — its server forgets the object at the
@@ -111,6 +127,11 @@ class Segment:
     def hold(self, size: int) -> None:
         """Count released space of ``size`` bytes as in transit (until :meth:`reuse`)."""
         self.in_transit += self.allocator.length(size)
+
+    def unhold(self, size: int) -> None:
+        """Count space of ``size`` bytes held by :meth:`hold` as used again (a move out of
+        this segment ended without releasing it)."""
+        self.in_transit -= self.allocator.length(size)
 
     def reuse(self, offset: int, size: int) -> None:
         """Space in transit at ``offset`` becomes allocatable."""
@@ -149,8 +170,10 @@ class SegmentTable:
         self.alignment = alignment
         self.all: list[Segment] = []
         self.alive = bytearray()  # by segment index: 1 while mounted (the lookup fast path)
+        self.disk = bytearray()  # by segment index: 1 for a disk segment
         self.by_name: dict[str, Segment] = {}
         self.by_mount: dict[str, Segment] = {}
+        self._by_server: dict[str, list[Segment]] = {}  # live segments of each server
         self._rng = random.Random(seed)
         self._waiting: list[InTransit] = []  # a heap: the earliest due first
 
@@ -158,18 +181,22 @@ class SegmentTable:
         """Add a live segment (the caller retired any previous mount of the same name).
         ``recovering``: it holds objects, reported next (see :meth:`recover`); nothing is
         allocated there until :meth:`recovered`."""
+        disk = spec.tier is Tier.DISK
+        alignment = max(self.alignment, DISK_ALIGNMENT) if disk else self.alignment
         segment = Segment(
             index=len(self.all),
             spec=spec,
             server=server,
             mount_id=mount_id,
-            allocator=OffsetAllocator(spec.size, self.alignment, empty=not recovering),
+            allocator=OffsetAllocator(spec.size, alignment, empty=not recovering),
             recovering=0 if recovering else None,
         )
         self.all.append(segment)
         self.alive.append(1)
+        self.disk.append(disk)
         self.by_name[spec.name] = segment
         self.by_mount[mount_id] = segment
+        self._by_server.setdefault(server, []).append(segment)
         return segment
 
     def retire(self, segment: Segment) -> None:
@@ -179,14 +206,31 @@ class SegmentTable:
         if self.by_name.get(segment.spec.name) is segment:
             del self.by_name[segment.spec.name]
         self.by_mount.pop(segment.mount_id, None)
+        mounted = self._by_server.get(segment.server, [])
+        if segment in mounted:
+            mounted.remove(segment)
+            if not mounted:
+                del self._by_server[segment.server]
 
     def length(self, size: int) -> int:
-        """Bytes an object of ``size`` takes in a segment (rounded up to the alignment)."""
+        """Bytes an object of ``size`` takes in a DRAM segment (rounded up to the alignment;
+        a segment's own is ``segment.allocator.length``)."""
         return -(-size // self.alignment) * self.alignment
+
+    def dram_first(self, replicas: list[Replica]) -> list[Replica]:
+        """``replicas`` with the DRAM ones first (stable): an object's primary replica tells
+        its best tier."""
+        disk = self.disk
+        return sorted(replicas, key=lambda r: disk[r.segment])
 
     def live(self) -> list[Segment]:
         """Mounted segments, by index."""
         return [s for s in self.by_name.values() if s.alive]
+
+    def of_server(self, server: str, tier: Tier) -> list[Segment]:
+        """Mounted segments of ``server`` in ``tier`` that are open for allocation."""
+        mounted = self._by_server.get(server, ())
+        return [s for s in mounted if s.tier is tier and s.recovering is None]
 
     def adopt(self, segment: Segment, offset: int, size: int) -> bool:
         """Take a reported object's range into a recovering segment's books; False (and
@@ -200,7 +244,7 @@ class SegmentTable:
             return False
         if offset > cursor:
             segment.allocator.release_span(cursor, offset)  # the gap before it was free
-        segment.recovering = offset + self.length(size)
+        segment.recovering = offset + segment.allocator.length(size)
         segment.objects += 1
         return True
 
@@ -213,17 +257,18 @@ class SegmentTable:
             segment.allocator.release_span(cursor, segment.allocator.capacity)
         segment.recovering = None
 
-    def capacity(self) -> tuple[int, int]:
-        """(used, capacity) bytes over live segments."""
+    def capacity(self, tier: Tier = Tier.DRAM) -> tuple[int, int]:
+        """(used, capacity) bytes over live segments of ``tier``."""
         used = capacity = 0
         for segment in self.by_name.values():
-            used += segment.used
-            capacity += segment.allocator.capacity
+            if segment.tier is tier:
+                used += segment.used
+                capacity += segment.allocator.capacity
         return used, capacity
 
     def order(self, writer: str, host_id: str) -> list[Segment]:
-        """Candidate segments for a writer, in the order the strategy prefers."""
-        live = [s for s in self.live() if s.recovering is None]
+        """Candidate DRAM segments for a writer, in the order the strategy prefers."""
+        live = [s for s in self.live() if s.recovering is None and s.tier is Tier.DRAM]
         if self.strategy is Strategy.RANDOM:
             self._rng.shuffle(live)
             return live
@@ -298,11 +343,12 @@ class SegmentTable:
                 segment.reuse(space.offset, space.size)
 
     def returning(self, length: int) -> bool:
-        """Whether space in transit, once back, gives some segment ``length`` free bytes."""
+        """Whether space in transit, once back, gives some DRAM segment ``length`` free
+        bytes."""
         return any(
             s.in_transit and s.allocator.free_bytes + s.in_transit >= length
             for s in self.by_name.values()
-            if s.recovering is None
+            if s.recovering is None and s.tier is Tier.DRAM
         )
 
 

@@ -216,7 +216,7 @@ class MasterService:
         if len(request.applied) != len(request.mount_ids):
             return m.Error(m.Code.INVALID, "heartbeat: mount_ids and applied differ in length")
         unknown, changes = self.state.heartbeat(
-            request.server, request.mount_ids, request.applied, self.now()
+            request.server, request.mount_ids, request.applied, self.now(), request.reports
         )
         return m.HeartbeatReply(unknown, changes)
 
@@ -237,6 +237,7 @@ class MasterService:
             term=self._term if self._serving() else 0,
             refused=self._server.refused,
             dropped=self._server.malformed,
+            tiers=self.state.tier_stats(),
         )
 
 
@@ -298,3 +299,35 @@ class _StateCollector(Collector):
         yield in_transit
         yield capacity
         yield backlog
+        yield from _tier_metrics(stats.tiers)
+
+
+_TIER_GAUGES = (
+    ("capacity", "kvconnect_tier_capacity_bytes", "Capacity of the tier's live segments"),
+    ("used", "kvconnect_tier_used_bytes", "Bytes of stored objects, pending puts and moves"),
+    ("objects", "kvconnect_tier_objects", "Replicas held in the tier"),
+)
+_TIER_COUNTERS = (
+    ("hits", "kvconnect_tier_hits", "Reads answered with a replica of the tier first"),
+    ("demotions", "kvconnect_tier_demotions", "Objects moved into the tier from DRAM"),
+    ("demotions_failed", "kvconnect_tier_demotions_failed", "Demotions into the tier failed"),
+    ("promotions", "kvconnect_tier_promotions", "Objects copied into the tier from disk"),
+    ("evictions", "kvconnect_tier_evictions", "Objects the tier's eviction took out of it"),
+    ("lost", "kvconnect_tier_lost", "Replicas of the tier lost (unreadable, segment gone)"),
+)
+
+
+def _tier_metrics(tiers: list[m.TierStats]) -> Iterable[Any]:
+    """One family per TierStats field, labelled by tier (``dram``, ``disk``)."""
+    families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
+        (field, GaugeMetricFamily(name, text, labels=["tier"]))
+        for field, name, text in _TIER_GAUGES
+    ]
+    families += [
+        (field, CounterMetricFamily(name, text, labels=["tier"]))
+        for field, name, text in _TIER_COUNTERS
+    ]
+    for field, family in families:
+        for tier in tiers:
+            family.add_metric([tier.tier.name.lower()], getattr(tier, field))
+        yield family

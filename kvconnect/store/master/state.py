@@ -1,19 +1,26 @@
-"""The master's state machine: objects, segments, leases, pins, pending puts, eviction.
+"""The master's state machine: objects, segments, leases, pins, pending puts, eviction, tiers.
 
 Pure: no sockets, threads or clock. The service passes ``now`` (seconds on a monotonic clock
 starting near zero) to every call and runs :meth:`MasterState.tick` between requests; each tick
 does a bounded amount of background work, so no request waits long behind it.
+
+Tiers (docs/store.md): puts go to DRAM segments. DRAM eviction *demotes* an object to a disk
+segment of the same store server when it can (a move: the server copies the bytes and
+reports the outcome), and each disk segment evicts by its own watermark. A disk-only object
+read twice within ``promote_window`` is copied back into free DRAM of its server. An object's
+replicas are kept DRAM first, so its primary replica tells its best tier.
 """
 
 from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from kvconnect.store.config import MasterConfig, Strategy
+from kvconnect.store.master.moves import Mover, TierCounters
 from kvconnect.store.master.objects import ObjectTable, Pending, Replica, State
 from kvconnect.store.master.removals import RemovalLog
 from kvconnect.store.master.segments import Segment, SegmentTable
@@ -22,12 +29,16 @@ from kvconnect.store.messages import (
     Changes,
     Code,
     Location,
+    Moved,
     Placement,
     PutItem,
     RemovalReason,
     Replicas,
     SegmentSpec,
     SegmentStats,
+    Tier,
+    TierReport,
+    TierStats,
     check_key,
 )
 
@@ -53,14 +64,17 @@ class MasterState:
         self._next_expiry_scan = 0.0
         self._cleanup: list[int] = []  # slots that referenced a lost segment
         self._lost: list[int] = []  # lost segment indices awaiting a cleanup scan
-        self._evict_target = 0  # bytes still to evict in the current round
+        self._evict_target = 0  # bytes still to evict in the current DRAM round
+        self._disk_targets: dict[int, int] = {}  # per disk segment index: its round's bytes
         self._rng = np.random.default_rng(seed)
         # Put ids: consecutive from a random start, so two masters (a restart, a failover)
         # practically never hand out the same id.
         self._put_ids = itertools.count(secrets.randbits(62))
         self.bytes_stored = 0
-        self.evictions = 0
-        self.evicted_bytes = 0
+        self.evictions = 0  # objects eviction dropped (any tier; a demotion is no drop)
+        self.evicted_bytes = 0  # capacity eviction freed (any tier)
+        self.counters = [TierCounters() for _ in Tier]  # by tier value
+        self.mover = Mover(config, self.objects, self.segments, self.counters)
         self.removals = RemovalLog()
         """Complete objects that stopped existing (removed, evicted, lost)."""
 
@@ -124,7 +138,8 @@ class MasterState:
         if slot is None:
             slot = objects.add(change.key, change.size, segment.index, change.offset, 0.0)
             objects.state[slot] = _COMPLETE
-            objects.access[slot] = now
+            # Not "accessed" within the promotion window: a scan after a restart promotes none.
+            objects.access[slot] = now - self.config.promote_window
             self.bytes_stored += change.size
             return
         replicas = objects.replicas(slot)
@@ -134,7 +149,8 @@ class MasterState:
             and all(replica.segment != segment.index for replica in replicas)
         )
         if usable:
-            objects.set_replicas(slot, [*replicas, Replica(segment.index, change.offset)])
+            added = [*replicas, Replica(segment.index, change.offset)]
+            objects.set_replicas(slot, self.segments.dram_first(added))
         else:
             self.segments.release(segment.index, change.offset, change.size, committed=True)
 
@@ -151,11 +167,20 @@ class MasterState:
         return codes
 
     def heartbeat(
-        self, server: str, mount_ids: Sequence[str], applied: Sequence[int], now: float
+        self,
+        server: str,
+        mount_ids: Sequence[str],
+        applied: Sequence[int],
+        now: float,
+        reports: Sequence[TierReport] = (),
     ) -> tuple[list[str], list[Changes]]:
-        """Record liveness and the journal changes each mount has applied; returns the mount
-        ids the master does not know (remount them) and the changes each mount still lacks."""
+        """Record liveness, the server's tier reports (moves done or failed, objects lost;
+        see :meth:`tier_report`) and the journal changes each mount has applied; returns the
+        mount ids the master does not know (remount them) and the changes each mount still
+        lacks."""
         self._servers[server] = now
+        for report in reports:
+            self.tier_report(server, report, now)
         unknown = []
         changes = []
         for mount_id, count in zip(mount_ids, applied, strict=True):
@@ -167,9 +192,11 @@ class MasterState:
         return unknown, changes
 
     def _lose(self, segment: Segment) -> None:
-        # Synchronous part: no more allocation there, no more replicas returned from there.
+        # Synchronous part: no more allocation there, no more replicas returned from there,
+        # no move into or out of it.
         self.segments.retire(segment)
         self._lost.append(segment.index)
+        self.mover.drop(segment.index)
 
     # ------------------------------------------------------------------------------- objects
 
@@ -282,7 +309,7 @@ class MasterState:
         length = self.segments.length(size)
         if self.segments.returning(length):
             return Code.BUSY
-        used, capacity = self.segments.capacity()
+        used, capacity = self.segments.capacity(Tier.DRAM)
         wanted = min(length * replicas, int(used - self._low_mark(capacity)))
         self._evict_target = max(self._evict_target, wanted)
         return Code.NO_SPACE
@@ -345,9 +372,13 @@ class MasterState:
     def get_replicas(self, keys: Sequence[str], now: float, host_id: str = "") -> list[Replicas]:
         """Live replicas of complete objects, each granted a read lease of ``lease_ttl``.
 
-        Replicas on the reader's host (``host_id``) come first.
+        DRAM replicas come before disk ones, then those on the reader's host (``host_id``).
+        A disk-only object read again within ``promote_window`` of its previous read starts a
+        promotion (this read is served from disk).
         """
         objects = self.objects
+        disk = self.segments.disk
+        hits = self.counters
         lease = now + self.config.lease_ttl
         results = []
         for key in keys:
@@ -360,11 +391,21 @@ class MasterState:
                 results.append(Replicas(Code.NOT_FOUND, 0, []))
                 continue
             objects.lease[slot] = lease
+            if len(live) > 1:
+                live.sort(key=self._read_order(host_id))
+            tier = disk[live[0].segment]
+            hits[tier].hits += 1
+            if tier and now - objects.access[slot] < self.config.promote_window:
+                self.mover.promote(slot, live[0])
             objects.access[slot] = now
-            if len(live) > 1 and host_id:
-                live.sort(key=lambda r: self.segments.all[r.segment].spec.host_id != host_id)
             results.append(Replicas(Code.OK, objects.size[slot], self._locations(live)))
         return results
+
+    def _read_order(self, host_id: str) -> Callable[[Replica], tuple[int, bool]]:
+        """Sort key of replicas for a reader: DRAM first, then the reader's host first."""
+        disk = self.segments.disk
+        segments = self.segments.all
+        return lambda r: (disk[r.segment], segments[r.segment].spec.host_id != host_id)
 
     def remove(self, keys: Sequence[str], force: bool, now: float) -> list[Code]:
         """Remove objects; BUSY while leased or pending unless ``force``."""
@@ -395,11 +436,37 @@ class MasterState:
                 objects=s.objects,
                 backlog=len(s.journal),
                 in_transit=s.in_transit,
+                tier=s.tier,
             )
             for s in self.segments.live()
         ]
         pending = len(self.objects.pending)
         return len(self.objects) - pending, pending, segments
+
+    def tier_stats(self) -> list[TierStats]:
+        """Per tier that has live segments or counted events: usage and counters."""
+        result = []
+        live = self.segments.live()
+        for tier in Tier:
+            counters = self.counters[tier]
+            segments = [s for s in live if s.tier is tier]
+            if not segments and counters == TierCounters():
+                continue
+            result.append(
+                TierStats(
+                    tier=tier,
+                    capacity=sum(s.allocator.capacity for s in segments),
+                    used=sum(s.used for s in segments),
+                    objects=sum(s.objects for s in segments),
+                    hits=counters.hits,
+                    demotions=counters.demotions,
+                    demotions_failed=counters.demotions_failed,
+                    promotions=counters.promotions,
+                    evictions=counters.evictions,
+                    lost=counters.lost,
+                )
+            )
+        return result
 
     # ---------------------------------------------------------------------------- background
 
@@ -413,7 +480,7 @@ class MasterState:
 
     def busy(self) -> bool:
         """Whether background work is waiting (the service then ticks without sleeping)."""
-        return bool(self._cleanup or self._lost or self._evict_target > 0)
+        return bool(self._cleanup or self._lost or self._evict_target > 0 or self._disk_targets)
 
     def _expire_servers(self, now: float) -> None:
         ttl = self.config.heartbeat_ttl
@@ -461,6 +528,7 @@ class MasterState:
             segment = self.segments.all[replica.segment]
             if not segment.alive:
                 segment.objects -= 1
+                self.counters[segment.tier].lost += 1
         if live:
             self.objects.set_replicas(slot, live)
             return
@@ -470,48 +538,95 @@ class MasterState:
         self.objects.drop(slot)
 
     def _evict(self, now: float) -> None:
-        # ``used`` counts stored objects and pending puts, not space in transit: a round ends
-        # with the usage at its target, and the space it freed coming back starts no other.
-        used, capacity = self.segments.capacity()
+        # ``used`` counts stored objects, pending puts and moves, not space in transit: a round
+        # ends with the usage at its target, and the space it freed coming back starts no
+        # other. DRAM evicts over all DRAM segments (a put may go to any); each disk segment
+        # on its own (only its server's DRAM demotes into it).
+        used, capacity = self.segments.capacity(Tier.DRAM)
         if self._evict_target <= 0 and used > self.config.high_watermark * capacity:
             self._evict_target = int(used - self._low_mark(capacity))
         if self._evict_target > 0:
-            freed = self._evict_step(now, self.config.eviction_step, self._evict_target)
+            freed = self._evict_step(now, self.config.eviction_step, self._evict_target, None)
             self._evict_target = self._evict_target - freed if freed else 0
+        for segment in self.segments.by_name.values():
+            if segment.tier is Tier.DISK and segment.recovering is None:
+                self._evict_disk(segment, now)
+
+    def _evict_disk(self, segment: Segment, now: float) -> None:
+        target = self._disk_targets.pop(segment.index, 0)
+        capacity = segment.allocator.capacity
+        if target <= 0 and segment.used > self.config.high_watermark * capacity:
+            target = int(segment.used - self._low_mark(capacity))
+        if target > 0:
+            freed = self._evict_step(now, self.config.eviction_step, target, segment)
+            if freed and target > freed:
+                self._disk_targets[segment.index] = target - freed
 
     def _low_mark(self, capacity: int) -> float:
-        """The usage eviction brings the store down to, and never below."""
+        """The usage eviction brings a tier down to, and never below."""
         return max(self.config.high_watermark - self.config.evict_fraction, 0.0) * capacity
 
-    def _evict_step(self, now: float, count: int, target: int) -> int:
-        """Evict up to ``count`` objects, oldest access first among a random sample (the
-        sampled-LRU of Redis), stopping once ``target`` bytes of capacity are freed: bounded
-        work per step whatever the key count, and a round ends within one object of its
-        target. Never evicts a leased or pending object; soft-pinned ones only when nothing
-        else is eligible. Returns the bytes of capacity freed."""
+    def _evict_step(self, now: float, count: int, target: int, disk: Segment | None) -> int:
+        """Evict up to ``count`` objects from DRAM (``disk`` None) or from the disk segment
+        ``disk``, oldest access first among a random sample (the sampled-LRU of Redis),
+        stopping once ``target`` bytes of that tier's capacity are freed: bounded work per
+        step whatever the key count, and a round ends within one object of its target. Never
+        evicts a leased, pending or moving object; soft-pinned ones only when nothing else is
+        eligible. Candidates are the objects whose primary replica is in the tier (DRAM) or in
+        ``disk``. Returns the bytes of capacity freed."""
         n = len(self.objects.keys)
         if n == 0:
             return 0
         sample = self._rng.integers(0, n, size=min(n, max(256, count * 16)))
         with self.objects.columns() as c:
-            eligible = sample[(c["state"][sample] == State.COMPLETE) & (c["lease"][sample] <= now)]
+            where = c["segment"][sample]
+            if disk is None:
+                tiers = np.frombuffer(self.segments.disk, dtype=np.uint8)
+                in_tier = tiers[where] == 0
+                del tiers  # the view pins the bytearray: mounts append to it
+            else:
+                in_tier = where == disk.index
+            ok = in_tier & (c["state"][sample] == State.COMPLETE) & (c["lease"][sample] <= now)
+            eligible = sample[ok]
             unpinned = eligible[c["pin"][eligible] <= now]
             pool = unpinned if len(unpinned) else eligible
             oldest_first = pool[np.argsort(c["access"][pool], kind="stable")].tolist()
-            del sample, eligible, unpinned, pool
+            del sample, where, in_tier, ok, eligible, unpinned, pool
+        moving = self.objects.moving
+        candidates = [slot for slot in dict.fromkeys(oldest_first) if slot not in moving]
         freed = 0
-        for slot in list(dict.fromkeys(oldest_first))[:count]:  # the sample may repeat slots
+        for slot in candidates[:count]:  # the sample may repeat slots
             if freed >= target:
                 break
-            freed += self._footprint(slot)
-            self._free(slot, now, RemovalReason.EVICTED)
-            self.evictions += 1
+            if disk is None:
+                freed += self._evict_from_dram(slot, now)
+            else:
+                freed += disk.allocator.length(self.objects.size[slot])
+                self._free(slot, now, RemovalReason.EVICTED)
+                self.evictions += 1
+                self.counters[Tier.DISK].evictions += 1
         self.evicted_bytes += freed
         return freed
 
-    def _footprint(self, slot: int) -> int:
-        """Capacity an object takes: its size, rounded to the alignment, per live replica."""
-        return self.segments.length(self.objects.size[slot]) * len(self._live(slot))
+    def _evict_from_dram(self, slot: int, now: float) -> int:
+        """Take one object out of DRAM: drop its DRAM replicas if it has a disk one, else
+        demote it to its server's disk if it can, else drop it. Returns the DRAM capacity
+        freed (a demotion's source counts as freed: its space is in transit)."""
+        objects = self.objects
+        segments = self.segments.all
+        size = objects.size[slot]
+        live = self._live(slot)
+        dram = [r for r in live if segments[r.segment].tier is Tier.DRAM]
+        if not dram:
+            return 0  # its DRAM replicas are gone already: the cleanup drops them
+        freed = sum(segments[r.segment].allocator.length(size) for r in dram)
+        self.counters[Tier.DRAM].evictions += 1
+        if len(dram) < len(live):
+            self.mover.release_replicas(slot, dram)
+        elif not self.mover.demote(slot, dram):
+            self._free(slot, now, RemovalReason.EVICTED)
+            self.evictions += 1
+        return freed
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -560,9 +675,43 @@ class MasterState:
             return
         if reason is not None:
             self._log_removal(slot, reason)
-        size = objects.size[slot]
-        self.bytes_stored -= size
-        lease = objects.lease[slot]
-        for segment, offset in objects.replicas(slot):
-            self.segments.release(segment, offset, size, committed=True, until=lease)
+        self.bytes_stored -= objects.size[slot]
+        for replica in objects.replicas(slot):
+            self.mover.release(slot, replica)
         objects.drop(slot)
+
+    # ------------------------------------------------------------------------- tier reports
+
+    def tier_report(self, server: str, report: TierReport, now: float) -> None:
+        """Outcomes a server reports for one of its mounts: moves into it done or failed,
+        objects of it lost. Idempotent: an outcome of no known move, or a loss of no known
+        replica, is ignored (as is a report of a mount not ``server``'s)."""
+        segment = self.segments.by_mount.get(report.mount_id)
+        if segment is None or segment.server != server:
+            return
+        for moved in report.done:
+            self.mover.done(segment, moved)
+        for moved in report.failed:
+            slot = self.mover.failed(segment, moved)
+            if slot is not None:
+                self._free(slot, now, RemovalReason.EVICTED)
+                self.evictions += 1
+        for moved in report.lost:
+            self._replica_lost(segment, moved, now)
+
+    def _replica_lost(self, segment: Segment, moved: Moved, now: float) -> None:
+        """A server cannot serve a replica any more (checksum mismatch, read error)."""
+        objects = self.objects
+        slot = objects.slots.get(moved.key)
+        lost = Replica(segment.index, moved.offset)
+        if slot is None or objects.state[slot] != State.COMPLETE:
+            return
+        replicas = objects.replicas(slot)
+        if lost not in replicas:
+            return
+        self.counters[segment.tier].lost += 1
+        rest = [r for r in replicas if r != lost]
+        if any(self.segments.alive[r.segment] for r in rest):
+            self.mover.release_replicas(slot, [lost])
+        else:
+            self._free(slot, now, RemovalReason.LOST)
