@@ -86,6 +86,16 @@ def _put_all(client: StoreClient, count: int = COUNT) -> None:
         )
 
 
+def _fill_disk(cluster: Cluster, client: StoreClient) -> None:
+    """Put every object and wait until those the memory cannot hold are on the disk."""
+    _put_all(client)
+    wait_for(
+        lambda: _disk_objects(cluster) >= COUNT - MEMORY // OBJECT,
+        "evicted objects never reached the disk",
+        timeout=30,
+    )
+
+
 def _tier(cluster: Cluster, tier: m.Tier) -> m.TierStats:
     (stats,) = [t for t in cluster.stats().tiers if t.tier is tier]
     return stats
@@ -126,12 +136,7 @@ def _disk_location(cluster: Cluster, key: str) -> m.Location:
 
 def test_evicted_objects_move_to_disk_and_read_back(tmp_path: Path) -> None:
     with _store(tmp_path / "disk.data") as (cluster, _server), _client(cluster) as client:
-        _put_all(client)
-        wait_for(
-            lambda: _disk_objects(cluster) >= COUNT - MEMORY // OBJECT,
-            "evicted objects never reached the disk",
-            timeout=30,
-        )
+        _fill_disk(cluster, client)
         found = _read_back(client)
         assert all(found.values()), f"missing: {[n for n, ok in found.items() if not ok]}"
         disk = _tier(cluster, m.Tier.DISK)
@@ -142,12 +147,7 @@ def test_evicted_objects_move_to_disk_and_read_back(tmp_path: Path) -> None:
 
 def test_disk_objects_survive_a_killed_store_server(tmp_path: Path) -> None:
     with _store(tmp_path / "disk.data") as (cluster, server), _client(cluster) as client:
-        _put_all(client)
-        wait_for(
-            lambda: _disk_objects(cluster) >= COUNT - MEMORY // OBJECT,
-            "evicted objects never reached the disk",
-            timeout=30,
-        )
+        _fill_disk(cluster, client)
         on_disk = _disk_objects(cluster)
         server.kill()  # SIGKILL: memory is gone, the disk and its index stay
         server.start()
@@ -166,12 +166,7 @@ def test_disk_objects_survive_a_killed_store_server(tmp_path: Path) -> None:
 
 def test_a_restarted_master_finds_memory_and_disk_objects(tmp_path: Path) -> None:
     with _store(tmp_path / "disk.data") as (cluster, _server), _client(cluster) as client:
-        _put_all(client)
-        wait_for(
-            lambda: _disk_objects(cluster) >= COUNT - MEMORY // OBJECT,
-            "evicted objects never reached the disk",
-            timeout=30,
-        )
+        _fill_disk(cluster, client)
         wait_for(lambda: _synced(cluster.stats()), "the journal was never acknowledged", 10)
         cluster.master.kill()
         cluster.restart_master()  # no HA: the new master knows nothing until servers report
@@ -203,12 +198,7 @@ def test_a_kill_during_demotions_serves_only_whole_objects(tmp_path: Path) -> No
 def test_a_corrupt_object_is_a_miss_never_wrong_bytes(tmp_path: Path) -> None:
     data = tmp_path / "disk.data"
     with _store(data) as (cluster, _server), _client(cluster) as client:
-        _put_all(client)
-        wait_for(
-            lambda: _disk_objects(cluster) >= COUNT - MEMORY // OBJECT,
-            "evicted objects never reached the disk",
-            timeout=30,
-        )
+        _fill_disk(cluster, client)
         location = _disk_location(cluster, "obj-0")  # the oldest: on disk by now
         with data.open("r+b") as file:
             file.seek(location.offset + 12345)
