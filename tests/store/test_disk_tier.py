@@ -251,11 +251,11 @@ def test_a_truncated_data_file_serves_no_bytes(
 def test_adjacent_moves_are_written_in_runs_below_the_kernels_limits() -> None:
     """One call writes a run of adjacent moves: never more buffers than the kernel takes
     (IOV_MAX, 1024) nor more than 8 MiB, and a gap always starts a new run."""
-    jobs = [_Write(f"k{n}", n * 4096, 4096, aligned_buffer(4096)) for n in range(1500)]
-    gap = _Write("far", 1 << 30, MiB, aligned_buffer(MiB))
+    jobs = [_Write(f"k{n}", n * 4096, 4096, aligned_buffer(4096), b"") for n in range(1500)]
+    gap = _Write("far", 1 << 30, MiB, aligned_buffer(MiB), b"")
     runs = _runs([gap, *reversed(jobs)])
     assert [job for run in runs for job in run] == [*jobs, gap]
     assert all(len(run) <= 256 and sum(len(j.buffer) for j in run) <= 8 * MiB for run in runs)
     assert runs[-1] == [gap]
-    big = [_Write(f"b{n}", n * MiB, MiB, aligned_buffer(MiB)) for n in range(20)]
+    big = [_Write(f"b{n}", n * MiB, MiB, aligned_buffer(MiB), b"") for n in range(20)]
     assert [len(run) for run in _runs(big)] == [8, 8, 4]

@@ -71,6 +71,7 @@ class _Write:
     offset: int
     size: int
     buffer: mmap.mmap  # page-aligned staging copy, zero-padded to BLOCK
+    crcs: bytes  # of the staging copy, taken while it is hot in the cache
 
 
 @dataclass(eq=False)
@@ -295,10 +296,13 @@ class DiskTier(Closing):
         if ok:
             buffer = self._pool.take(change.size)
             buffer[: change.size] = dram[src : src + change.size]
+            crcs = chunk_crcs(memoryview(buffer)[: change.size])
             with self._lock:
                 ok = self._up  # if not, _go_down dropped the reservation
                 if ok:
-                    self._queued.append(_Write(change.key, change.offset, change.size, buffer))
+                    self._queued.append(
+                        _Write(change.key, change.offset, change.size, buffer, crcs)
+                    )
                     self._writing_at.add(change.offset)
                     self._work.notify_all()
         if not ok:
@@ -382,10 +386,7 @@ class DiskTier(Closing):
             with self._ops.track("index append"):
                 index.append(dels)
                 index.sync()
-        records = [
-            Record(job.key, job.offset, job.size, chunk_crcs(memoryview(job.buffer)[: job.size]))
-            for job in jobs
-        ]
+        records = [Record(job.key, job.offset, job.size, job.crcs) for job in jobs]
         for run in _runs(jobs):
             began = time.monotonic()
             with self._ops.track("write"):
