@@ -153,7 +153,7 @@ def _zipf_phase(root: Path, args: argparse.Namespace, dram: int, rounds: int) ->
             log.info("zipf round %d/%d: %s the disk tier", n + 1, rounds, side)
             directory = _fresh(root, "zipf")
             flags = disk_flags(directory, 2 * keys * ZIPF_OBJECT) if side == "with" else []
-            result[side] = _zipf_run(trace, measured_from, dram, flags, args.seed)
+            result[side] = _zipf_run(trace, measured_from, dram, flags, args)
         runs.append(result)
     return {
         "object_bytes": ZIPF_OBJECT,
@@ -170,14 +170,23 @@ def _zipf_phase(root: Path, args: argparse.Namespace, dram: int, rounds: int) ->
 
 
 def _zipf_run(
-    trace: Sequence[int], measured_from: int, dram: int, flags: list[str], seed: int
+    trace: Sequence[int],
+    measured_from: int,
+    dram: int,
+    flags: list[str],
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
     """Replay ``trace`` on a fresh store of ``dram`` bytes (``flags``: its disk, if any): get
-    each key, put it on a miss. Hits and get latencies of ``trace[measured_from:]``."""
-    source = source_bytes(seed)
+    each key, put it on a miss. Hits and get latencies of ``trace[measured_from:]``. Both sides
+    run the eviction loop of the raw phase (``--disk-heartbeat``, ``--disk-evict-fraction``):
+    with the defaults most puts into the full DRAM are refused BUSY while evicted space comes
+    back, on both sides, and the loop rather than the tiers would be compared."""
+    source = source_bytes(args.seed)
     size = ZIPF_OBJECT
+    server = [*flags, "--store-heartbeat-interval", str(args.disk_heartbeat)]
     # reads lease what they read for lease-ttl: 0.5 s (default 10 s) lets a small DRAM evict
-    with store(dram, flags, ["--master-lease-ttl", "0.5"]) as (_cluster, client):
+    master = ["--master-lease-ttl", "0.5", "--master-evict-fraction", str(args.disk_evict_fraction)]
+    with store(dram, server, master) as (_cluster, client):
         src = client.register(source)
         dest = np.zeros(size, dtype=np.uint8)
         into = client.register(dest)
