@@ -166,7 +166,7 @@ class StoreServer(Lifecycle):
                 log.error("disk %s is not used: %s", path, exc)
                 tier.close()
                 continue
-            disk = MountedDisk(tier, f"{self.server_id}/disk{n}", path)
+            disk = MountedDisk(tier, f"{self.server_id}/disk{n}", path, held)
             disk.publish(self.engine)
             self.disks.append(disk)
             log.info("disk %s: %d bytes, %d objects recovered", path, tier.size, len(held))
@@ -179,7 +179,7 @@ class StoreServer(Lifecycle):
             self._mounted = True
         for disk in self.disks:
             if not disk.mounted:
-                self._mount_one(disk.mount_id, disk.spec(self.engine), disk.tier.held())
+                self._mount_one(disk.mount_id, disk.spec(self.engine), disk.held())
                 disk.mounted = True
 
     def _mount_one(self, mount_id: str, spec: m.SegmentSpec, changes: list[m.Change]) -> None:

@@ -14,15 +14,14 @@ import pytest
 
 from kvconnect._config import cluster_token
 from kvconnect.bench.etcd import EtcdServer, etcd_available
-from kvconnect.errors import StoreError
-from kvconnect.etcd import Etcd
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
 from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Cluster, Process, free_port
 from kvconnect.store.messages import Code
-from kvconnect.store.rpc import RpcClient, find_leader
+from kvconnect.store.rpc import RpcClient
 from kvconnect.testing.peer import pattern
+from tests.support.ha import leader_of, leader_stats
 from tests.support.loopfs import fill, loop_fs
 from tests.support.waiting import wait_for
 
@@ -102,7 +101,17 @@ def _tier(cluster: Cluster, tier: m.Tier) -> m.TierStats:
 
 
 def _disk_objects(cluster: Cluster) -> int:
-    return sum(t.objects for t in cluster.stats().tiers if t.tier is m.Tier.DISK)
+    return _disk_objects_in(cluster.stats())
+
+
+def _disk_objects_in(stats: m.StatsReply | None) -> int:
+    """Objects on disk (0 while no master answers)."""
+    tiers = [] if stats is None else stats.tiers
+    return sum(t.objects for t in tiers if t.tier is m.Tier.DISK)
+
+
+def _keys(stats: m.StatsReply | None) -> int:
+    return 0 if stats is None else stats.keys
 
 
 def _synced(stats: m.StatsReply | None) -> bool:
@@ -218,14 +227,6 @@ def test_a_corrupt_object_is_a_miss_never_wrong_bytes(tmp_path: Path) -> None:
         assert sum(found.values()) == COUNT - 1
 
 
-def _leader(url: str) -> str | None:
-    etcd = Etcd(url)
-    try:
-        return find_leader(etcd)
-    finally:
-        etcd.close()
-
-
 @pytest.mark.skipif(not etcd_available(), reason="etcd is not installed")
 def test_disk_objects_survive_a_failover(tmp_path: Path) -> None:
     with EtcdServer() as etcd:
@@ -244,21 +245,24 @@ def test_disk_objects_survive_a_failover(tmp_path: Path) -> None:
             client.start()
             try:
                 _put_all(client)
-                leader = _leader(etcd.url)
+                leader = leader_of(etcd.url)
                 assert leader is not None
-                stats = _Stats(etcd.url)
-                wait_for(lambda: _synced(stats.reply()), "the journal was never acknowledged", 10)
                 wait_for(
-                    lambda: stats.disk_objects() >= COUNT - MEMORY // OBJECT,
+                    lambda: _synced(leader_stats(etcd.url)),
+                    "the journal was never acknowledged",
+                    10,
+                )
+                wait_for(
+                    lambda: _disk_objects_in(leader_stats(etcd.url)) >= COUNT - MEMORY // OBJECT,
                     "evicted objects never reached the disk",
                     timeout=30,
                 )
                 next(p for p in masters if leader in p.args).kill()
                 wait_for(
-                    lambda: _leader(etcd.url) not in (None, leader), "no new leader", timeout=15
+                    lambda: leader_of(etcd.url) not in (None, leader), "no new leader", timeout=15
                 )
                 wait_for(
-                    lambda: stats.keys() == COUNT,
+                    lambda: _keys(leader_stats(etcd.url)) == COUNT,
                     "the store server did not report its objects to the new leader",
                     timeout=30,
                 )  # memory and disk reported
@@ -269,32 +273,6 @@ def test_disk_objects_survive_a_failover(tmp_path: Path) -> None:
         finally:
             for process in (server, *masters):
                 process.stop()
-
-
-class _Stats:
-    """The leader's stats through etcd (zeros while no leader answers)."""
-
-    def __init__(self, url: str) -> None:
-        self._url = url
-
-    def reply(self) -> m.StatsReply | None:
-        rpc = RpcClient(self._url, 1.0, token=cluster_token(None, "", False))
-        try:
-            reply = rpc.call(m.Stats())
-        except StoreError:
-            return None
-        finally:
-            rpc.close()
-        return reply if isinstance(reply, m.StatsReply) else None
-
-    def keys(self) -> int:
-        reply = self.reply()
-        return 0 if reply is None else reply.keys
-
-    def disk_objects(self) -> int:
-        reply = self.reply()
-        tiers = [] if reply is None else reply.tiers
-        return sum(t.objects for t in tiers if t.tier is m.Tier.DISK)
 
 
 @pytest.fixture

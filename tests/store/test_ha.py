@@ -15,18 +15,15 @@ from datetime import datetime
 import numpy as np
 import pytest
 
-from kvconnect._config import cluster_token
 from kvconnect.bench.etcd import EtcdServer, etcd_available
 from kvconnect.bench.failover import busy_processes
 from kvconnect.errors import StoreError
-from kvconnect.etcd import Etcd
-from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
 from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Process, free_port
 from kvconnect.store.messages import Code
-from kvconnect.store.rpc import RpcClient, find_leader
 from kvconnect.testing.peer import pattern
+from tests.support.ha import leader_of, leader_stats
 from tests.support.waiting import wait_for
 
 pytestmark = [
@@ -113,34 +110,14 @@ def etcd() -> Iterator[EtcdServer]:
 
 def _mounted(url: str) -> int:
     """Segments the leader has mounted (0 while none answers)."""
-    rpc = RpcClient(url, 1.0, token=cluster_token(None, "", False))
-    try:
-        reply = rpc.call(m.Stats())
-    except StoreError:
-        return 0
-    finally:
-        rpc.close()
-    return len(reply.segments) if isinstance(reply, m.StatsReply) else 0
+    reply = leader_stats(url)
+    return 0 if reply is None else len(reply.segments)
 
 
 def _backlog(url: str) -> int:
     """Journal changes the leader's store servers have not acknowledged (-1: no answer)."""
-    rpc = RpcClient(url, 1.0, token=cluster_token(None, "", False))
-    try:
-        reply = rpc.call(m.Stats())
-    except StoreError:
-        return -1
-    finally:
-        rpc.close()
-    return sum(s.backlog for s in reply.segments) if isinstance(reply, m.StatsReply) else -1
-
-
-def _leader(url: str) -> str | None:
-    etcd = Etcd(url)
-    try:
-        return find_leader(etcd)
-    finally:
-        etcd.close()
+    reply = leader_stats(url)
+    return -1 if reply is None else sum(s.backlog for s in reply.segments)
 
 
 def test_sigkill_of_the_leader_fails_over_within_three_seconds(etcd: EtcdServer) -> None:
@@ -163,11 +140,11 @@ def test_sigkill_of_the_leader_fails_over_within_three_seconds(etcd: EtcdServer)
                 return True
 
             wait_for(synced, "the store servers never caught up with the journal", 15)
-            leader = _leader(etcd.url)
+            leader = leader_of(etcd.url)
             victim = next(m for m in masters if leader is not None and leader in m.args)
             victim.kill()
             killed = time.monotonic()
-            wait_for(lambda: _leader(etcd.url) not in (None, leader), "no new leader", 10)
+            wait_for(lambda: leader_of(etcd.url) not in (None, leader), "no new leader", 10)
             elected = time.monotonic() - killed
             wait_for(
                 lambda: bool(work.ok) and work.ok[-1] > killed, "the workload did not resume", 15
@@ -201,7 +178,7 @@ def test_etcd_restart_during_the_workload_hangs_nothing(etcd: EtcdServer) -> Non
             etcd.start()
             restarted = time.monotonic()
             wait_for(lambda: bool(work.ok) and work.ok[-1] > restarted, "no recovery", 20)
-            wait_for(lambda: _leader(etcd.url) is not None, "no leader after the restart", 10)
+            wait_for(lambda: leader_of(etcd.url) is not None, "no leader after the restart", 10)
         assert work.corrupt == 0
         assert work.slowest < 5.0, "an operation hung"
     finally:
@@ -237,12 +214,14 @@ def test_partitioned_leader_steps_down_before_another_is_elected() -> None:
         _ip(f"-n {ns} link set lo up")
         with EtcdServer(extra_hosts=("10.203.0.1",)) as etcd:
             isolated = _master(f"etcd://10.203.0.1:{etcd.client_port}", "10.203.0.2", netns=ns)
-            wait_for(lambda: _leader(etcd.url) is not None, "the first master did not lead", 10)
+            wait_for(lambda: leader_of(etcd.url) is not None, "the first master did not lead", 10)
             others = [_master(etcd.url) for _ in range(2)]
             try:
                 old_term = _events(isolated)[-1][2]
                 _ip(f"link set {outside} down")  # the partition
-                wait_for(lambda: _leader(etcd.url) not in (None, *isolated.args), "no failover", 15)
+                wait_for(
+                    lambda: leader_of(etcd.url) not in (None, *isolated.args), "no failover", 15
+                )
                 wait_for(
                     lambda: any(e[1] == "steps down" for e in _events(isolated)), "no step-down", 10
                 )
@@ -292,10 +271,10 @@ def test_objects_older_than_two_heartbeats_survive_a_failover_under_load(etcd: E
             for key, value in values.items():
                 assert client.put(key, value) is Code.OK, key
             time.sleep(2.5 * HEARTBEAT)  # the scenario: every put ended > 2 heartbeats ago
-            leader = _leader(etcd.url)
+            leader = leader_of(etcd.url)
             victim = next(m for m in masters if leader is not None and leader in m.args)
             victim.kill()
-            wait_for(lambda: _leader(etcd.url) not in (None, leader), "no new leader", 15)
+            wait_for(lambda: leader_of(etcd.url) not in (None, leader), "no new leader", 15)
             wait_for(lambda: _mounted(etcd.url) == 1, "the store server did not mount again", 15)
             # The new leader indexed every object the server reported. The client still
             # names the dead leader: its first call must find the new one within its timeout.

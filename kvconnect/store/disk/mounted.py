@@ -23,7 +23,9 @@ from kvconnect.transfer.memory import MemoryRegion
 class MountedDisk:
     """One disk tier, its file region in the engine and its mount at the master."""
 
-    def __init__(self, tier: DiskTier, name: str, path: Path) -> None:
+    def __init__(self, tier: DiskTier, name: str, path: Path, recovered: list[m.Change]) -> None:
+        """``recovered``: what ``tier.open()`` found, reported by the first mount (listing a
+        million objects again would cost a second at start-up)."""
         self.tier = tier
         self.name = name
         """The disk segment's name at the master: stable across restarts of the server."""
@@ -34,6 +36,7 @@ class MountedDisk:
         self.mounted = False
         self._unsent: list[m.TierReport] = []
         self._sending: list[m.TierReport] = []
+        self._recovered: list[m.Change] | None = recovered
 
     def publish(self, engine: TransferEngine) -> None:
         """Serve the tier's bytes through the engine (reads only)."""
@@ -50,6 +53,13 @@ class MountedDisk:
             host_id=engine.segment.host_id,
             tier=m.Tier.DISK,
         )
+
+    def held(self) -> list[m.Change]:
+        """What a mount of this disk reports: what it holds, in offset order."""
+        if self._recovered is not None:  # nothing moved in yet: the first mount
+            held, self._recovered = self._recovered, None
+            return held
+        return self.tier.held()
 
     def fence(self, engine: TransferEngine) -> MemoryRegion:
         """A new mount: the region under a new id (reads the old master arranged fail), a new
