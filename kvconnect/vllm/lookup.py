@@ -28,7 +28,12 @@ log = logging.getLogger(__name__)
 LIMIT = 4096
 """Requests whose lookup result is kept at once (vLLM forgets them as it schedules them)."""
 
+SETTLE_SECONDS = 60.0
+"""How long :meth:`PoolLookups.settle` keeps asking; past it lookups ask as they run."""
+
 _LANE = "lookup"
+_PROBE_LANE = "probe"
+_FIRST_PAUSE, _LAST_PAUSE = 0.02, 2.0  # seconds between the background probe's asks
 
 
 @dataclass(slots=True)
@@ -59,6 +64,7 @@ class PoolLookups:
         self._limit = limit
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
+        self._stop = threading.Event()
 
     def ask(self, request_id: str, first: int, hashes: Sequence[str]) -> int | None:
         """How many of ``hashes`` (the request's block hashes from its block ``first`` on),
@@ -93,9 +99,28 @@ class PoolLookups:
         agreed (never asks the store)."""
         return self.index.keys is not None and self.index.verdict is Verdict.AGREE
 
+    def settle(self) -> None:
+        """Ask the fleet probe in the background (its own lane: lookups never queue behind it)
+        as soon as vLLM seeded its hashes, again after a failed ask with a growing pause, for
+        at most :data:`SETTLE_SECONDS`: the verdict (and the first connection to the store) is
+        then in before the first request, which would otherwise pay for both. Never blocks;
+        raises ClosedError after :meth:`close`."""
+        self._lanes.submit(_PROBE_LANE, self._settle)
+
     def close(self) -> None:
-        """Wait for a running lookup (bounded by the store client's RPC timeout)."""
+        """Stop the background probe; wait for a running lookup or probe (bounded by the store
+        client's timeouts)."""
+        self._stop.set()
         self._lanes.close()
+
+    def _settle(self) -> None:
+        deadline = self._clock() + SETTLE_SECONDS
+        pause = _FIRST_PAUSE
+        while self.index.verdict is Verdict.UNKNOWN and not self._stop.is_set():
+            if self.index.check_fleet() or self._clock() + pause > deadline:
+                return
+            self._stop.wait(pause)
+            pause = min(2 * pause, _LAST_PAUSE)
 
     def _look_up(self, request_id: str, first: int, hashes: tuple[str, ...]) -> None:
         started = self._clock()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -137,12 +138,13 @@ class StorePoolIndex:
     def __init__(
         self,
         client: StoreClient,
-        probe: Callable[[], bytes] | None = None,
+        probe: Callable[[], bytes | None] | None = None,
         *,
         groups: Sequence[Group],
         block_size: int,
     ) -> None:
-        """``probe``: this instance's hash of the fleet probe's block (None: not checked);
+        """``probe``: this instance's hash of the fleet probe's block, None until vLLM seeded
+        its hashes (no ``probe``: not checked);
         ``groups``: the engine's KV-cache groups."""
         self._client = client
         self._probe = probe
@@ -152,6 +154,8 @@ class StorePoolIndex:
         """The engine's key scheme, set once the workers described their KV cache; until
         then every lookup misses."""
         self.verdict = Verdict.UNKNOWN if probe is not None else Verdict.AGREE
+        self._unanswered = False  # the last probe got no answer (warned once per outage)
+        self._probing = threading.Lock()
 
     def leading(self, hashes: Sequence[str], first: int) -> int:
         """Blocks from the first (block ``first`` of the prompt) that the pool holds usably
@@ -179,20 +183,33 @@ class StorePoolIndex:
 
     def check_fleet(self) -> bool:
         """Whether this instance's block hashes agree with the fleet's (asking the store until
-        it could tell: the first instance stores the probe, the others compare theirs)."""
-        if self.verdict is Verdict.UNKNOWN and self.keys is not None and self._probe is not None:
-            self.verdict = _probe_fleet(self._client, self.keys.probe_key, self._probe())
-        return self.verdict is Verdict.AGREE
+        it could tell: the first instance stores the probe, the others compare theirs). Blocks
+        for up to the store client's timeouts; called from the lookup lane only."""
+        with self._probing:  # the lookup lane and the startup probe (PoolLookups.settle)
+            if self.verdict is not Verdict.UNKNOWN or self.keys is None or self._probe is None:
+                return self.verdict is Verdict.AGREE
+            mine = self._probe()
+            if mine is None:  # vLLM has not seeded its hashes yet
+                return False
+            self.verdict, why = _probe_fleet(self._client, self.keys.probe_key, mine)
+            if self.verdict is Verdict.AGREE:
+                log.info("kvconnect pool: this instance's block hashes agree with the fleet's")
+            elif self.verdict is Verdict.UNKNOWN and not self._unanswered:
+                log.warning("kvconnect pool: the fleet probe got no answer (%s); asking again", why)
+            self._unanswered = self.verdict is Verdict.UNKNOWN
+            return self.verdict is Verdict.AGREE
 
 
-def _probe_fleet(client: StoreClient, key: str, mine: bytes) -> Verdict:
-    if client.put(key, mine) not in (Code.OK, Code.EXISTS):
-        return Verdict.UNKNOWN  # the store is down, or another instance is writing it
+def _probe_fleet(client: StoreClient, key: str, mine: bytes) -> tuple[Verdict, str]:
+    """The verdict, and why the store could not tell (UNKNOWN)."""
+    stored = client.put(key, mine)
+    if stored not in (Code.OK, Code.EXISTS):  # the store is down, or another instance writes it
+        return Verdict.UNKNOWN, f"storing the probe: {stored.name}"
     theirs = client.get(key)
     if theirs is None:
-        return Verdict.UNKNOWN
+        return Verdict.UNKNOWN, "reading the probe back failed"
     if bytes(theirs) == mine:
-        return Verdict.AGREE
+        return Verdict.AGREE, ""
     log.error(
         "kvconnect pool refused: this instance's block hashes differ from the fleet's (the "
         "probe %s holds another hash of the same block), so no block would ever hit. Give "
@@ -200,4 +217,4 @@ def _probe_fleet(client: StoreClient, key: str, mine: bytes) -> Verdict:
         "non-cryptographic algorithm without PYTHONHASHSEED seeds every process at random)",
         key,
     )
-    return Verdict.DIFFER
+    return Verdict.DIFFER, ""

@@ -45,6 +45,7 @@ class SchedulerServices:
             self.prefill.set_layouts(layouts)
         if self.pool is not None:
             self.pool.index.keys = fleet_keys(namespace=self._config.namespace, layouts=layouts)
+            self.pool.settle()
 
     def take_stats(self) -> dict[str, StatValue]:
         """The scheduler side's stats since the last call (vLLM's scheduler thread, once a
@@ -156,16 +157,19 @@ def _build_scheduler(
     return scheduler, services
 
 
-def _probe_hash(vllm_config: Any) -> Callable[[], bytes]:
-    """This instance's hash of the fleet probe's block (vLLM's hash algorithm and seed; asked
-    once vLLM seeded its hashes, on the first lookup)."""
+def _probe_hash(vllm_config: Any) -> Callable[[], bytes | None]:
+    """This instance's hash of the fleet probe's block (vLLM's hash algorithm and seed), None
+    until vLLM seeded its hashes (its engine core does so after handing the connector the
+    workers' layouts)."""
 
-    def probe() -> bytes:
+    def probe() -> bytes | None:
         from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import hash_block_tokens
+        from vllm.v1.core import kv_cache_utils
 
+        if getattr(kv_cache_utils, "NONE_HASH", None) is None:
+            return None
         hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
-        return bytes(hash_block_tokens(hash_fn, None, range(PROBE_TOKENS)))
+        return bytes(kv_cache_utils.hash_block_tokens(hash_fn, None, range(PROBE_TOKENS)))
 
     return probe
 

@@ -1,12 +1,14 @@
 """The pool's key scheme and fleet probe (kvconnect/vllm/pool.py) against a real master and
 store server, every environment: instances that hash blocks alike agree, one that does not is
-refused with one ERROR, a store that cannot answer leaves the question open, and ranks whose
-KV formats differ get no key scheme."""
+refused with one ERROR, a store that cannot answer leaves the question open (one WARNING saying
+why), the probe waits for vLLM's seeded hashes and settles in the background before any lookup,
+and ranks whose KV formats differ get no key scheme."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from contextlib import closing
 
 import pytest
 
@@ -15,7 +17,9 @@ from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Cluster
 from kvconnect.vllm.groups import FULL_ONLY
 from kvconnect.vllm.layout import KVFormat, LayerLayout, RankLayout
+from kvconnect.vllm.lookup import PoolLookups
 from kvconnect.vllm.pool import StorePoolIndex, Verdict, block_part, fleet_keys, pool_keys
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 FORMAT = KVFormat("vllm 0.33.0", "org/m", "", "bfloat16", 16, 2, "FLASH_ATTN", "NHD")
@@ -57,13 +61,60 @@ def test_instances_that_hash_alike_agree_and_another_is_refused_once(
     assert _index(client, b"seed-b", "another-fleet").check_fleet(), "namespaces are fleets"
 
 
-def test_a_store_that_cannot_answer_leaves_the_verdict_open() -> None:
+def test_a_store_that_cannot_answer_leaves_the_verdict_open(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     down = StoreClientConfig(master="tcp://127.0.0.1:1", rpc_timeout=0.2)
-    with StoreClient(down) as offline:
+    with StoreClient(down) as offline, caplog.at_level(logging.WARNING, logger="kvconnect"):
         index = _index(offline, b"seed-a", "open")
         assert not index.check_fleet()
         assert index.verdict is Verdict.UNKNOWN, "decided without an answer"
         assert index.leading(["h1"], 0) == 0
+        assert index.verdict is Verdict.UNKNOWN
+    warned = [r.getMessage() for r in caplog.records if "got no answer" in r.getMessage()]
+    assert len(warned) == 1, "one warning per outage, naming why"
+    assert "storing the probe" in warned[0]
+
+
+def test_the_probe_waits_for_vllm_to_seed_its_hashes(client: StoreClient) -> None:
+    seeded: list[bytes] = []
+    index = StorePoolIndex(
+        client, lambda: seeded[0] if seeded else None, groups=FULL_ONLY, block_size=16
+    )
+    index.keys = pool_keys(namespace="unseeded", model="m", compat="c" * 32)
+    assert not index.check_fleet()
+    assert index.verdict is Verdict.UNKNOWN
+    assert client.get(index.keys.probe_key) is None, "an unseeded hash was stored as the fleet's"
+    seeded.append(b"seed-a")
+    assert index.check_fleet()
+    assert bytes(client.get(index.keys.probe_key) or b"") == b"seed-a"
+
+
+def test_the_background_probe_settles_the_verdict_before_any_lookup(client: StoreClient) -> None:
+    asks = [0]
+
+    def probe() -> bytes | None:
+        asks[0] += 1
+        return b"seed-a" if asks[0] > 3 else None  # vLLM seeds its hashes a moment later
+
+    index = StorePoolIndex(client, probe, groups=FULL_ONLY, block_size=16)
+    index.keys = pool_keys(namespace="settled", model="m", compat="c" * 32)
+    with closing(PoolLookups(index)) as lookups:
+        lookups.settle()
+        wait_for(lambda: index.verdict is Verdict.AGREE, "the background probe never decided")
+    assert bytes(client.get(index.keys.probe_key) or b"") == b"seed-a"
+
+
+def test_closing_stops_a_background_probe_the_store_cannot_answer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    down = StoreClientConfig(master="tcp://127.0.0.1:1", rpc_timeout=0.2)
+    with StoreClient(down) as offline, caplog.at_level(logging.WARNING, logger="kvconnect"):
+        index = _index(offline, b"seed-a", "open")
+        lookups = PoolLookups(index)
+        lookups.settle()
+        wait_for(lambda: "got no answer" in caplog.text, "the background probe never asked")
+        lookups.close()  # returns within one ask: the leak check finds no probe thread
         assert index.verdict is Verdict.UNKNOWN
 
 
