@@ -242,9 +242,13 @@ def _layout() -> RankLayout:
 
 
 @contextmanager
-def _pool_engine(tiny_config: Path, **extra: Any) -> Iterator[tuple[Any, StoreClient, PoolKeys]]:
+def _pool_engine(
+    tiny_config: Path, fleet_probe: bytes | None = None, **extra: Any
+) -> Iterator[tuple[Any, StoreClient, PoolKeys]]:
     """A ``kv_both`` scheduler with the pool on a real store (``extra``: more settings), its
-    workers' layout handed over; a client of that store; the pool's key scheme."""
+    workers' layout handed over (its fleet probe then runs in the background); a client of
+    that store; the pool's key scheme. ``fleet_probe``: what the fleet's probe object already
+    holds when the layout arrives (another instance's hash)."""
     with Cluster(servers=1, server_size=8 << 20) as cluster:
         settings = {"pool": True, "master": cluster.master_endpoint, **extra}
         s = make_scheduler(tiny_config, "kv_both", settings)
@@ -252,10 +256,13 @@ def _pool_engine(tiny_config: Path, **extra: Any) -> Iterator[tuple[Any, StoreCl
         store.start()
         try:
             layout = _layout()
+            keys = pool_keys(namespace="", model=layout.format.model, compat=layout.compat)
+            if fleet_probe is not None:
+                assert store.put(keys.probe_key, fleet_probe).name == "OK"
             s.connector.set_xfer_handshake_metadata(
                 {0: KVConnectHandshake(msgspec.msgpack.encode(layout))}
             )
-            yield s, store, pool_keys(namespace="", model=layout.format.model, compat=layout.compat)
+            yield s, store, keys
         finally:
             store.close()
             s.shutdown()
@@ -305,8 +312,7 @@ def test_a_fleet_whose_block_hashes_differ_refuses_the_pool_with_one_error(
 ) -> None:
     """An instance seeded unlike the fleet (the probe object holds another hash of the fixed
     probe block) would never hit: it logs one ERROR, looks nothing up and saves nothing."""
-    with _pool_engine(tiny_config) as (s, store, keys):
-        assert store.put(keys.probe_key, b"another fleet's seed").name == "OK"
+    with _pool_engine(tiny_config, fleet_probe=b"another fleet's seed") as (s, store, keys):
         prompts = {"a": list(range(100, 156)), "b": list(range(200, 256))}
         for prompt in prompts.values():
             for block_hash in make_request("probe", prompt).block_hashes:
