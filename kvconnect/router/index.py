@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvconnect.errors import ConfigError
-from kvconnect.router.hashing import ROOT, block_hash
+from kvconnect.router.hashing import ROOT, chain
 
 POOL = "<pool>"
 """The source name of the shared pool (no instance URL looks like it)."""
@@ -91,14 +91,15 @@ class PrefixIndex:
         router chains requests with. Idempotent: a block announced again is refreshed."""
         owner = POOL if pool else source
         parent_hash = ROOT if parent is None else self._router_hash(owner, source, _key(parent))
+        if parent_hash is None:
+            self._orphans += len(engine_hashes)
+            return
+        tokens = token_ids[: len(engine_hashes) * block_size]
+        router_hashes = chain(tokens, block_size, extra, parent=parent_hash)
+        self._orphans += len(engine_hashes) - len(router_hashes)  # those without their tokens
         tier = self._tier(None if pool else medium)
-        for position, engine_hash in enumerate(engine_hashes):
-            tokens = token_ids[position * block_size : (position + 1) * block_size]
-            if parent_hash is None or len(tokens) < block_size:
-                self._orphans += len(engine_hashes) - position
-                break
-            parent_hash = block_hash(parent_hash, tokens, extra)
-            self._add(owner, _key(engine_hash), parent_hash, tier)
+        for engine_hash, router_hash in zip(engine_hashes, router_hashes, strict=False):
+            self._add(owner, _key(engine_hash), router_hash, tier)
         self._shrink()
 
     def stored_hashes(self, engine_hashes: Iterable[bytes | int]) -> None:
