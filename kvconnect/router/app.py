@@ -126,9 +126,11 @@ def make_app(config: RouterConfig) -> web.Application:
     async def lifecycle(app: web.Application) -> Any:
         service = RouterService(config, aiohttp.ClientSession())
         app[_STATE] = service
-        await service.start()
-        yield
-        await service.close()
+        try:
+            await service.start()
+            yield
+        finally:
+            await service.close()
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/completions", _generate)
@@ -137,6 +139,12 @@ def make_app(config: RouterConfig) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     return app
+
+
+def make_runner(config: RouterConfig) -> web.AppRunner:
+    """A runner of :func:`make_app`: a request whose client goes away is cancelled, which
+    closes its upstream connection (vLLM then aborts it)."""
+    return web.AppRunner(make_app(config), handle_signals=False, handler_cancellation=True)
 
 
 def service_of(app: web.Application) -> RouterService:
@@ -162,7 +170,7 @@ async def _models(request: web.Request) -> web.Response:
     if not instances:
         return error(503, "no healthy instance")
     url = min(instances, key=lambda i: i.inflight).url + "/v1/models"
-    timeout = aiohttp.ClientTimeout(total=service.config.connect_timeout)
+    timeout = aiohttp.ClientTimeout(total=service.config.call_timeout)
     try:
         async with service.session.get(url, headers=_forwarded(request), timeout=timeout) as reply:
             body = await upstream.read_limited(reply)
@@ -179,6 +187,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     except web.HTTPException as exc:  # 413 from reading an oversized body
         service.metrics.requests.labels(endpoint, Outcome.CLIENT_ERROR).inc()
         raise exc from None
+    except asyncio.CancelledError:  # the client went away (handler cancellation)
+        service.metrics.requests.labels(endpoint, Outcome.ABORTED).inc()
+        raise
     except Failed as exc:
         response, outcome = exc.response(), exc.outcome
     service.metrics.requests.labels(endpoint, outcome).inc()
@@ -239,9 +250,7 @@ async def _tokens(service: RouterService, client: web.Request, body: dict[str, A
         return []
     url = min(instances, key=lambda i: i.inflight).url
     try:
-        return await upstream.tokenize(
-            service.session, url, payload, service.config.tokenize_timeout
-        )
+        return await upstream.tokenize(service.session, url, payload, service.config.call_timeout)
     except (PeerUnreachable, ProtocolError) as exc:
         log.info("routing by load alone: %s", exc)
         return []
@@ -256,8 +265,15 @@ def _tokenize_payload(path: str, body: Mapping[str, Any]) -> dict[str, Any] | li
         extra = {k: body[k] for k in _CHAT_TOKENIZE_KEYS if k in body}
         return {**base, "messages": body["messages"], **extra}
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return {**base, "prompt": prompt}
+        extra = (
+            {"add_special_tokens": body["add_special_tokens"]}
+            if "add_special_tokens" in body
+            else {}
+        )
+        return {**base, "prompt": prompt, **extra}
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return list(prompt)
     return None  # a batch of prompts: no single chain
@@ -291,8 +307,9 @@ async def _prefill(
             service.metrics.ttft_observed.observe(seconds)
         return answer
 
+    role = service.fleet.get(first.instance).role
     _, (status, content_type, reply) = await service.relay.attempts(
-        first, lambda tried: router.first_hop(req, tried), Role.PREFILL.value, send
+        first, lambda tried: router.retry(role, req, tried), role.value, send
     )
     if status != 200:
         message = f"prefill answered {status}"  # a refusal of the request: relayed as it is
@@ -316,11 +333,6 @@ async def _final_hop(
     router = service.router
     role = service.fleet.get(first.instance).role
 
-    def choose(tried: set[str]) -> Choice | None:
-        if role is Role.DECODE:
-            return router.decode(req, tried)
-        return router.first_hop(req, tried)
-
     async def send(choice: Choice) -> tuple[web.StreamResponse, Outcome]:
         predicted = router.predict_ttft(req, choice)
 
@@ -332,7 +344,9 @@ async def _final_hop(
 
         return await service.relay.stream(client, choice, hop, started)
 
-    _, answer = await service.relay.attempts(first, choose, role.value, send)
+    _, answer = await service.relay.attempts(
+        first, lambda tried: router.retry(role, req, tried), role.value, send
+    )
     return answer
 
 

@@ -15,7 +15,7 @@ import signal
 from aiohttp import web
 
 from kvconnect.errors import ConfigError
-from kvconnect.router.app import make_app
+from kvconnect.router.app import make_runner
 from kvconnect.router.config import EventSource, PolicyName, RouterConfig
 
 _DEFAULTS = RouterConfig(unified=("http://defaults.invalid",))
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serving.add_argument("--unhealthy-after", type=int, default=d.unhealthy_after)
     serving.add_argument("--request-timeout", type=float, default=d.request_timeout)
     serving.add_argument("--connect-timeout", type=float, default=d.connect_timeout)
-    serving.add_argument("--tokenize-timeout", type=float, default=d.tokenize_timeout)
+    serving.add_argument("--call-timeout", type=float, default=d.call_timeout)
     serving.add_argument("--max-attempts", type=int, default=d.max_attempts)
     serving.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
 
@@ -89,7 +89,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         unhealthy_after=args.unhealthy_after,
         request_timeout=args.request_timeout,
         connect_timeout=args.connect_timeout,
-        tokenize_timeout=args.tokenize_timeout,
+        call_timeout=args.call_timeout,
         max_attempts=args.max_attempts,
         max_body_bytes=args.max_body_bytes,
         block_size=args.block_size,
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(config: RouterConfig) -> None:
     """Run the router of ``config`` until SIGINT or SIGTERM."""
-    runner = web.AppRunner(make_app(config), handle_signals=False)
+    runner = make_runner(config)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port)

@@ -73,8 +73,9 @@ class RouterConfig:
     """Seconds one upstream generation call may take in all."""
     connect_timeout: float = 5.0
     """Seconds to connect to an instance (a failure is retried elsewhere)."""
-    tokenize_timeout: float = 10.0
-    """Seconds a ``/tokenize`` call may take (on failure the request is routed by load)."""
+    call_timeout: float = 10.0
+    """Seconds a small call (``/tokenize``, ``/v1/models``) may take; a request whose
+    tokenisation fails is routed by load alone."""
     max_attempts: int = 3
     """Instances tried per hop for a request not yet started."""
     max_body_bytes: int = 16 * MiB
@@ -107,7 +108,7 @@ class RouterConfig:
             "unhealthy_after",
             "request_timeout",
             "connect_timeout",
-            "tokenize_timeout",
+            "call_timeout",
             "max_attempts",
             "max_body_bytes",
             "block_size",

@@ -158,7 +158,8 @@ class Relay:
         started: Callable[[float], None],
     ) -> tuple[web.StreamResponse, Outcome]:
         """Relay one hop's answer to ``client`` chunk by chunk as it arrives; ``started`` gets
-        the seconds to the first answer byte. Raises NotStarted or Failed before that byte;
+        the seconds to the first byte of a streamed answer (about the TTFT; a whole answer's
+        first byte is its end). Raises NotStarted or Failed before that byte;
         after it, the outcome says whether the answer was relayed whole."""
         with self._fleet.begin(choice.instance, hop.tokens) as ticket:
             begun = time.monotonic()
@@ -170,7 +171,8 @@ class Relay:
                     if not first and reply.status == 200:
                         raise NotStarted("closed before answering", unreachable=True)
                     ticket.prefilled()
-                    started(time.monotonic() - begun)
+                    if reply.content_type == "text/event-stream":
+                        started(time.monotonic() - begun)
                     return await self._relay(client, reply, first, choice)
             except aiohttp.ConnectionTimeoutError as exc:
                 raise NotStarted(repr(exc), unreachable=True) from exc

@@ -92,6 +92,13 @@ class Router:
         candidates = self.candidates(request, [Role.DECODE], exclude)
         return self.policy.decode(request, candidates) if candidates else None
 
+    def retry(self, role: Role, request: Request, exclude: Collection[str]) -> Choice | None:
+        """Another instance of ``role`` for a hop that did not start (None: none left)."""
+        if role is Role.DECODE:
+            return self.decode(request, exclude)
+        candidates = self.candidates(request, [role], exclude)
+        return self.policy.prefill(request, candidates) if candidates else None
+
     def candidates(
         self, request: Request, roles: Sequence[Role], exclude: Collection[str] = ()
     ) -> list[Candidate]:
