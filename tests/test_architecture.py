@@ -14,7 +14,11 @@ PACKAGE = ROOT / "kvconnect"
 
 # A layer may import only the layers after it in this order (kvconnect.* top-level modules such
 # as errors, auth and etcd are shared by all). bench and testing drive the library from outside.
-LAYERS = ("kvconnect.transfer", "kvconnect.store", ("kvconnect.sglang", "kvconnect.vllm"))
+LAYERS = (
+    "kvconnect.transfer",
+    "kvconnect.store",
+    ("kvconnect.sglang", "kvconnect.vllm", "kvconnect.router"),
+)
 OUTSIDE = ("kvconnect.bench", "kvconnect.testing", "kvconnect.cli")
 
 # Optional or heavy dependencies, and the only modules allowed to import them.
