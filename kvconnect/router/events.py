@@ -6,15 +6,16 @@ when the publisher has a replay endpoint, a DEALER on it for what the stream mis
 are numbered per publisher process; the subscriber expects them in order from 0, so
 
 - the first batch it sees, if later than 0, starts with a replay of the earlier ones (and a
-  publisher quiet since the subscriber started is asked for its buffered history once);
+  publisher quiet since the subscriber started is asked for its buffered history, until it
+  answers);
 - a batch past the next expected one (a dropped message, a reconnect) is a gap: the missed
   batches are replayed before it is delivered; what the publisher no longer buffers is lost;
 - a batch before the next expected one is a restarted publisher (a new process counts from
   0 again): ``on_reset`` is called, then the new process's history is replayed.
 
 Frames and payloads that are not batches are counted and skipped; nothing a publisher sends
-stops the thread. Every wait has a timeout, so :meth:`EventSubscriber.close` returns within
-about ``timeout`` seconds.
+stops the thread. Every wait has a timeout, and :meth:`EventSubscriber.close` interrupts any
+(unless a callback is running).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 
 MAX_REPLAY = 1_000_000
 """Answers one replay reads at most (vLLM buffers 10,000 batches by default)."""
+
+_TICK = 0.05  # seconds between looks at close() during a wait
 
 OnBatch = Callable[[str, KVEventBatch], None]
 OnReset = Callable[[str], None]
@@ -79,7 +83,7 @@ class EventSubscriber(Lifecycle):
     subscribed to; ``timeout``: seconds any one wait lasts (a replay answer, a poll).
     ``on_batch`` and ``on_reset(name)`` run on the subscriber's thread, one at a time; what
     they raise is logged and counted, never stops it. ``start()`` starts the thread,
-    ``close()`` stops it (idempotent, returns within about ``timeout``)."""
+    ``close()`` stops it (idempotent; it waits for a running callback, at most 5 s)."""
 
     def __init__(
         self,
@@ -98,11 +102,11 @@ class EventSubscriber(Lifecycle):
         self._on_batch = on_batch
         self._on_reset = on_reset
         self._topic = topic.encode()
-        self._timeout_ms = max(1, int(timeout * 1000))
+        self._timeout = timeout
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._dealer: zmq.Socket[bytes] | None = None
         self._next = 0  # the sequence number expected next
-        self._seen = False  # a batch (live or replayed) arrived
+        self._caught_up = False  # a batch arrived, or a replay of the history was answered
         self._just_replayed = False  # live batches below _next are duplicates, not a restart
         self._lock = threading.Lock()
         self._stats = SubscriberStats()
@@ -130,7 +134,7 @@ class EventSubscriber(Lifecycle):
         self._closing.set()
         if self._thread is None:
             return
-        self._thread.join(timeout=self._timeout_ms / 1000 * 2 + 5)
+        self._thread.join(timeout=5.0)
         if self._thread.is_alive():  # stuck in on_batch: its sockets stay open
             log.warning("KV events of %s: subscriber thread did not stop", self.name)
         elif self._ctx is not None:
@@ -146,17 +150,28 @@ class EventSubscriber(Lifecycle):
         sub.connect(self._endpoint)
         try:
             while not self._closing.is_set():
-                if sub.poll(self._timeout_ms):
+                if self._wait(sub):
                     self._live(sub.recv_multipart(zmq.NOBLOCK))
                     continue
                 self._just_replayed = False  # duplicates would have arrived by now
-                if not self._seen and self._replay_endpoint is not None:
+                if not self._caught_up and self._replay_endpoint is not None:
                     self._replay(None)  # a quiet publisher's history
         except Exception:  # the thread must not die silently; a zmq error ends it
             log.exception("KV events of %s: subscriber stopped", self.name)
         finally:
             sub.close(linger=0)
             self._drop_dealer()
+
+    def _wait(self, sock: zmq.Socket[bytes]) -> bool:
+        """Whether ``sock`` has a message within ``timeout`` (False at once when closing)."""
+        deadline = time.monotonic() + self._timeout
+        while not self._closing.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if sock.poll(max(1, int(min(left, _TICK) * 1000))):
+                return True
+        return False
 
     def _live(self, frames: list[bytes]) -> None:
         parsed = parse_published(frames)
@@ -193,7 +208,7 @@ class EventSubscriber(Lifecycle):
             self._drop_dealer()
             return
         for _ in range(MAX_REPLAY):
-            if self._closing.is_set() or not dealer.poll(self._timeout_ms):
+            if not self._wait(dealer):
                 log.debug("KV events of %s: replay unanswered", self.name)
                 self._drop_dealer()
                 return
@@ -203,6 +218,7 @@ class EventSubscriber(Lifecycle):
                 continue
             seq, payload = answer
             if seq == END_SEQ:
+                self._caught_up = True
                 break
             if seq >= self._next and (target is None or seq < target):
                 if seq > self._next:
@@ -212,7 +228,7 @@ class EventSubscriber(Lifecycle):
 
     def _deliver(self, seq: int, payload: bytes, *, replayed: bool) -> None:
         self._next = seq + 1
-        self._seen = True
+        self._caught_up = True
         try:
             decoded = decode_batch(payload)
         except msgspec.DecodeError:
