@@ -19,6 +19,7 @@ an unknown path 404; an instance's 4xx answer is relayed as it is.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -32,6 +33,7 @@ from aiohttp import web
 from kvconnect.errors import PeerUnreachable, ProtocolError
 from kvconnect.router import upstream
 from kvconnect.router.config import RouterConfig
+from kvconnect.router.cost import Estimate
 from kvconnect.router.events import EventSubscriber
 from kvconnect.router.instances import Fleet
 from kvconnect.router.metrics import CONTENT_TYPE, Outcome, RouterMetrics
@@ -217,13 +219,13 @@ async def _serve(service: RouterService, client: web.Request) -> tuple[web.Strea
     _count_decision(service, req, first)
     headers = _forwarded(client)
     if decode is None:  # one hop
-        hop = Hop(client.path, raw, headers, router.uncached_tokens(req, first))
-        return await _final_hop(service, client, req, first, hop, observe=True)
+        hop = Hop(client.path, raw, headers, 0)
+        return await _final_hop(service, client, req, first, hop)
     params = await _prefill(service, client, body, req, first, headers)
     decode_body = dict(body, kv_transfer_params=params)
     hop = Hop(client.path, json.dumps(decode_body).encode(), headers, 0)
     _count_decision(service, req, decode)
-    return await _final_hop(service, client, req, decode, hop, observe=False)
+    return await _final_hop(service, client, req, decode, hop)
 
 
 async def _json_body(client: web.Request) -> tuple[bytes, dict[str, Any]]:
@@ -296,15 +298,12 @@ async def _prefill(
     router = service.router
 
     async def send(choice: Choice) -> tuple[int, str, bytes]:
-        hop = Hop(client.path, data, headers, router.uncached_tokens(req, choice))
-        predicted = router.predict_ttft(req, choice)
+        estimate = router.estimate(req, choice)
+        hop = Hop(client.path, data, headers, estimate.compute_tokens)
         begun = time.monotonic()
         answer = await service.relay.call(choice, hop)
-        seconds = time.monotonic() - begun
         if answer[0] == 200:
-            router.prefilled(choice, hop.tokens, seconds)
-            service.metrics.ttft_predicted.observe(predicted)
-            service.metrics.ttft_observed.observe(seconds)
+            _first_token(service, choice, estimate, time.monotonic() - begun)
         return answer
 
     role = service.fleet.get(first.instance).role
@@ -326,28 +325,43 @@ async def _final_hop(
     req: Request,
     first: Choice,
     hop: Hop,
-    *,
-    observe: bool,
 ) -> tuple[web.StreamResponse, Outcome]:
-    """The hop whose answer the client gets (decode, or a unified instance), relayed."""
+    """The hop whose answer the client gets (decode, or a unified instance that also computes
+    the prompt), relayed. A streamed answer calibrates the cost model: a unified instance's
+    first byte is its TTFT, and the events after it give the TBT."""
     router = service.router
     role = service.fleet.get(first.instance).role
 
     async def send(choice: Choice) -> tuple[web.StreamResponse, Outcome]:
-        predicted = router.predict_ttft(req, choice)
+        estimate = router.estimate(req, choice)
+        load = router.decode_load(choice)
+        unified = role is Role.UNIFIED
 
         def started(seconds: float) -> None:
-            if observe:
-                router.prefilled(choice, hop.tokens, seconds)
-                service.metrics.ttft_predicted.observe(predicted)
-                service.metrics.ttft_observed.observe(seconds)
+            if unified:
+                _first_token(service, choice, estimate, seconds)
 
-        return await service.relay.stream(client, choice, hop, started)
+        def finished(seconds: float, events: int) -> None:
+            router.decoded(choice, load, seconds, events - 1)  # less the closing [DONE]
+
+        tokens = estimate.compute_tokens if unified else 0
+        return await service.relay.stream(
+            client, choice, dataclasses.replace(hop, tokens=tokens), started, finished
+        )
 
     _, answer = await service.relay.attempts(
         first, lambda tried: router.retry(role, req, tried), role.value, send
     )
     return answer
+
+
+def _first_token(
+    service: RouterService, choice: Choice, estimate: Estimate, seconds: float
+) -> None:
+    """A prompt estimated as ``estimate`` was computed in ``seconds`` at ``choice``."""
+    service.router.prefilled(choice, estimate, seconds)
+    service.metrics.ttft_predicted.observe(estimate.seconds)
+    service.metrics.ttft_observed.observe(seconds)
 
 
 def _forwarded(client: web.Request) -> dict[str, str]:

@@ -30,6 +30,7 @@ from kvconnect.router.upstream import read_limited
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_EVENT = b"data:"  # a server-sent event's field (vLLM streams one event per chunk of tokens)
 
 Chooser = Callable[[set[str]], Choice | None]
 """The next instance for a retry, excluding the URLs already tried (None: no more)."""
@@ -156,11 +157,13 @@ class Relay:
         choice: Choice,
         hop: Hop,
         started: Callable[[float], None],
+        finished: Callable[[float, int], None],
     ) -> tuple[web.StreamResponse, Outcome]:
-        """Relay one hop's answer to ``client`` chunk by chunk as it arrives; ``started`` gets
-        the seconds to the first byte of a streamed answer (about the TTFT; a whole answer's
-        first byte is its end). Raises NotStarted or Failed before that byte;
-        after it, the outcome says whether the answer was relayed whole."""
+        """Relay one hop's answer to ``client`` chunk by chunk as it arrives. For a streamed
+        answer (server-sent events), ``started`` gets the seconds to its first byte (about the
+        TTFT), and ``finished`` the seconds from there to its end and its number of events,
+        once relayed whole. Raises NotStarted or Failed before the first byte; after it, the
+        outcome says whether the answer was relayed whole."""
         with self._fleet.begin(choice.instance, hop.tokens) as ticket:
             begun = time.monotonic()
             try:
@@ -171,9 +174,14 @@ class Relay:
                     if not first and reply.status == 200:
                         raise NotStarted("closed before answering", unreachable=True)
                     ticket.prefilled()
-                    if reply.content_type == "text/event-stream":
+                    streamed = reply.content_type == "text/event-stream"
+                    if streamed:
                         started(time.monotonic() - begun)
-                    return await self._relay(client, reply, first, choice)
+                    begun = time.monotonic()
+                    out, outcome, events = await self._relay(client, reply, first, choice)
+                    if streamed and outcome is Outcome.OK:
+                        finished(time.monotonic() - begun, events)
+                    return out, outcome
             except aiohttp.ConnectionTimeoutError as exc:
                 raise NotStarted(repr(exc), unreachable=True) from exc
             except TimeoutError as exc:
@@ -183,27 +191,30 @@ class Relay:
 
     async def _relay(
         self, client: web.Request, reply: aiohttp.ClientResponse, first: bytes, choice: Choice
-    ) -> tuple[web.StreamResponse, Outcome]:
-        """From the first byte on: whatever breaks ends the client's answer, never a retry."""
+    ) -> tuple[web.StreamResponse, Outcome, int]:
+        """From the first byte on: whatever breaks ends the client's answer, never a retry.
+        Also counts the server-sent events relayed (``data:`` fields)."""
         out = web.StreamResponse(status=reply.status)
         out.content_type = reply.content_type
         if reply.charset:
             out.charset = reply.charset
         await out.prepare(client)
+        events = first.count(_EVENT)
         try:
             await out.write(first)
             async for chunk in reply.content.iter_any():
+                events += chunk.count(_EVENT)
                 await out.write(chunk)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             transport = client.transport
             if transport is None or transport.is_closing():
                 log.info("the client of a request to %s went away", choice.instance)
-                return out, Outcome.ABORTED
+                return out, Outcome.ABORTED, events
             log.warning("%s broke while answering: %r", choice.instance, exc)
             transport.close()  # the client sees a truncated answer, not a clean end
-            return out, Outcome.UPSTREAM_ERROR
+            return out, Outcome.UPSTREAM_ERROR, events
         await out.write_eof()
-        return out, outcome_of(reply.status)
+        return out, outcome_of(reply.status), events
 
     def _post(self, choice: Choice, hop: Hop) -> aiohttp.client._RequestContextManager:
         headers = {**hop.headers, "Content-Type": "application/json"}
