@@ -16,7 +16,9 @@ import pytest
 from aiohttp import web
 
 from kvconnect.router.app import RouterService, make_runner, service_of
-from kvconnect.router.config import RouterConfig
+from kvconnect.router.config import EventSource, RouterConfig
+from kvconnect.store.kvevents import BlockStored
+from kvconnect.store.master.kvevents import KvEventPublisher
 from tests.router.standin import MODEL, StandIn, completion_text, stream_bytes
 from tests.support.waiting import await_for
 
@@ -250,6 +252,43 @@ def test_a_client_going_away_mid_stream_closes_the_upstream_request() -> None:
             assert f.service.fleet.get(a.url).inflight == 0
 
     run(scenario, "a")
+
+
+def test_kv_events_steer_a_request_to_the_instance_holding_its_prefix() -> None:
+    prompt = "a shared system prompt, then the user's question"[:48]  # 12 blocks of 4 tokens
+    tokens = list(prompt.encode())  # how the stand-ins tokenise
+    stored = BlockStored(
+        block_hashes=list(range(1000, 1012)),
+        parent_block_hash=None,
+        token_ids=tokens,
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    publisher = KvEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", 100)
+
+    async def scenario(a: StandIn, b: StandIn) -> None:
+        publisher.start()
+        try:
+            publisher.publish([stored])  # before the router starts: replayed as history
+            await await_for(lambda: publisher.stats.published == 1, "published")
+            events = (EventSource(b.url, publisher.endpoint, publisher.replay_endpoint),)
+            settings = {"unified": (a.url, b.url), "events": events, "block_size": 4}
+            async with front(**settings, policy="cache") as f:
+                await await_for(lambda: f.service.router.index_entries() == 12, "indexed")
+                for _ in range(3):
+                    status, data, _ = await f.post("/v1/completions", {"prompt": prompt})
+                    assert (status, json.loads(data)) == (200, answer(prompt, "b"))
+                assert f.metric("kvconnect_router_cached_blocks_total", tier="instance") == 36
+                await b.stop()  # its next request fails to connect: out, and out of the index
+                status, data, _ = await f.post("/v1/completions", {"prompt": prompt})
+                assert (status, json.loads(data)) == (200, answer(prompt, "a"))
+                assert f.service.router.index_entries() == 0
+        finally:
+            publisher.close()
+
+    run(scenario, "a", "b")
 
 
 def test_the_health_loop_takes_a_dead_instance_out_and_back_in() -> None:
