@@ -65,6 +65,10 @@ _CHAT_TOKENIZE_KEYS = (
     "tools",
 )  # fields of a chat request that change its tokens (vLLM's TokenizeChatRequest)
 
+KEEPALIVE = 4.0
+"""Seconds an idle upstream connection is kept: below uvicorn's default keep-alive (5 s, what
+vLLM's API server runs with), so the router never sends on a connection vLLM is closing."""
+
 _STATE: web.AppKey[RouterService] = web.AppKey("router")
 
 
@@ -126,7 +130,9 @@ def make_app(config: RouterConfig) -> web.Application:
     app = web.Application(client_max_size=config.max_body_bytes)
 
     async def lifecycle(app: web.Application) -> Any:
-        service = RouterService(config, aiohttp.ClientSession())
+        # No connection limit: every streamed answer holds one connection while it lasts.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE)
+        service = RouterService(config, aiohttp.ClientSession(connector=connector))
         app[_STATE] = service
         try:
             await service.start()
@@ -253,9 +259,12 @@ async def _tokens(service: RouterService, client: web.Request, body: dict[str, A
     url = min(instances, key=lambda i: i.inflight).url
     try:
         return await upstream.tokenize(service.session, url, payload, service.config.call_timeout)
-    except (PeerUnreachable, ProtocolError) as exc:
+    except PeerUnreachable as exc:
+        service.fleet.failed(url, str(exc))
         log.info("routing by load alone: %s", exc)
-        return []
+    except ProtocolError as exc:  # e.g. the instance refuses the prompt: it will say so again
+        log.info("routing by load alone: %s", exc)
+    return []
 
 
 def _tokenize_payload(path: str, body: Mapping[str, Any]) -> dict[str, Any] | list[int] | None:

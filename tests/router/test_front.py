@@ -150,12 +150,12 @@ def test_a_request_to_an_instance_refusing_connections_is_retried_and_the_instan
     async def scenario(a: StandIn, b: StandIn) -> None:
         async with front(unified=(a.url, b.url), policy="random") as f:
             await a.stop()
-            prompts = []
+            prompts: list[list[int]] = []
             for n in range(40):  # until the policy picked the dead instance once
-                prompts.append(f"prompt {n}")
+                prompts.append([n, 1, 2])  # token ids: no /tokenize call finds it dead first
                 status, data, _ = await f.post("/v1/completions", {"prompt": prompts[-1]})
                 assert status == 200
-                assert json.loads(data) == answer(prompts[-1], "b")
+                assert json.loads(data) == answer(str(prompts[-1]), "b")
                 if not f.service.fleet.get(a.url).healthy:
                     break
             assert [body["prompt"] for _, body in b.received] == prompts
@@ -164,6 +164,18 @@ def test_a_request_to_an_instance_refusing_connections_is_retried_and_the_instan
             assert (
                 f.metric("kvconnect_router_instance_healthy", instance=a.url, role="unified") == 0
             )
+
+    run(scenario, "a", "b")
+
+
+def test_a_tokenize_call_that_cannot_connect_takes_the_instance_out() -> None:
+    async def scenario(a: StandIn, b: StandIn) -> None:
+        async with front(unified=(a.url, b.url)) as f:
+            await a.stop()  # the idle instance listed first: asked to tokenise
+            status, data, _ = await f.post("/v1/completions", {"prompt": "tokenised by a"})
+            assert (status, json.loads(data)) == (200, answer("tokenised by a", "b"))
+            assert not f.service.fleet.get(a.url).healthy
+            assert f.metric("kvconnect_router_retries_total", role="unified") == 0
 
     run(scenario, "a", "b")
 
