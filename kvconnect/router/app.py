@@ -88,7 +88,10 @@ class RouterService:
             unhealthy_after=config.unhealthy_after,
         )
         self.router = Router(config, self.fleet)
-        self.metrics = RouterMetrics(self.router.index_entries)
+        self.subscribers: list[EventSubscriber] = []
+        self.metrics = RouterMetrics(
+            self.router.index_entries, lambda: {s.name: s.stats for s in self.subscribers}
+        )
         self.fleet.listen(self.metrics.instance_changed)
         timeout = aiohttp.ClientTimeout(
             total=config.request_timeout, connect=config.connect_timeout
@@ -97,7 +100,7 @@ class RouterService:
             session, self.fleet, self.metrics, timeout=timeout, max_attempts=config.max_attempts
         )
         sources = [*config.events, *([config.store_events] if config.store_events else [])]
-        self.subscribers = [
+        self.subscribers += [
             EventSubscriber(
                 source.instance or STORE,
                 source.endpoint,

@@ -289,6 +289,9 @@ def test_kv_events_steer_a_request_to_the_instance_holding_its_prefix() -> None:
             settings = {"unified": (a.url, b.url), "events": events, "block_size": 4}
             async with front(**settings, policy="cache") as f:
                 await await_for(lambda: f.service.router.index_entries() == 12, "indexed")
+                batches = f.metric("kvconnect_router_events_batches_total", source=b.url)
+                assert batches == f.metric("kvconnect_router_events_replayed_total", source=b.url)
+                assert batches == 1
                 for _ in range(3):
                     status, data, _ = await f.post("/v1/completions", {"prompt": prompt})
                     assert (status, json.loads(data)) == (200, answer(prompt, "b"))
