@@ -9,7 +9,7 @@ a decode says in its answer whose params it got. Faults: :meth:`StandIn.stop` (c
 refused), ``drop`` (the connection closes before an answer), ``fail_status`` (a 5xx answer),
 ``break_after`` (the stream breaks after that many chunks), ``hold_after`` (the stream stops
 after that many chunks until the router gives up: ``cancelled`` counts those), ``healthy``
-(``/health`` 503).
+(``/health`` 503), ``hang`` (``/health`` never answers).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class StandIn:
         self.received: list[tuple[str, dict[str, Any]]] = []  # generation requests
         self.headers: list[dict[str, str]] = []
         self.healthy = True
+        self.hang = False
         self.drop = False
         self.fail_status: int | None = None
         self.break_after: int | None = None
@@ -78,6 +79,8 @@ class StandIn:
             self._runner = None
 
     async def _health(self, _request: web.Request) -> web.Response:
+        if self.hang:
+            await asyncio.Event().wait()  # until the caller gives up and closes
         return web.Response(status=200 if self.healthy else 503)
 
     async def _metrics(self, _request: web.Request) -> web.Response:

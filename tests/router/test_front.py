@@ -109,6 +109,7 @@ def test_a_pd_request_goes_to_prefill_then_to_decode_with_prefills_params() -> N
                 "kv_transfer_params": {"remote_engine_id": "p", "blocks": [1]},
             }
             assert p.headers[0]["Authorization"] == d.headers[0]["Authorization"] == "Bearer k"
+            assert f.metric("kvconnect_router_ttft_observed_seconds_count") == 1
             assert (
                 f.metric(
                     "kvconnect_router_requests_total", endpoint="/v1/completions", outcome="ok"
@@ -327,6 +328,19 @@ def test_the_health_loop_takes_a_dead_instance_out_and_back_in() -> None:
             await await_for(lambda: health()[a.url], "the instance comes back when healthy")
             status, data, _ = await f.post("/v1/completions", {"prompt": "back"})
             assert (status, json.loads(data)) == (200, answer("back", "a"))
+
+    run(scenario, "a", "b")
+
+
+def test_an_instance_whose_health_check_hangs_is_taken_out_by_the_checks_timeout() -> None:
+    async def scenario(a: StandIn, b: StandIn) -> None:
+        settings = {"health_interval": 0.05, "health_timeout": 0.2}
+        async with front(unified=(a.url, b.url), **settings) as f:
+            a.hang = True
+            await await_for(lambda: not f.service.fleet.get(a.url).healthy, "a hung instance")
+            assert f.service.fleet.get(b.url).healthy
+            a.hang = False
+            await await_for(lambda: f.service.fleet.get(a.url).healthy, "back when it answers")
 
     run(scenario, "a", "b")
 
