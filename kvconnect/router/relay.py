@@ -13,15 +13,17 @@ Runs on the router's event loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 import aiohttp
 from aiohttp import web
 
+from kvconnect.errors import ProtocolError
 from kvconnect.router.instances import Fleet
 from kvconnect.router.metrics import Outcome, RouterMetrics
 from kvconnect.router.types import Choice
@@ -138,18 +140,15 @@ class Relay:
 
     async def call(self, choice: Choice, hop: Hop) -> tuple[int, str, bytes]:
         """The whole (buffered) answer of one hop: status, content type, body."""
-        with self._fleet.begin(choice.instance, hop.tokens):
-            try:
-                async with self._post(choice, hop) as reply:
-                    if reply.status >= 500:
-                        raise NotStarted(f"answered {reply.status}", unreachable=False)
-                    return reply.status, reply.content_type, await read_limited(reply)
-            except aiohttp.ConnectionTimeoutError as exc:
-                raise NotStarted(repr(exc), unreachable=True) from exc
-            except TimeoutError as exc:
-                raise Failed(504, f"{choice.instance} timed out", Outcome.TIMEOUT) from exc
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-                raise NotStarted(repr(exc), unreachable=True) from exc
+        with self._fleet.begin(choice.instance, hop.tokens), _before_answer(choice):
+            async with self._post(choice, hop) as reply:
+                if reply.status >= 500:
+                    raise NotStarted(f"answered {reply.status}", unreachable=False)
+                try:
+                    body = await read_limited(reply)
+                except ProtocolError as exc:
+                    raise Failed(502, str(exc), Outcome.UPSTREAM_ERROR) from exc
+                return reply.status, reply.content_type, body
 
     async def stream(
         self,
@@ -166,28 +165,24 @@ class Relay:
         outcome says whether the answer was relayed whole."""
         with self._fleet.begin(choice.instance, hop.tokens) as ticket:
             begun = time.monotonic()
-            try:
-                async with self._post(choice, hop) as reply:
+            with _before_answer(choice):
+                reply = await self._post(choice, hop)
+            async with reply:
+                with _before_answer(choice):
                     if reply.status >= 500:
                         raise NotStarted(f"answered {reply.status}", unreachable=False)
                     first = await reply.content.readany()
                     if not first and reply.status == 200:
                         raise NotStarted("closed before answering", unreachable=True)
-                    ticket.prefilled()
-                    streamed = reply.content_type == "text/event-stream"
-                    if streamed:
-                        started(time.monotonic() - begun)
-                    begun = time.monotonic()
-                    out, outcome, events = await self._relay(client, reply, first, choice)
-                    if streamed and outcome is Outcome.OK:
-                        finished(time.monotonic() - begun, events)
-                    return out, outcome
-            except aiohttp.ConnectionTimeoutError as exc:
-                raise NotStarted(repr(exc), unreachable=True) from exc
-            except TimeoutError as exc:
-                raise Failed(504, f"{choice.instance} timed out", Outcome.TIMEOUT) from exc
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-                raise NotStarted(repr(exc), unreachable=True) from exc
+                ticket.prefilled()
+                streamed = reply.content_type == "text/event-stream"
+                if streamed:
+                    started(time.monotonic() - begun)
+                begun = time.monotonic()
+                out, outcome, events = await self._relay(client, reply, first, choice)
+                if streamed and outcome is Outcome.OK:
+                    finished(time.monotonic() - begun, events)
+                return out, outcome
 
     async def _relay(
         self, client: web.Request, reply: aiohttp.ClientResponse, first: bytes, choice: Choice
@@ -198,9 +193,9 @@ class Relay:
         out.content_type = reply.content_type
         if reply.charset:
             out.charset = reply.charset
-        await out.prepare(client)
         events = first.count(_EVENT)
         try:
+            await out.prepare(client)
             await out.write(first)
             async for chunk in reply.content.iter_any():
                 events += chunk.count(_EVENT)
@@ -221,6 +216,20 @@ class Relay:
         return self._session.post(
             choice.instance + hop.path, data=hop.body, headers=headers, timeout=self._timeout
         )
+
+
+@contextlib.contextmanager
+def _before_answer(choice: Choice) -> Iterator[None]:
+    """What failing before the first answer byte means: a connect timeout or any connection
+    or protocol error did not start the hop; a timeout after connecting is final (504)."""
+    try:
+        yield
+    except aiohttp.ConnectionTimeoutError as exc:
+        raise NotStarted(repr(exc), unreachable=True) from exc
+    except TimeoutError as exc:
+        raise Failed(504, f"{choice.instance} timed out", Outcome.TIMEOUT) from exc
+    except aiohttp.ClientError as exc:
+        raise NotStarted(repr(exc), unreachable=True) from exc
 
 
 def outcome_of(status: int) -> Outcome:
