@@ -320,7 +320,7 @@ async def _prefill(
 
     role = service.fleet.get(first.instance).role
     _, (status, content_type, reply) = await service.relay.attempts(
-        first, lambda tried: router.retry(role, req, tried), role.value, send
+        first, lambda tried: router.retry(role, req, tried), role, send
     )
     if status != 200:
         message = f"prefill answered {status}"  # a refusal of the request: relayed as it is
@@ -362,7 +362,7 @@ async def _final_hop(
         )
 
     _, answer = await service.relay.attempts(
-        first, lambda tried: router.retry(role, req, tried), role.value, send
+        first, lambda tried: router.retry(role, req, tried), role, send
     )
     return answer
 

@@ -26,7 +26,7 @@ from aiohttp import web
 from kvconnect.errors import ProtocolError
 from kvconnect.router.instances import Fleet
 from kvconnect.router.metrics import Outcome, RouterMetrics
-from kvconnect.router.types import Choice
+from kvconnect.router.types import Choice, Role
 from kvconnect.router.upstream import read_limited
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class Relay:
         self,
         first: Choice,
         choose: Chooser,
-        role: str,
+        role: Role,
         send: Callable[[Choice], Awaitable[_T]],
     ) -> tuple[Choice, _T]:
         """``send`` at ``first``, then at the instances ``choose`` gives while a try raises
@@ -128,14 +128,14 @@ class Relay:
                 return choice, await send(choice)
             except NotStarted as exc:
                 reason = str(exc)
-                log.warning("%s hop to %s did not start: %s", role, choice.instance, reason)
+                log.warning("%s hop to %s did not start: %s", role.value, choice.instance, reason)
                 if exc.unreachable:
                     self._fleet.failed(choice.instance, reason)
             choice = choose(tried)
             if choice is not None and len(tried) < self._max_attempts:
-                self._metrics.retries.labels(role).inc()
+                self._metrics.retries.labels(role.value).inc()
         raise Failed(
-            503, f"no {role} instance could take the request: {reason}", Outcome.UNAVAILABLE
+            503, f"no {role.value} instance could take the request: {reason}", Outcome.UNAVAILABLE
         )
 
     async def call(self, choice: Choice, hop: Hop) -> tuple[int, str, bytes]:
