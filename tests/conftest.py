@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+from hypothesis import settings
 
 from kvconnect.auth import curve_keys, secure_client
 from kvconnect.bench.etcd import etcd_available
@@ -21,6 +22,11 @@ from tests.support.leaks import open_fds, wait_no_kvconnect_threads
 # Every engine, master and client of the suite (and the processes it starts) authenticates
 # with this token, as a secure deployment does; tests of other setups pass their own.
 os.environ.setdefault("KVCONNECT_TOKEN", "kvconnect-test-suite-token")
+
+# No per-example deadline: on two shared cores a slow example is load, not a failure (the
+# suite has no timing thresholds; pytest's timeout still bounds a hung test).
+settings.register_profile("kvconnect", deadline=None)
+settings.load_profile("kvconnect")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(routing, "block_size", int, "tokens per KV block: the engines' --block-size")
     _flag(routing, "index_capacity", int, "block hashes the prefix index keeps at most")
     _flag(routing, "prefill_tps", float, "prior prefill tokens/s (calibrated per instance)")
+    _flag(routing, "prefill_overhead", float, "prior fixed seconds of a prefill (calibrated)")
     _flag(routing, "pool_tps", float, "tokens/s loaded from the shared pool")
     _flag(routing, "decode_tbt", float, "prior seconds per token of one sequence alone")
     _flag(routing, "k_waiting", float, "decode load: running + K x waiting")
@@ -107,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         block_size=args.block_size,
         index_capacity=args.index_capacity,
         prefill_tps=args.prefill_tps,
+        prefill_overhead=args.prefill_overhead,
         pool_tps=args.pool_tps,
         decode_tbt=args.decode_tbt,
         k_waiting=args.k_waiting,

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from kvconnect._config import MiB, check_choice, check_positive
 from kvconnect.errors import ConfigError
-from kvconnect.router.cost import DECODE_TBT, K_WAITING, POOL_TPS, PREFILL_TPS
+from kvconnect.router.cost import DECODE_TBT, K_WAITING, POOL_TPS, PREFILL_OVERHEAD, PREFILL_TPS
 from kvconnect.router.types import Role
 
 
@@ -87,6 +87,8 @@ class RouterConfig:
     """Block hashes the prefix index keeps at most (least recently used dropped)."""
     prefill_tps: float = PREFILL_TPS
     """Prior prefill throughput, tokens/s (calibrated online per instance)."""
+    prefill_overhead: float = PREFILL_OVERHEAD
+    """Prior fixed cost of a request's prefill, seconds (calibrated online)."""
     pool_tps: float = POOL_TPS
     """Tokens/s loaded from the shared pool instead of computed."""
     decode_tbt: float = DECODE_TBT
@@ -118,8 +120,9 @@ class RouterConfig:
             "pool_tps",
             "decode_tbt",
         )
-        if self.k_waiting < 0:
-            raise ConfigError(f"k_waiting must be >= 0, got {self.k_waiting}")
+        for name in ("k_waiting", "prefill_overhead"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("ttft_slo", "tbt_slo"):
             value = getattr(self, name)
             if value is not None and value <= 0:

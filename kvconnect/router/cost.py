@@ -9,7 +9,7 @@ Pure: the caller passes what it observed; nothing here reads a clock.
     pool    = min(max(pool_blocks, cached_blocks) * B, hit) - local    loaded from the pool
     compute = P - local - pool
     queue   = inflight_tokens + max(waiting - inflight, 0) * P
-    TTFT    = (queue + compute) / tps(instance) + pool / pool_tps
+    TTFT    = overhead + (queue + compute) / tps(instance) + pool / pool_tps
 
 ``inflight_tokens`` is the router's own count of the uncached tokens it sent there that are not
 prefilled yet (fresh); ``waiting`` comes from the instance's ``/metrics`` (a health interval old)
@@ -20,7 +20,13 @@ prefix on the second one or loading it there from the pool. A unified instance i
 same way (its running decodes, which slow its prefills, are not counted).
 
 ``tps(instance)`` starts at ``prefill_tps`` and follows the instance's observed prefill
-throughput (:meth:`CostModel.observe_prefill`, an EWMA with weight ``alpha`` per sample).
+throughput; ``overhead`` (a request's fixed cost: HTTP, tokenising, a scheduler step) starts at
+``prefill_overhead`` and follows what observed prefills took beyond their compute
+(:meth:`CostModel.observe_prefill`, EWMAs with weight ``alpha`` per sample). A sample whose
+predicted compute is shorter than the overhead calibrates the overhead, a longer one the
+throughput: folding the fixed cost into throughput would make an instance that served cache
+hits (little compute, the same fixed cost) look slow, and send its hot prefixes elsewhere. The
+overhead is one for the fleet, so it never decides between instances.
 
 **Decode load** (Mooncake's formula, batch size + k * waiting)::
 
@@ -48,6 +54,7 @@ from kvconnect.router.types import Candidate, Request
 # benchmark model on one core: a 2k-token prompt computes in ~1.4 s, and loads from kvconnect's
 # store in 22-30 ms; tiny test models compute faster, which calibration learns.
 PREFILL_TPS = 1500.0
+PREFILL_OVERHEAD = 0.03  # seconds: a tiny prompt's prefill call through vLLM's API server
 POOL_TPS = 80000.0
 DECODE_TBT = 0.02
 K_WAITING = 1.0
@@ -63,6 +70,7 @@ class Estimate:
     pool_tokens: int  # the request's tokens loaded from the shared pool
     tps: float  # the instance's prefill throughput used
     pool_seconds: float  # pool_tokens / pool_tps
+    overhead: float = 0.0  # the fixed cost of a request (seconds)
 
     @property
     def work_tokens(self) -> float:
@@ -72,7 +80,7 @@ class Estimate:
     @property
     def seconds(self) -> float:
         """The predicted TTFT."""
-        return self.work_tokens / self.tps + self.pool_seconds
+        return self.overhead + self.work_tokens / self.tps + self.pool_seconds
 
 
 class CostModel:
@@ -85,8 +93,11 @@ class CostModel:
         decode_tbt: float = DECODE_TBT,
         k_waiting: float = K_WAITING,
         *,
+        prefill_overhead: float = PREFILL_OVERHEAD,
         alpha: float = ALPHA,
     ) -> None:
+        if not prefill_overhead >= 0:
+            raise ConfigError(f"prefill_overhead must be at least 0, got {prefill_overhead}")
         for name, value in (
             ("prefill_tps", prefill_tps),
             ("pool_tps", pool_tps),
@@ -104,6 +115,8 @@ class CostModel:
         self._k = k_waiting
         self._alpha = alpha
         self._tps: dict[str, float] = {}
+        self.overhead = prefill_overhead
+        """A request's fixed prefill cost (seconds), calibrated."""
         self._per_seq: dict[str, float] = {}
 
     def tps(self, instance: str) -> float:
@@ -117,9 +130,18 @@ class CostModel:
     def observe_prefill(self, instance: str, tokens_computed: float, seconds: float) -> None:
         """``instance`` computed ``tokens_computed`` prompt tokens in ``seconds``. The router
         passes a finished prefill's :attr:`Estimate.work_tokens` from dispatch and its elapsed
-        time less :attr:`Estimate.pool_seconds`. Samples without work or time are ignored."""
-        if tokens_computed > 0 and seconds > 0:
-            self._tps[instance] = self._ewma(self._tps.get(instance), tokens_computed / seconds)
+        time less :attr:`Estimate.pool_seconds`. A sample whose predicted compute is shorter
+        than the overhead calibrates the overhead, a longer one the instance's throughput
+        (with the overhead taken off, at most half the sample); samples without time, or with
+        negative work, are ignored."""
+        if not seconds > 0 or tokens_computed < 0:
+            return
+        compute = tokens_computed / self.tps(instance)
+        if compute < self.overhead or tokens_computed == 0:
+            self.overhead = self._ewma(self.overhead, max(seconds - compute, 0.0))
+            return
+        busy = max(seconds - self.overhead, seconds / 2)
+        self._tps[instance] = self._ewma(self._tps.get(instance), tokens_computed / busy)
 
     def observe_decode(self, instance: str, batch: float, tbt: float) -> None:
         """``instance`` decoded at ``tbt`` seconds per token with ``batch`` sequences (its decode
@@ -135,7 +157,9 @@ class CostModel:
         pool = min(max(r.pool_blocks, c.cached_blocks) * block_size, hit) - local
         compute = prompt - local - pool
         queue = c.inflight_tokens + max(c.load.waiting - c.inflight, 0) * prompt
-        return Estimate(queue, compute, pool, self.tps(c.name), pool / self._pool_tps)
+        return Estimate(
+            queue, compute, pool, self.tps(c.name), pool / self._pool_tps, self.overhead
+        )
 
     def predict_ttft(self, c: Candidate, r: Request, block_size: int) -> float:
         """``r``'s predicted TTFT on prefill instance ``c`` (seconds)."""

@@ -62,6 +62,7 @@ class Router:
             pool_tps=config.pool_tps,
             decode_tbt=config.decode_tbt,
             k_waiting=config.k_waiting,
+            prefill_overhead=config.prefill_overhead,
         )
         self.policy = make_policy(config, self.cost)
         self._slo = Slo(ttft=config.ttft_slo, tbt=config.tbt_slo)

@@ -27,16 +27,21 @@ def request(prompt: int = 160, pool: int = 0) -> Request:
     return Request(blocks=tuple(range(prompt // BS)), prompt_tokens=prompt, pool_blocks=pool)
 
 
-def test_the_ttft_counts_queue_uncached_compute_and_pool_loads() -> None:
-    model = CostModel(prefill_tps=1000.0, pool_tps=10_000.0)
+def test_the_ttft_counts_overhead_queue_uncached_compute_and_pool_loads() -> None:
+    model = CostModel(prefill_tps=1000.0, pool_tps=10_000.0, prefill_overhead=0.01)
     # 3 blocks cached locally, the pool holds 7: 4 blocks loaded, 3 blocks + 6 tokens computed
     estimate = model.estimate(candidate(cached=3, inflight_tokens=100), request(166, pool=7), BS)
     assert estimate == Estimate(
-        queue_tokens=100, compute_tokens=54, pool_tokens=64, tps=1000.0, pool_seconds=0.0064
+        queue_tokens=100,
+        compute_tokens=54,
+        pool_tokens=64,
+        tps=1000.0,
+        pool_seconds=0.0064,
+        overhead=0.01,
     )
     assert model.predict_ttft(
         candidate(cached=3, inflight_tokens=100), request(166, pool=7), BS
-    ) == pytest.approx(0.154 + 0.0064)
+    ) == pytest.approx(0.01 + 0.154 + 0.0064)
 
 
 def test_the_pool_adds_nothing_below_the_local_cache_and_the_last_token_is_computed() -> None:
@@ -59,17 +64,35 @@ def test_waiting_requests_the_router_did_not_send_count_as_long_as_this_prompt()
 
 
 def test_prefill_throughput_starts_at_the_default_and_follows_observations() -> None:
-    model = CostModel(prefill_tps=1000.0, alpha=0.5)
+    model = CostModel(prefill_tps=1000.0, prefill_overhead=0.0, alpha=0.5)
     assert model.tps("a") == 1000.0
     model.observe_prefill("a", 400, 0.1)  # the first sample replaces the default
     assert model.tps("a") == pytest.approx(4000.0)
     model.observe_prefill("a", 200, 0.1)
     assert model.tps("a") == pytest.approx(3000.0)
-    model.observe_prefill("a", 0, 0.1)  # ignored
     model.observe_prefill("a", 100, 0.0)  # ignored
+    model.observe_prefill("a", -1, 0.1)  # ignored
     assert model.tps("a") == pytest.approx(3000.0)
     assert model.tps("b") == 1000.0
     assert model.predict_ttft(candidate("a"), request(3000), BS) == pytest.approx(1.0)
+
+
+def test_short_prefills_calibrate_the_fixed_cost_and_leave_the_throughput_alone() -> None:
+    model = CostModel(prefill_tps=1000.0, prefill_overhead=0.03, alpha=0.5)
+    # a cache hit: 8 tokens computed (8 ms predicted) in a 60 ms call
+    model.observe_prefill("hits", 8, 0.060)
+    assert model.tps("hits") == 1000.0, "a cache hit made its instance look slow"
+    assert model.overhead == pytest.approx(0.03 + 0.5 * (0.052 - 0.03))
+    model.observe_prefill("hits", 0, 0.051)  # no work at all: the fixed cost alone
+    assert model.overhead == pytest.approx(0.041 + 0.5 * (0.051 - 0.041))
+    # a long prefill: 2000 tokens in 1.04 s with the fixed cost taken off
+    before = model.overhead
+    model.observe_prefill("cold", 2000, 1.0 + before)
+    assert model.tps("cold") == pytest.approx(2000.0)
+    assert model.overhead == before, "compute calibrated the fixed cost"
+    # the fixed cost is the fleet's: it never decides between instances
+    a, b = candidate("hits", cached=9), candidate("other", cached=9)
+    assert model.predict_ttft(a, request(160), BS) == model.predict_ttft(b, request(160), BS)
 
 
 def test_decode_load_is_running_plus_k_times_waiting_with_the_routers_unseen_requests() -> None:

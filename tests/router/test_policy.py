@@ -19,7 +19,7 @@ def idle(name: str, role: Role = Role.PREFILL, cached: int = 0) -> Candidate:
 
 
 def policy() -> CacheAware:
-    return CacheAware(CostModel(prefill_tps=1000.0, pool_tps=10_000.0), BS)
+    return CacheAware(CostModel(prefill_tps=1000.0, pool_tps=10_000.0, prefill_overhead=0.0), BS)
 
 
 @pytest.mark.parametrize(
