@@ -14,7 +14,14 @@ PACKAGE = ROOT / "kvconnect"
 
 # A layer may import only the layers after it in this order (kvconnect.* top-level modules such
 # as errors, auth and etcd are shared by all). bench and testing drive the library from outside.
-LAYERS = ("kvconnect.transfer", "kvconnect.store", ("kvconnect.sglang", "kvconnect.vllm"))
+LAYERS = (
+    "kvconnect.transfer",
+    "kvconnect.store",
+    ("kvconnect.sglang", "kvconnect.vllm"),
+    "kvconnect.router",
+)
+# Layers that speak to the layers below over the wire and may not import them.
+WIRE_ONLY = {"kvconnect.router": ("kvconnect.sglang", "kvconnect.vllm")}
 OUTSIDE = ("kvconnect.bench", "kvconnect.testing", "kvconnect.cli")
 
 # Optional or heavy dependencies, and the only modules allowed to import them.
@@ -70,6 +77,18 @@ def test_imports_flow_down_the_layers(module: str) -> None:
             continue
         same_package = imported.split(".")[:2] == module.split(".")[:2]
         assert target < own or same_package, f"{module} imports {imported}: against the layers"
+
+
+@pytest.mark.parametrize("layer", sorted(WIRE_ONLY))
+def test_a_wire_only_layer_imports_none_of_what_it_speaks_to(layer: str) -> None:
+    offenders = [
+        f"{module} imports {name}"
+        for module, path in _modules().items()
+        if _within(module, (layer,))
+        for name in _imports(path)
+        if _within(name, WIRE_ONLY[layer])
+    ]
+    assert offenders == []
 
 
 @pytest.mark.parametrize("dependency", sorted(BOUNDARIES))

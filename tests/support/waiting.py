@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -16,3 +17,12 @@ def wait_for(condition: Callable[[], bool], message: str, timeout: float = 10.0)
     while not condition():
         assert time.monotonic() < deadline, message
         time.sleep(0.01)
+
+
+async def await_for(condition: Callable[[], bool], message: str, timeout: float = 10.0) -> None:
+    """:func:`wait_for` inside an event loop: polls without blocking the loop, whose own tasks
+    (servers, health loops) make ``condition`` true."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, message
+        await asyncio.sleep(0.01)
