@@ -71,7 +71,9 @@ class Server:
     ``block_size``: tokens per KV block (vLLM's CPU attention needs a multiple of 32); ``tp``:
     tensor-parallel ranks (worker processes); ``kv_events``: vLLM's KV events on (prefix
     caching on, a ZMQ publisher at :attr:`events` with its replay endpoint :attr:`replay`);
-    ``args``: more command-line arguments of the server.
+    ``session``: a session of its own (its own scheduling group); False: this process's
+    session, for servers that share cores (see :func:`pd_fleet`); ``args``: more command-line
+    arguments of the server.
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class Server:
         block_size: int = 32,
         tp: int = 1,
         kv_events: bool = False,
+        session: bool = True,
         args: Sequence[str] = (),
     ) -> None:
         self.name = name
@@ -124,8 +127,9 @@ class Server:
         )
         with self.log.open("w") as out:
             self.process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env=variables, start_new_session=True
-            )
+                command, stdout=out, stderr=subprocess.STDOUT, env=variables,
+                start_new_session=session, process_group=None if session else 0,
+            )  # fmt: skip
 
     def _kv_events(self) -> str:
         """vLLM's ``--kv-events-config``; its publisher binds wildcard endpoints (a connecting
@@ -357,11 +361,15 @@ def pd_fleet(
     """A :class:`Fleet` of ``prefill`` + ``decode`` servers, started and ready, stopped on
     exit (the store with them). The servers take this process's cores in turn
     (:func:`cpu_groups` of the cores: with more servers than cores, a decode server shares a
-    prefill server's cores). ``server``: more :class:`Server` arguments for every server,
+    prefill server's cores, and then every server runs in this process's session: one
+    scheduling group, in which the ``sched_yield`` of vLLM's busy loop lets the other server
+    run; each in a session of its own, a decode server sharing a prefill server's core waited
+    about a second behind that server's spin in half of the requests). ``server``: more :class:`Server` arguments for every server,
     ``decode_server`` for the decode servers; ``pool``: the shared pool on (else the store
     serves nobody and the connector moves prefill/decode KV only)."""
     names = [f"prefill{i}" for i in range(prefill)] + [f"decode{i}" for i in range(decode)]
     cores = cpu_groups(min(len(names), len(os.sched_getaffinity(0))))
+    shared = len(names) > len(cores)
     with ExitStack() as stack:
         cluster = stack.enter_context(Cluster(servers=1, server_size=store_size))
         extra = {"pool": pool, "master": cluster.master_endpoint, "lease": 120}
@@ -372,7 +380,7 @@ def pd_fleet(
                 options |= dict(decode_server or {})
             started = Server(
                 name, model, log_dir, connector(extra), cpus=cores[i % len(cores)],
-                kv_events=True, **options,
+                kv_events=True, session=not shared, **options,
             )  # fmt: skip
             stack.callback(started.stop)
             servers.append(started)
