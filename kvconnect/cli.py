@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         declare="kvconnect.store.demo",
     )
 
+    commands.add_parser(
+        "router",
+        help="a cache-aware, load-aware router in front of a vLLM PD fleet",
+        declare="kvconnect.router.command",
+    )
+
     status = commands.add_parser("status", help="print the store cluster: segments, usage, keys")
     status.add_argument("--master", default=StoreClientConfig().master, help="master endpoint")
     status.add_argument("--timeout", type=float, default=2.0)

@@ -35,7 +35,7 @@ print("\\n".join(sorted(sys.modules)))
 """
 
 
-@pytest.mark.parametrize("command", ["master", "store", "demo"])
+@pytest.mark.parametrize("command", ["master", "store", "demo", "router"])
 def test_server_commands_load_no_benchmarks_test_helpers_or_torch(
     command: str, tmp_path: Path
 ) -> None:

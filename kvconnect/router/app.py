@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -281,9 +282,9 @@ async def _prefill(
     async def send(choice: Choice) -> tuple[int, str, bytes]:
         hop = Hop(client.path, data, headers, router.uncached_tokens(req, choice))
         predicted = router.predict_ttft(req, choice)
-        begun = client.loop.time()
+        begun = time.monotonic()
         answer = await service.relay.call(choice, hop)
-        seconds = client.loop.time() - begun
+        seconds = time.monotonic() - begun
         if answer[0] == 200:
             router.prefilled(choice, hop.tokens, seconds)
             service.metrics.ttft_predicted.observe(predicted)

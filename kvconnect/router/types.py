@@ -65,9 +65,16 @@ class Slo:
     tbt: float | None = None
 
 
+class Breach(enum.StrEnum):
+    """Which objective a request would break."""
+
+    TTFT = "ttft"
+    TBT = "tbt"
+
+
 @dataclass(frozen=True, slots=True)
 class Rejection:
     """Why a request is refused before dispatch, and when a retry may fit (seconds)."""
 
-    reason: str
+    reason: Breach  # a str: "ttft" or "tbt"
     retry_after: float

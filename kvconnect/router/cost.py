@@ -1,0 +1,154 @@
+"""The cost model: predicted TTFT of a request on each prefill instance, decode load, TBT.
+
+Pure: the caller passes what it observed; nothing here reads a clock.
+
+**TTFT on a prefill instance** (seconds; ``P`` prompt tokens, ``B`` the block size)::
+
+    hit     = P - 1                              vLLM computes at least the last token
+    local   = min(cached_blocks * B, hit)        the instance's own prefix cache
+    pool    = min(max(pool_blocks, cached_blocks) * B, hit) - local    loaded from the pool
+    compute = P - local - pool
+    queue   = inflight_tokens + max(waiting - inflight, 0) * P
+    TTFT    = (queue + compute) / tps(instance) + pool / pool_tps
+
+``inflight_tokens`` is the router's own count of the uncached tokens it sent there that are not
+prefilled yet (fresh); ``waiting`` comes from the instance's ``/metrics`` (a health interval old)
+and, less the router's own in-flight requests, counts requests others sent, each assumed as long
+as this prompt. So a hot prefix stays on the instance holding it while its queue is short, and
+spreads to a second instance once the holder's ``queue / tps`` costs more than recomputing the
+prefix on the second one or loading it there from the pool. A unified instance is predicted the
+same way (its running decodes, which slow its prefills, are not counted).
+
+``tps(instance)`` starts at ``prefill_tps`` and follows the instance's observed prefill
+throughput (:meth:`CostModel.observe_prefill`, an EWMA with weight ``alpha`` per sample).
+
+**Decode load** (Mooncake's formula, batch size + k * waiting)::
+
+    unseen = max(inflight - running - waiting, 0)   sent by the router since the last scrape
+    load   = running + k_waiting * (waiting + unseen)
+
+**TBT on a decode instance**: a decode step is assumed to cost ``per_seq`` seconds per sequence
+in the batch (right for compute-bound CPU decoding; pessimistic on GPUs, whose step time grows
+slower than the batch)::
+
+    TBT = per_seq(instance) * (load + 1)
+
+``per_seq`` starts at ``decode_tbt`` (the TBT of one sequence alone) and follows observed TBTs
+(:meth:`CostModel.observe_decode`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvconnect.errors import ConfigError
+from kvconnect.router.types import Candidate, Request
+
+# Defaults for tiny models on a few CPU cores, where a first guess matters only until the first
+# observations arrive.
+PREFILL_TPS = 2000.0
+POOL_TPS = 20000.0
+DECODE_TBT = 0.01
+K_WAITING = 1.0
+ALPHA = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """The parts of a predicted TTFT (tokens and seconds)."""
+
+    queue_tokens: float  # ahead of the request on the instance
+    compute_tokens: int  # the request's own tokens to compute
+    pool_tokens: int  # the request's tokens loaded from the shared pool
+    tps: float  # the instance's prefill throughput used
+    pool_seconds: float  # pool_tokens / pool_tps
+
+    @property
+    def work_tokens(self) -> float:
+        """What the instance computes before the request's first token."""
+        return self.queue_tokens + self.compute_tokens
+
+    @property
+    def seconds(self) -> float:
+        """The predicted TTFT."""
+        return self.work_tokens / self.tps + self.pool_seconds
+
+
+class CostModel:
+    """Predictions per instance, calibrated online (not thread-safe: the caller holds a lock)."""
+
+    def __init__(
+        self,
+        prefill_tps: float = PREFILL_TPS,
+        pool_tps: float = POOL_TPS,
+        decode_tbt: float = DECODE_TBT,
+        k_waiting: float = K_WAITING,
+        *,
+        alpha: float = ALPHA,
+    ) -> None:
+        for name, value in (
+            ("prefill_tps", prefill_tps),
+            ("pool_tps", pool_tps),
+            ("decode_tbt", decode_tbt),
+        ):
+            if not value > 0:
+                raise ConfigError(f"{name} must be positive, got {value}")
+        if not k_waiting >= 0:
+            raise ConfigError(f"k_waiting must be at least 0, got {k_waiting}")
+        if not 0 < alpha <= 1:
+            raise ConfigError(f"alpha must be in (0, 1], got {alpha}")
+        self._prefill_tps = prefill_tps
+        self._pool_tps = pool_tps
+        self._decode_tbt = decode_tbt
+        self._k = k_waiting
+        self._alpha = alpha
+        self._tps: dict[str, float] = {}
+        self._per_seq: dict[str, float] = {}
+
+    def tps(self, instance: str) -> float:
+        """The prefill throughput (tokens/s) predictions use for ``instance``."""
+        return self._tps.get(instance, self._prefill_tps)
+
+    def per_seq(self, instance: str) -> float:
+        """The decode step cost per sequence (seconds) predictions use for ``instance``."""
+        return self._per_seq.get(instance, self._decode_tbt)
+
+    def observe_prefill(self, instance: str, tokens_computed: float, seconds: float) -> None:
+        """``instance`` computed ``tokens_computed`` prompt tokens in ``seconds``. The router
+        passes a finished prefill's :attr:`Estimate.work_tokens` from dispatch and its elapsed
+        time less :attr:`Estimate.pool_seconds`. Samples without work or time are ignored."""
+        if tokens_computed > 0 and seconds > 0:
+            self._tps[instance] = self._ewma(self._tps.get(instance), tokens_computed / seconds)
+
+    def observe_decode(self, instance: str, batch: float, tbt: float) -> None:
+        """``instance`` decoded at ``tbt`` seconds per token with ``batch`` sequences (its decode
+        load, this one included). Samples without a batch or time are ignored."""
+        if batch > 0 and tbt > 0:
+            self._per_seq[instance] = self._ewma(self._per_seq.get(instance), tbt / batch)
+
+    def estimate(self, c: Candidate, r: Request, block_size: int) -> Estimate:
+        """The parts of ``r``'s predicted TTFT on ``c`` (the module's formula)."""
+        prompt = r.prompt_tokens
+        hit = max(prompt - 1, 0)
+        local = min(c.cached_blocks * block_size, hit)
+        pool = min(max(r.pool_blocks, c.cached_blocks) * block_size, hit) - local
+        compute = prompt - local - pool
+        queue = c.inflight_tokens + max(c.load.waiting - c.inflight, 0) * prompt
+        return Estimate(queue, compute, pool, self.tps(c.name), pool / self._pool_tps)
+
+    def predict_ttft(self, c: Candidate, r: Request, block_size: int) -> float:
+        """``r``'s predicted TTFT on prefill instance ``c`` (seconds)."""
+        return self.estimate(c, r, block_size).seconds
+
+    def decode_load(self, c: Candidate) -> float:
+        """``running + k_waiting * waiting``, the router's unseen requests counted as waiting."""
+        running, waiting = c.load.running, c.load.waiting
+        unseen = max(c.inflight - running - waiting, 0)
+        return running + self._k * (waiting + unseen)
+
+    def predict_tbt(self, c: Candidate) -> float:
+        """The predicted TBT of one more sequence on decode instance ``c`` (seconds)."""
+        return self.per_seq(c.name) * (self.decode_load(c) + 1)
+
+    def _ewma(self, old: float | None, sample: float) -> float:
+        return sample if old is None else old + self._alpha * (sample - old)

@@ -1,0 +1,131 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvconnect.errors import ConfigError
+from kvconnect.router.cost import CostModel, Estimate
+from kvconnect.router.types import Candidate, Load, Request, Role
+
+BS = 16
+
+
+def candidate(
+    name: str = "a",
+    *,
+    cached: int = 0,
+    inflight: int = 0,
+    inflight_tokens: int = 0,
+    running: int = 0,
+    waiting: int = 0,
+) -> Candidate:
+    return Candidate(name, Role.PREFILL, Load(running, waiting), inflight, inflight_tokens, cached)
+
+
+def request(prompt: int = 160, pool: int = 0) -> Request:
+    return Request(blocks=tuple(range(prompt // BS)), prompt_tokens=prompt, pool_blocks=pool)
+
+
+def test_the_ttft_counts_queue_uncached_compute_and_pool_loads() -> None:
+    model = CostModel(prefill_tps=1000.0, pool_tps=10_000.0)
+    # 3 blocks cached locally, the pool holds 7: 4 blocks loaded, 3 blocks + 6 tokens computed
+    estimate = model.estimate(candidate(cached=3, inflight_tokens=100), request(166, pool=7), BS)
+    assert estimate == Estimate(
+        queue_tokens=100, compute_tokens=54, pool_tokens=64, tps=1000.0, pool_seconds=0.0064
+    )
+    assert model.predict_ttft(
+        candidate(cached=3, inflight_tokens=100), request(166, pool=7), BS
+    ) == pytest.approx(0.154 + 0.0064)
+
+
+def test_the_pool_adds_nothing_below_the_local_cache_and_the_last_token_is_computed() -> None:
+    model = CostModel()
+    estimate = model.estimate(candidate(cached=10), request(160, pool=4), BS)
+    assert (estimate.compute_tokens, estimate.pool_tokens) == (1, 0)
+    estimate = model.estimate(candidate(cached=2), request(160, pool=10), BS)
+    assert (estimate.compute_tokens, estimate.pool_tokens) == (1, 127)
+    estimate = model.estimate(candidate(cached=2), request(160, pool=5), BS)
+    assert (estimate.compute_tokens, estimate.pool_tokens) == (80, 48)
+
+
+def test_waiting_requests_the_router_did_not_send_count_as_long_as_this_prompt() -> None:
+    model = CostModel()
+    # 5 waiting on /metrics, 2 of them the router's own (already in inflight_tokens)
+    estimate = model.estimate(candidate(inflight=2, inflight_tokens=50, waiting=5), request(), BS)
+    assert estimate.queue_tokens == 50 + 3 * 160
+    estimate = model.estimate(candidate(inflight=7, inflight_tokens=50, waiting=5), request(), BS)
+    assert estimate.queue_tokens == 50
+
+
+def test_prefill_throughput_starts_at_the_default_and_follows_observations() -> None:
+    model = CostModel(prefill_tps=1000.0, alpha=0.5)
+    assert model.tps("a") == 1000.0
+    model.observe_prefill("a", 400, 0.1)  # the first sample replaces the default
+    assert model.tps("a") == pytest.approx(4000.0)
+    model.observe_prefill("a", 200, 0.1)
+    assert model.tps("a") == pytest.approx(3000.0)
+    model.observe_prefill("a", 0, 0.1)  # ignored
+    model.observe_prefill("a", 100, 0.0)  # ignored
+    assert model.tps("a") == pytest.approx(3000.0)
+    assert model.tps("b") == 1000.0
+    assert model.predict_ttft(candidate("a"), request(3000), BS) == pytest.approx(1.0)
+
+
+def test_decode_load_is_running_plus_k_times_waiting_with_the_routers_unseen_requests() -> None:
+    model = CostModel(k_waiting=0.5)
+    assert model.decode_load(candidate(running=4, waiting=2, inflight=3)) == 5.0
+    # the router sent 10, /metrics shows 3: the 7 it has not seen yet count as waiting
+    assert model.decode_load(candidate(running=2, waiting=1, inflight=10)) == 2 + 0.5 * 8
+
+
+def test_tbt_grows_with_the_decode_batch_and_is_calibrated_per_sequence() -> None:
+    model = CostModel(decode_tbt=0.01, k_waiting=1.0, alpha=1.0)
+    assert model.predict_tbt(candidate()) == pytest.approx(0.01)
+    assert model.predict_tbt(candidate(running=3, waiting=1)) == pytest.approx(0.05)
+    model.observe_decode("a", batch=4, tbt=0.08)
+    assert model.per_seq("a") == pytest.approx(0.02)
+    assert model.predict_tbt(candidate(running=3, waiting=1)) == pytest.approx(0.10)
+    model.observe_decode("a", batch=0, tbt=0.08)  # ignored
+    assert model.per_seq("a") == pytest.approx(0.02)
+
+
+@given(
+    cached=st.integers(0, 20),
+    pool=st.integers(0, 20),
+    inflight_tokens=st.integers(0, 10_000),
+    waiting=st.integers(0, 20),
+    prompt=st.integers(1, 400),
+)
+def test_more_cache_never_costs_more_and_more_queue_never_costs_less(
+    cached: int, pool: int, inflight_tokens: int, waiting: int, prompt: int
+) -> None:
+    model = CostModel()  # the pool loads faster than the instance computes
+
+    def ttft(cached: int, pool: int, inflight_tokens: int, waiting: int) -> float:
+        c = candidate(cached=cached, inflight_tokens=inflight_tokens, waiting=waiting)
+        return model.predict_ttft(c, request(prompt, pool), BS)
+
+    base = ttft(cached, pool, inflight_tokens, waiting)
+    assert base > 0
+    assert ttft(cached + 1, pool, inflight_tokens, waiting) <= base
+    assert ttft(cached, pool + 1, inflight_tokens, waiting) <= base
+    assert ttft(cached, pool, inflight_tokens + 1, waiting) > base
+    assert ttft(cached, pool, inflight_tokens, waiting + 1) > base
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"prefill_tps": 0.0},
+        {"pool_tps": -1.0},
+        {"decode_tbt": 0.0},
+        {"k_waiting": -0.1},
+        {"alpha": 0.0},
+        {"alpha": 1.5},
+        {"prefill_tps": float("nan")},
+    ],
+)
+def test_invalid_parameters_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ConfigError):
+        CostModel(**kwargs)
