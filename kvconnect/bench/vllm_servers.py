@@ -364,9 +364,10 @@ def pd_fleet(
     prefill server's cores, and then every server runs in this process's session: one
     scheduling group, in which the ``sched_yield`` of vLLM's busy loop lets the other server
     run; each in a session of its own, a decode server sharing a prefill server's core waited
-    about a second behind that server's spin in half of the requests). ``server``: more :class:`Server` arguments for every server,
-    ``decode_server`` for the decode servers; ``pool``: the shared pool on (else the store
-    serves nobody and the connector moves prefill/decode KV only)."""
+    about a second behind that server's spin in half of the requests). ``server``: more
+    :class:`Server` arguments for every server, ``decode_server`` for the decode servers;
+    ``pool``: the shared pool on (else the store serves nobody and the connector moves
+    prefill/decode KV only)."""
     names = [f"prefill{i}" for i in range(prefill)] + [f"decode{i}" for i in range(decode)]
     cores = cpu_groups(min(len(names), len(os.sched_getaffinity(0))))
     shared = len(names) > len(cores)
