@@ -71,6 +71,13 @@ class MasterConfig(Section):
     of its server (0: never promote)."""
     max_message_bytes: int = 128 * MiB
     """Largest request the master accepts; a peer sending more is disconnected."""
+    kv_events: str = ""
+    """zmq endpoint to bind a PUB socket at, publishing what the store holds as vLLM KV
+    events (``BlockStored``/``BlockRemoved``; docs/store.md); empty: no events."""
+    kv_events_replay: str = ""
+    """zmq endpoint to bind the events' replay ROUTER at (empty: no replay)."""
+    kv_events_buffer: int = 10_000
+    """Batches of events kept for replay."""
     token: str | None = field(default=None, repr=False)
     """Cluster token every RPC must be authenticated with (CURVE keys derived from it)."""
     token_file: str = ""
@@ -99,6 +106,9 @@ class MasterConfig(Section):
         if self.demotion_inflight < 0 or self.promote_window < 0:
             raise ConfigError("demotion_inflight and promote_window must be >= 0")
         check_token(self.token)
+        check_positive(self, "kv_events_buffer")
+        if self.kv_events_replay and not self.kv_events:
+            raise ConfigError("kv_events_replay needs kv_events (the events' PUB endpoint)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

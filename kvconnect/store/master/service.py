@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from kvconnect.store import messages as m
 from kvconnect.store.config import MasterConfig
 from kvconnect.store.master.ha import Leadership
+from kvconnect.store.master.kvevents import KvEventPublisher, MasterEvents
 from kvconnect.store.master.state import MasterState
 from kvconnect.store.rpc import RpcServer
 
@@ -46,6 +47,12 @@ class MasterService:
         )
         self._thread: threading.Thread | None = None
         self._http: Any = None
+        self._events: MasterEvents | None = None
+        if config.kv_events:
+            publisher = KvEventPublisher(
+                config.kv_events, config.kv_events_replay or None, config.kv_events_buffer
+            )
+            self._events = MasterEvents(publisher)
         self.registry = CollectorRegistry()
         self._latency = Histogram(
             "kvconnect_master_rpc_seconds",
@@ -85,6 +92,8 @@ class MasterService:
     def start(self) -> str:
         """Bind, start the service thread (and the metrics server); returns the endpoint."""
         endpoint = self._server.bind()
+        if self._events is not None:
+            self._events.start()
         if self.config.ha:
             advertise = self.config.advertise or endpoint
             self._leadership = Leadership(
@@ -115,6 +124,8 @@ class MasterService:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+        if self._events is not None:
+            self._events.close()
 
     def now(self) -> float:
         """Seconds since this master started (small floats keep float32 columns precise)."""
@@ -133,7 +144,11 @@ class MasterService:
             # nothing.
             self.state = MasterState(self.config)
             self._term = self._elected
+            if self._events is not None:
+                self._events.new_state()
         self.state.tick(now)
+        if self._events is not None:
+            self._events.changed(self.state)
         if now - self._snapshot_at >= _SNAPSHOT_EVERY:
             self._snapshot, self._snapshot_at = self._stats(), now
         return 0.0 if self.state.busy() else 0.05
@@ -149,7 +164,11 @@ class MasterService:
         )
         if keys is not None and len(keys) > m.MAX_BATCH:
             return m.Error(m.Code.INVALID, f"batch of {len(keys)} exceeds {m.MAX_BATCH}")
+        events = self._events
+        watch = events.watch(self.state, request) if events is not None else None
         reply = self._handlers[type(request)](request)
+        if events is not None:
+            events.changed(self.state, watch)
         self._latency.labels(type(request).__name__).observe(time.perf_counter() - start)
         return reply
 
