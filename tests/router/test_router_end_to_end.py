@@ -45,7 +45,7 @@ PREFIX = 16 * BLOCK  # a long shared prefix: 16 full blocks
 HITS = "vllm:prefix_cache_hits_total"  # tokens served from the instance's own prefix cache
 QUERIES = "vllm:prefix_cache_queries_total"  # tokens the instance looked up (its prompts)
 POOL_HITS = "vllm:external_prefix_cache_hits_total"  # tokens loaded through the connector
-ROUTED = "kvconnect_router_index_blocks"  # the router's index: blocks it knows instances hold
+ROUTED = "kvconnect_router_index_entries"  # block hashes in the router's prefix index
 
 
 @pytest.fixture(scope="module")
