@@ -19,6 +19,7 @@ an unknown path 404; an instance's 4xx answer is relayed as it is.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -32,6 +33,7 @@ from aiohttp import web
 from kvconnect.errors import PeerUnreachable, ProtocolError
 from kvconnect.router import upstream
 from kvconnect.router.config import RouterConfig
+from kvconnect.router.cost import Estimate
 from kvconnect.router.events import EventSubscriber
 from kvconnect.router.instances import Fleet
 from kvconnect.router.metrics import CONTENT_TYPE, Outcome, RouterMetrics
@@ -63,6 +65,10 @@ _CHAT_TOKENIZE_KEYS = (
     "tools",
 )  # fields of a chat request that change its tokens (vLLM's TokenizeChatRequest)
 
+KEEPALIVE = 4.0
+"""Seconds an idle upstream connection is kept: below uvicorn's default keep-alive (5 s, what
+vLLM's API server runs with), so the router never sends on a connection vLLM is closing."""
+
 _STATE: web.AppKey[RouterService] = web.AppKey("router")
 
 
@@ -82,7 +88,10 @@ class RouterService:
             unhealthy_after=config.unhealthy_after,
         )
         self.router = Router(config, self.fleet)
-        self.metrics = RouterMetrics(self.router.index_entries)
+        self.subscribers: list[EventSubscriber] = []
+        self.metrics = RouterMetrics(
+            self.router.index_entries, lambda: {s.name: s.stats for s in self.subscribers}
+        )
         self.fleet.listen(self.metrics.instance_changed)
         timeout = aiohttp.ClientTimeout(
             total=config.request_timeout, connect=config.connect_timeout
@@ -91,7 +100,7 @@ class RouterService:
             session, self.fleet, self.metrics, timeout=timeout, max_attempts=config.max_attempts
         )
         sources = [*config.events, *([config.store_events] if config.store_events else [])]
-        self.subscribers = [
+        self.subscribers += [
             EventSubscriber(
                 source.instance or STORE,
                 source.endpoint,
@@ -124,11 +133,15 @@ def make_app(config: RouterConfig) -> web.Application:
     app = web.Application(client_max_size=config.max_body_bytes)
 
     async def lifecycle(app: web.Application) -> Any:
-        service = RouterService(config, aiohttp.ClientSession())
+        # No connection limit: every streamed answer holds one connection while it lasts.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE)
+        service = RouterService(config, aiohttp.ClientSession(connector=connector))
         app[_STATE] = service
-        await service.start()
-        yield
-        await service.close()
+        try:
+            await service.start()
+            yield
+        finally:
+            await service.close()
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/completions", _generate)
@@ -137,6 +150,12 @@ def make_app(config: RouterConfig) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     return app
+
+
+def make_runner(config: RouterConfig) -> web.AppRunner:
+    """A runner of :func:`make_app`: a request whose client goes away is cancelled, which
+    closes its upstream connection (vLLM then aborts it)."""
+    return web.AppRunner(make_app(config), handle_signals=False, handler_cancellation=True)
 
 
 def service_of(app: web.Application) -> RouterService:
@@ -162,7 +181,7 @@ async def _models(request: web.Request) -> web.Response:
     if not instances:
         return error(503, "no healthy instance")
     url = min(instances, key=lambda i: i.inflight).url + "/v1/models"
-    timeout = aiohttp.ClientTimeout(total=service.config.connect_timeout)
+    timeout = aiohttp.ClientTimeout(total=service.config.call_timeout)
     try:
         async with service.session.get(url, headers=_forwarded(request), timeout=timeout) as reply:
             body = await upstream.read_limited(reply)
@@ -179,6 +198,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     except web.HTTPException as exc:  # 413 from reading an oversized body
         service.metrics.requests.labels(endpoint, Outcome.CLIENT_ERROR).inc()
         raise exc from None
+    except asyncio.CancelledError:  # the client went away (handler cancellation)
+        service.metrics.requests.labels(endpoint, Outcome.ABORTED).inc()
+        raise
     except Failed as exc:
         response, outcome = exc.response(), exc.outcome
     service.metrics.requests.labels(endpoint, outcome).inc()
@@ -206,13 +228,13 @@ async def _serve(service: RouterService, client: web.Request) -> tuple[web.Strea
     _count_decision(service, req, first)
     headers = _forwarded(client)
     if decode is None:  # one hop
-        hop = Hop(client.path, raw, headers, router.uncached_tokens(req, first))
-        return await _final_hop(service, client, req, first, hop, observe=True)
+        hop = Hop(client.path, raw, headers, 0)
+        return await _final_hop(service, client, req, first, hop)
     params = await _prefill(service, client, body, req, first, headers)
     decode_body = dict(body, kv_transfer_params=params)
     hop = Hop(client.path, json.dumps(decode_body).encode(), headers, 0)
     _count_decision(service, req, decode)
-    return await _final_hop(service, client, req, decode, hop, observe=False)
+    return await _final_hop(service, client, req, decode, hop)
 
 
 async def _json_body(client: web.Request) -> tuple[bytes, dict[str, Any]]:
@@ -239,12 +261,13 @@ async def _tokens(service: RouterService, client: web.Request, body: dict[str, A
         return []
     url = min(instances, key=lambda i: i.inflight).url
     try:
-        return await upstream.tokenize(
-            service.session, url, payload, service.config.tokenize_timeout
-        )
-    except (PeerUnreachable, ProtocolError) as exc:
+        return await upstream.tokenize(service.session, url, payload, service.config.call_timeout)
+    except PeerUnreachable as exc:
+        service.fleet.failed(url, str(exc))
         log.info("routing by load alone: %s", exc)
-        return []
+    except ProtocolError as exc:  # e.g. the instance refuses the prompt: it will say so again
+        log.info("routing by load alone: %s", exc)
+    return []
 
 
 def _tokenize_payload(path: str, body: Mapping[str, Any]) -> dict[str, Any] | list[int] | None:
@@ -256,8 +279,15 @@ def _tokenize_payload(path: str, body: Mapping[str, Any]) -> dict[str, Any] | li
         extra = {k: body[k] for k in _CHAT_TOKENIZE_KEYS if k in body}
         return {**base, "messages": body["messages"], **extra}
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return {**base, "prompt": prompt}
+        extra = (
+            {"add_special_tokens": body["add_special_tokens"]}
+            if "add_special_tokens" in body
+            else {}
+        )
+        return {**base, "prompt": prompt, **extra}
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return list(prompt)
     return None  # a batch of prompts: no single chain
@@ -280,19 +310,17 @@ async def _prefill(
     router = service.router
 
     async def send(choice: Choice) -> tuple[int, str, bytes]:
-        hop = Hop(client.path, data, headers, router.uncached_tokens(req, choice))
-        predicted = router.predict_ttft(req, choice)
+        estimate = router.estimate(req, choice)
+        hop = Hop(client.path, data, headers, estimate.compute_tokens)
         begun = time.monotonic()
         answer = await service.relay.call(choice, hop)
-        seconds = time.monotonic() - begun
         if answer[0] == 200:
-            router.prefilled(choice, hop.tokens, seconds)
-            service.metrics.ttft_predicted.observe(predicted)
-            service.metrics.ttft_observed.observe(seconds)
+            _first_token(service, choice, estimate, time.monotonic() - begun)
         return answer
 
+    role = service.fleet.get(first.instance).role
     _, (status, content_type, reply) = await service.relay.attempts(
-        first, lambda tried: router.first_hop(req, tried), Role.PREFILL.value, send
+        first, lambda tried: router.retry(role, req, tried), role, send
     )
     if status != 200:
         message = f"prefill answered {status}"  # a refusal of the request: relayed as it is
@@ -309,31 +337,43 @@ async def _final_hop(
     req: Request,
     first: Choice,
     hop: Hop,
-    *,
-    observe: bool,
 ) -> tuple[web.StreamResponse, Outcome]:
-    """The hop whose answer the client gets (decode, or a unified instance), relayed."""
+    """The hop whose answer the client gets (decode, or a unified instance that also computes
+    the prompt), relayed. A streamed answer calibrates the cost model: a unified instance's
+    first byte is its TTFT, and the events after it give the TBT."""
     router = service.router
     role = service.fleet.get(first.instance).role
 
-    def choose(tried: set[str]) -> Choice | None:
-        if role is Role.DECODE:
-            return router.decode(req, tried)
-        return router.first_hop(req, tried)
-
     async def send(choice: Choice) -> tuple[web.StreamResponse, Outcome]:
-        predicted = router.predict_ttft(req, choice)
+        estimate = router.estimate(req, choice)
+        load = router.decode_load(choice)
+        unified = role is Role.UNIFIED
 
         def started(seconds: float) -> None:
-            if observe:
-                router.prefilled(choice, hop.tokens, seconds)
-                service.metrics.ttft_predicted.observe(predicted)
-                service.metrics.ttft_observed.observe(seconds)
+            if unified:
+                _first_token(service, choice, estimate, seconds)
 
-        return await service.relay.stream(client, choice, hop, started)
+        def finished(seconds: float, events: int) -> None:
+            router.decoded(choice, load, seconds, events - 1)  # less the closing [DONE]
 
-    _, answer = await service.relay.attempts(first, choose, role.value, send)
+        tokens = estimate.compute_tokens if unified else 0
+        return await service.relay.stream(
+            client, choice, dataclasses.replace(hop, tokens=tokens), started, finished
+        )
+
+    _, answer = await service.relay.attempts(
+        first, lambda tried: router.retry(role, req, tried), role, send
+    )
     return answer
+
+
+def _first_token(
+    service: RouterService, choice: Choice, estimate: Estimate, seconds: float
+) -> None:
+    """A prompt estimated as ``estimate`` was computed in ``seconds`` at ``choice``."""
+    service.router.prefilled(choice, estimate, seconds)
+    service.metrics.ttft_predicted.observe(estimate.seconds)
+    service.metrics.ttft_observed.observe(seconds)
 
 
 def _forwarded(client: web.Request) -> dict[str, str]:

@@ -15,7 +15,7 @@ import signal
 from aiohttp import web
 
 from kvconnect.errors import ConfigError
-from kvconnect.router.app import make_app
+from kvconnect.router.app import make_runner
 from kvconnect.router.config import EventSource, PolicyName, RouterConfig
 
 _DEFAULTS = RouterConfig(unified=("http://defaults.invalid",))
@@ -41,27 +41,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--store-events", metavar="ENDPOINT[,REPLAY]", help="the store master's KV events"
     )
     routing = parser.add_argument_group("routing")
-    routing.add_argument("--policy", default=d.policy.value, choices=[p.value for p in PolicyName])
-    routing.add_argument("--ttft-slo", type=float, metavar="S", help="reject above this TTFT")
-    routing.add_argument("--tbt-slo", type=float, metavar="S", help="reject above this TBT")
-    routing.add_argument("--block-size", type=int, default=d.block_size, help="engines' block size")
-    routing.add_argument("--index-capacity", type=int, default=d.index_capacity)
-    routing.add_argument("--prefill-tps", type=float, default=d.prefill_tps)
-    routing.add_argument("--pool-tps", type=float, default=d.pool_tps)
-    routing.add_argument("--decode-tbt", type=float, default=d.decode_tbt)
-    routing.add_argument("--k-waiting", type=float, default=d.k_waiting)
-    routing.add_argument("--seed", type=int, default=d.seed, help="seed of --policy random")
+    routing.add_argument(
+        "--policy",
+        default=d.policy.value,
+        choices=[p.value for p in PolicyName],
+        help="cache: by predicted TTFT and decode load; round-robin; random (default cache)",
+    )
+    routing.add_argument("--ttft-slo", type=float, metavar="S", help="answer 429 above this TTFT")
+    routing.add_argument("--tbt-slo", type=float, metavar="S", help="answer 429 above this TBT")
+    _flag(routing, "block_size", int, "tokens per KV block: the engines' --block-size")
+    _flag(routing, "index_capacity", int, "block hashes the prefix index keeps at most")
+    _flag(routing, "prefill_tps", float, "prior prefill tokens/s (calibrated per instance)")
+    _flag(routing, "pool_tps", float, "tokens/s loaded from the shared pool")
+    _flag(routing, "decode_tbt", float, "prior seconds per token of one sequence alone")
+    _flag(routing, "k_waiting", float, "decode load: running + K x waiting")
+    _flag(routing, "seed", int, "seed of --policy random")
     serving = parser.add_argument_group("serving")
-    serving.add_argument("--host", default=d.host)
-    serving.add_argument("--port", type=int, default=d.port)
-    serving.add_argument("--health-interval", type=float, default=d.health_interval)
-    serving.add_argument("--health-timeout", type=float, default=d.health_timeout)
-    serving.add_argument("--unhealthy-after", type=int, default=d.unhealthy_after)
-    serving.add_argument("--request-timeout", type=float, default=d.request_timeout)
-    serving.add_argument("--connect-timeout", type=float, default=d.connect_timeout)
-    serving.add_argument("--tokenize-timeout", type=float, default=d.tokenize_timeout)
-    serving.add_argument("--max-attempts", type=int, default=d.max_attempts)
-    serving.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    serving.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host})")
+    _flag(serving, "port", int, "port to listen on (0: any free one)")
+    _flag(serving, "health_interval", float, "seconds between health checks")
+    _flag(serving, "health_timeout", float, "seconds a health check may take")
+    _flag(serving, "unhealthy_after", int, "failed checks in a row that take an instance out")
+    _flag(serving, "request_timeout", float, "seconds an upstream generation call may take")
+    _flag(serving, "connect_timeout", float, "seconds to connect to an instance")
+    _flag(serving, "call_timeout", float, "seconds a /tokenize or /v1/models call may take")
+    _flag(serving, "max_attempts", int, "instances tried per hop for a request not yet started")
+    _flag(serving, "max_body_bytes", int, "largest request body (413 beyond)")
+
+
+def _flag(group: argparse._ArgumentGroup, name: str, kind: type, summary: str) -> None:
+    """``--name`` of RouterConfig field ``name``, with its default."""
+    default = getattr(_DEFAULTS, name)
+    flag = "--" + name.replace("_", "-")
+    group.add_argument(flag, type=kind, default=default, help=f"{summary} (default {default})")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -89,7 +101,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         unhealthy_after=args.unhealthy_after,
         request_timeout=args.request_timeout,
         connect_timeout=args.connect_timeout,
-        tokenize_timeout=args.tokenize_timeout,
+        call_timeout=args.call_timeout,
         max_attempts=args.max_attempts,
         max_body_bytes=args.max_body_bytes,
         block_size=args.block_size,
@@ -110,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(config: RouterConfig) -> None:
     """Run the router of ``config`` until SIGINT or SIGTERM."""
-    runner = web.AppRunner(make_app(config), handle_signals=False)
+    runner = make_runner(config)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port)

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 
 from kvconnect._config import MiB, check_choice, check_positive
 from kvconnect.errors import ConfigError
+from kvconnect.router.cost import DECODE_TBT, K_WAITING, POOL_TPS, PREFILL_TPS
 from kvconnect.router.types import Role
 
 
@@ -73,8 +74,9 @@ class RouterConfig:
     """Seconds one upstream generation call may take in all."""
     connect_timeout: float = 5.0
     """Seconds to connect to an instance (a failure is retried elsewhere)."""
-    tokenize_timeout: float = 10.0
-    """Seconds a ``/tokenize`` call may take (on failure the request is routed by load)."""
+    call_timeout: float = 10.0
+    """Seconds a small call (``/tokenize``, ``/v1/models``) may take; a request whose
+    tokenisation fails is routed by load alone."""
     max_attempts: int = 3
     """Instances tried per hop for a request not yet started."""
     max_body_bytes: int = 16 * MiB
@@ -83,13 +85,13 @@ class RouterConfig:
     """Tokens per KV block: must equal the engines' ``--block-size``."""
     index_capacity: int = 1 << 20
     """Block hashes the prefix index keeps at most (least recently used dropped)."""
-    prefill_tps: float = 8000.0
+    prefill_tps: float = PREFILL_TPS
     """Prior prefill throughput, tokens/s (calibrated online per instance)."""
-    pool_tps: float = 50000.0
+    pool_tps: float = POOL_TPS
     """Tokens/s loaded from the shared pool instead of computed."""
-    decode_tbt: float = 0.02
+    decode_tbt: float = DECODE_TBT
     """Prior seconds per output token at an empty decode instance."""
-    k_waiting: float = 1.0
+    k_waiting: float = K_WAITING
     """Weight of a waiting request against a running one in decode load."""
     seed: int = 0
     """Seed of the random policy."""
@@ -107,7 +109,7 @@ class RouterConfig:
             "unhealthy_after",
             "request_timeout",
             "connect_timeout",
-            "tokenize_timeout",
+            "call_timeout",
             "max_attempts",
             "max_body_bytes",
             "block_size",

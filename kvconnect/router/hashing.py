@@ -50,15 +50,17 @@ def block_hash(parent: int, tokens: Sequence[int], extra: bytes = b"") -> int:
     return _hash(parent, len(tokens), _tokens(tokens), extra)
 
 
-def chain(tokens: Sequence[int], block_size: int, extra: bytes = b"") -> tuple[int, ...]:
+def chain(
+    tokens: Sequence[int], block_size: int, extra: bytes = b"", *, parent: int = ROOT
+) -> tuple[int, ...]:
     """The hashes of the full blocks of ``tokens``, first block first; a partial last block has
-    none (engines cache full blocks only). Equal to folding :func:`block_hash` from ``ROOT``."""
+    none (engines cache full blocks only). Equal to folding :func:`block_hash` from ``parent``
+    (a prompt's: ``ROOT``; the index continues an engine's chain from a known block)."""
     if block_size < 1:
         raise ConfigError(f"block_size must be at least 1, got {block_size}")
     packed = _tokens(tokens)
     width = 4 * block_size
     hashes: list[int] = []
-    parent = ROOT
     for start in range(0, len(tokens) // block_size * width, width):
         parent = _hash(parent, block_size, packed[start : start + width], extra)
         hashes.append(parent)

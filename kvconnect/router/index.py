@@ -16,9 +16,11 @@ last 8 bytes, big-endian), so the two forms of one hash agree.
 Hybrid models: pass only the events of the full-attention group (``group_idx`` None or 0);
 a sliding-window or Mamba group's blocks say nothing about a reusable prefix.
 
-Memory is bounded by ``capacity`` engine-hash entries: past it, the least recently used router
-block (stored or matched by a lookup last) is dropped with all its entries. A block whose
-parent was dropped or never seen cannot be placed and is counted in ``orphans``.
+Memory is bounded by ``capacity`` engine-hash entries (a few hundred bytes each): past it, the
+least recently used router block (stored or matched by a lookup last) is dropped with all its
+entries. A block whose parent was dropped or never seen cannot be placed and is counted in
+``orphans``. One engine hash per block and source is kept (the latest announced): engines that
+hash more than the router chains (multimodal inputs) may announce two for one router block.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvconnect.errors import ConfigError
-from kvconnect.router.hashing import ROOT, block_hash
+from kvconnect.router.hashing import ROOT, chain
 
 POOL = "<pool>"
 """The source name of the shared pool (no instance URL looks like it)."""
 
 _MASK = (1 << 64) - 1
+_TIERS = 8  # low bits of an entry's packed int: the tiers of the source holding it
+_TIER_MASK = (1 << _TIERS) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +57,6 @@ def _key(engine_hash: bytes | int) -> int:
     return engine_hash & _MASK
 
 
-@dataclass(slots=True)
-class _Entry:
-    router_hash: int
-    media: set[str | None]  # the source's tiers holding it (one label for the pool)
-
-
 class PrefixIndex:
     """Engine-hash entries per source, and the sources holding each router block."""
 
@@ -66,8 +64,11 @@ class PrefixIndex:
         if capacity < 1:
             raise ConfigError(f"capacity must be at least 1, got {capacity}")
         self._capacity = capacity
-        self._entries: dict[str, dict[int, _Entry]] = {}
-        self._holders: OrderedDict[int, dict[str, set[int]]] = OrderedDict()  # LRU first
+        # per source: engine key -> router hash << _TIERS | tier bits, and router hash -> key
+        self._entries: dict[str, dict[int, int]] = {}
+        self._keys: dict[str, dict[int, int]] = {}
+        self._lru: OrderedDict[int, int] = OrderedDict()  # router hash -> holders, LRU first
+        self._tiers: dict[str | None, int] = {}
         self._size = 0
         self._orphans = 0
         self._dropped = 0
@@ -90,25 +91,28 @@ class PrefixIndex:
         router chains requests with. Idempotent: a block announced again is refreshed."""
         owner = POOL if pool else source
         parent_hash = ROOT if parent is None else self._router_hash(owner, source, _key(parent))
-        for position, engine_hash in enumerate(engine_hashes):
-            tokens = token_ids[position * block_size : (position + 1) * block_size]
-            if parent_hash is None or len(tokens) < block_size:
-                self._orphans += len(engine_hashes) - position
-                break
-            parent_hash = block_hash(parent_hash, tokens, extra)
-            self._add(owner, _key(engine_hash), parent_hash, None if pool else medium)
+        if parent_hash is None:
+            self._orphans += len(engine_hashes)
+            return
+        tokens = token_ids[: len(engine_hashes) * block_size]
+        router_hashes = chain(tokens, block_size, extra, parent=parent_hash)
+        self._orphans += len(engine_hashes) - len(router_hashes)  # those without their tokens
+        tier = self._tier(None if pool else medium)
+        for engine_hash, router_hash in zip(engine_hashes, router_hashes, strict=False):
+            self._add(owner, _key(engine_hash), router_hash, tier)
         self._shrink()
 
     def stored_hashes(self, engine_hashes: Iterable[bytes | int]) -> None:
         """The store's events (hashes, no tokens): a hash some source announced with its tokens
         now also marks the pool; an unknown one is counted in ``orphans``."""
+        tier = self._tier(None)
         for engine_hash in engine_hashes:
             key = _key(engine_hash)
             router_hash = self._anywhere(key)
             if router_hash is None:
                 self._orphans += 1
                 continue
-            self._add(POOL, key, router_hash, None)
+            self._add(POOL, key, router_hash, tier)
         self._shrink()
 
     def removed(
@@ -122,15 +126,16 @@ class PrefixIndex:
         """``source`` (the pool when ``pool``) no longer holds these blocks on ``medium``; a
         block stays held while another tier of the source holds it. Unknown hashes are ignored."""
         owner = POOL if pool else source
-        entries = self._entries.get(owner, {})
+        tier = self._tier(None if pool else medium)
         for engine_hash in engine_hashes:
             key = _key(engine_hash)
-            entry = entries.get(key)
-            if entry is None:
+            packed = self._entries.get(owner, {}).get(key)
+            if packed is None:
                 continue
-            entry.media.discard(None if pool else medium)
-            if not entry.media:
-                self._remove(owner, key, entry.router_hash)
+            if packed & _TIER_MASK & ~tier:
+                self._entries[owner][key] = packed & ~tier
+            else:
+                self._remove(owner, key)
 
     def cleared(self, source: str) -> None:
         """``source`` emptied its cache (vLLM's ``AllBlocksCleared``): it holds nothing now."""
@@ -139,18 +144,18 @@ class PrefixIndex:
     def drop(self, source: str) -> None:
         """Forget everything ``source`` holds (an instance taken out of the fleet); its events
         refill the index when it comes back."""
-        for key, entry in list(self._entries.get(source, {}).items()):
-            self._remove(source, key, entry.router_hash)
+        for key in list(self._entries.get(source, {})):
+            self._remove(source, key)
 
     def leading(self, source: str, blocks: Sequence[int]) -> int:
         """How many leading blocks of the router chain ``blocks`` ``source`` holds. The blocks
         matched count as used (least recently used blocks are dropped first)."""
+        held = self._keys.get(source, {})
         count = 0
         for router_hash in blocks:
-            holders = self._holders.get(router_hash)
-            if holders is None or source not in holders:
+            if router_hash not in held:
                 break
-            self._holders.move_to_end(router_hash)
+            self._lru.move_to_end(router_hash)
             count += 1
         return count
 
@@ -164,52 +169,64 @@ class PrefixIndex:
     def _router_hash(self, owner: str, source: str, key: int) -> int | None:
         # A pool block's parent may be in the announcing instance's own tiers, and the reverse.
         for name in (owner, source) if owner != source else (owner, POOL):
-            entry = self._entries.get(name, {}).get(key)
-            if entry is not None:
-                return entry.router_hash
+            packed = self._entries.get(name, {}).get(key)
+            if packed is not None:
+                return packed >> _TIERS
         return None
 
     def _anywhere(self, key: int) -> int | None:
         for entries in self._entries.values():
-            entry = entries.get(key)
-            if entry is not None:
-                return entry.router_hash
+            packed = entries.get(key)
+            if packed is not None:
+                return packed >> _TIERS
         return None
 
-    def _add(self, owner: str, key: int, router_hash: int, medium: str | None) -> None:
-        entry = self._entries.get(owner, {}).get(key)
-        if entry is not None and entry.router_hash != router_hash:
+    def _tier(self, medium: str | None) -> int:
+        bit = self._tiers.get(medium)
+        if bit is not None:
+            return bit
+        if len(self._tiers) == _TIERS - 1:
+            return 1 << (_TIERS - 1)  # engines name a handful of tiers; any others share a bit
+        bit = self._tiers[medium] = 1 << len(self._tiers)
+        return bit
+
+    def _add(self, owner: str, key: int, router_hash: int, tier: int) -> None:
+        packed = self._entries.get(owner, {}).get(key)
+        if packed is not None and packed >> _TIERS != router_hash:
             # The same engine hash announced with other tokens (a hash collision or another
             # extra): the latest announcement wins.
-            self._remove(owner, key, entry.router_hash)
-            entry = None
-        if entry is None:
-            entries = self._entries.setdefault(owner, {})
-            entry = entries[key] = _Entry(router_hash, set())
+            self._remove(owner, key)
+            packed = None
+        other = self._keys.get(owner, {}).get(router_hash)
+        if other is not None and other != key:
+            self._remove(owner, other)
+        if packed is None:
+            self._entries.setdefault(owner, {})[key] = router_hash << _TIERS | tier
+            self._keys.setdefault(owner, {})[router_hash] = key
             self._size += 1
-        entry.media.add(medium)
-        holders = self._holders.setdefault(router_hash, {})
-        holders.setdefault(owner, set()).add(key)
-        self._holders.move_to_end(router_hash)
+            self._lru[router_hash] = self._lru.get(router_hash, 0) + 1
+        else:
+            self._entries[owner][key] = packed | tier
+        self._lru.move_to_end(router_hash)
 
-    def _remove(self, owner: str, key: int, router_hash: int) -> None:
-        entries = self._entries[owner]
-        del entries[key]
+    def _remove(self, owner: str, key: int) -> None:
+        entries, keys = self._entries[owner], self._keys[owner]
+        router_hash = entries.pop(key) >> _TIERS
+        del keys[router_hash]
         if not entries:
-            del self._entries[owner]
+            del self._entries[owner], self._keys[owner]
         self._size -= 1
-        holders = self._holders[router_hash]
-        keys = holders[owner]
-        keys.discard(key)
-        if not keys:
-            del holders[owner]
-            if not holders:
-                del self._holders[router_hash]
+        holders = self._lru[router_hash] - 1
+        if holders:
+            self._lru[router_hash] = holders
+        else:
+            del self._lru[router_hash]
 
     def _shrink(self) -> None:
         while self._size > self._capacity:
-            router_hash, holders = next(iter(self._holders.items()))
-            for owner, keys in list(holders.items()):
-                for key in list(keys):
-                    self._remove(owner, key, router_hash)
+            router_hash = next(iter(self._lru))
+            for owner in list(self._keys):
+                key = self._keys[owner].get(router_hash)
+                if key is not None:
+                    self._remove(owner, key)
                     self._dropped += 1

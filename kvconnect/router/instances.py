@@ -146,7 +146,10 @@ class Fleet:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self._interval)
-            await self.check_all()
+            try:
+                await self.check_all()
+            except Exception:  # a listener's bug must not end health checking
+                log.exception("health check round failed")
 
     async def _check(self, instance: Instance) -> None:
         try:

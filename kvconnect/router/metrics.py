@@ -6,11 +6,15 @@ Updated from the router's event loop; the index size is read when scraped.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
+from kvconnect.router.events import SubscriberStats
 from kvconnect.router.instances import Instance
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -29,10 +33,34 @@ class Outcome(enum.StrEnum):
     ABORTED = "aborted"  # the client went away before its answer was complete
 
 
-class RouterMetrics:
-    """The series; ``index_entries`` is called at each scrape (thread-safe on its side)."""
+class _Events(Collector):
+    """``kvconnect_router_events_<counter>{source}``: each KV-event subscriber's counters."""
 
-    def __init__(self, index_entries: Callable[[], int]) -> None:
+    def __init__(self, stats: Callable[[], Mapping[str, SubscriberStats]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        snapshot = self._stats()
+        for field in dataclasses.fields(SubscriberStats):
+            family = CounterMetricFamily(
+                f"kvconnect_router_events_{field.name}",
+                f"KV-event subscriber counter {field.name} (kvconnect.router.events)",
+                labels=["source"],
+            )
+            for source, stats in snapshot.items():
+                family.add_metric([source], getattr(stats, field.name))
+            yield family
+
+
+class RouterMetrics:
+    """The series; ``index_entries`` and ``events`` (each subscriber's counters by source)
+    are called at each scrape, on the scraping thread."""
+
+    def __init__(
+        self,
+        index_entries: Callable[[], int],
+        events: Callable[[], Mapping[str, SubscriberStats]] = dict,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -76,6 +104,7 @@ class RouterMetrics:
             "kvconnect_router_index_entries", "Block hashes held by the prefix index", registry=r
         )
         index.set_function(lambda: float(index_entries()))
+        r.register(_Events(events))
 
     def instance_changed(self, instance: Instance) -> None:
         """A fleet listener: the health gauge follows the instance."""

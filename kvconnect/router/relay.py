@@ -13,23 +13,26 @@ Runs on the router's event loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 import aiohttp
 from aiohttp import web
 
+from kvconnect.errors import ProtocolError
 from kvconnect.router.instances import Fleet
 from kvconnect.router.metrics import Outcome, RouterMetrics
-from kvconnect.router.types import Choice
+from kvconnect.router.types import Choice, Role
 from kvconnect.router.upstream import read_limited
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_EVENT = b"data:"  # a server-sent event's field (vLLM streams one event per chunk of tokens)
 
 Chooser = Callable[[set[str]], Choice | None]
 """The next instance for a retry, excluding the URLs already tried (None: no more)."""
@@ -110,7 +113,7 @@ class Relay:
         self,
         first: Choice,
         choose: Chooser,
-        role: str,
+        role: Role,
         send: Callable[[Choice], Awaitable[_T]],
     ) -> tuple[Choice, _T]:
         """``send`` at ``first``, then at the instances ``choose`` gives while a try raises
@@ -125,30 +128,27 @@ class Relay:
                 return choice, await send(choice)
             except NotStarted as exc:
                 reason = str(exc)
-                log.warning("%s hop to %s did not start: %s", role, choice.instance, reason)
+                log.warning("%s hop to %s did not start: %s", role.value, choice.instance, reason)
                 if exc.unreachable:
                     self._fleet.failed(choice.instance, reason)
             choice = choose(tried)
             if choice is not None and len(tried) < self._max_attempts:
-                self._metrics.retries.labels(role).inc()
+                self._metrics.retries.labels(role.value).inc()
         raise Failed(
-            503, f"no {role} instance could take the request: {reason}", Outcome.UNAVAILABLE
+            503, f"no {role.value} instance could take the request: {reason}", Outcome.UNAVAILABLE
         )
 
     async def call(self, choice: Choice, hop: Hop) -> tuple[int, str, bytes]:
         """The whole (buffered) answer of one hop: status, content type, body."""
-        with self._fleet.begin(choice.instance, hop.tokens):
-            try:
-                async with self._post(choice, hop) as reply:
-                    if reply.status >= 500:
-                        raise NotStarted(f"answered {reply.status}", unreachable=False)
-                    return reply.status, reply.content_type, await read_limited(reply)
-            except aiohttp.ConnectionTimeoutError as exc:
-                raise NotStarted(repr(exc), unreachable=True) from exc
-            except TimeoutError as exc:
-                raise Failed(504, f"{choice.instance} timed out", Outcome.TIMEOUT) from exc
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-                raise NotStarted(repr(exc), unreachable=True) from exc
+        with self._fleet.begin(choice.instance, hop.tokens), _before_answer(choice):
+            async with self._post(choice, hop) as reply:
+                if reply.status >= 500:
+                    raise NotStarted(f"answered {reply.status}", unreachable=False)
+                try:
+                    body = await read_limited(reply)
+                except ProtocolError as exc:
+                    raise Failed(502, str(exc), Outcome.UPSTREAM_ERROR) from exc
+                return reply.status, reply.content_type, body
 
     async def stream(
         self,
@@ -156,58 +156,80 @@ class Relay:
         choice: Choice,
         hop: Hop,
         started: Callable[[float], None],
+        finished: Callable[[float, int], None],
     ) -> tuple[web.StreamResponse, Outcome]:
-        """Relay one hop's answer to ``client`` chunk by chunk as it arrives; ``started`` gets
-        the seconds to the first answer byte. Raises NotStarted or Failed before that byte;
-        after it, the outcome says whether the answer was relayed whole."""
+        """Relay one hop's answer to ``client`` chunk by chunk as it arrives. For a streamed
+        answer (server-sent events), ``started`` gets the seconds to its first byte (about the
+        TTFT), and ``finished`` the seconds from there to its end and its number of events,
+        once relayed whole. Raises NotStarted or Failed before the first byte; after it, the
+        outcome says whether the answer was relayed whole."""
         with self._fleet.begin(choice.instance, hop.tokens) as ticket:
             begun = time.monotonic()
-            try:
-                async with self._post(choice, hop) as reply:
+            with _before_answer(choice):
+                reply = await self._post(choice, hop)
+            async with reply:
+                with _before_answer(choice):
                     if reply.status >= 500:
                         raise NotStarted(f"answered {reply.status}", unreachable=False)
                     first = await reply.content.readany()
                     if not first and reply.status == 200:
                         raise NotStarted("closed before answering", unreachable=True)
-                    ticket.prefilled()
+                ticket.prefilled()
+                streamed = reply.content_type == "text/event-stream"
+                if streamed:
                     started(time.monotonic() - begun)
-                    return await self._relay(client, reply, first, choice)
-            except aiohttp.ConnectionTimeoutError as exc:
-                raise NotStarted(repr(exc), unreachable=True) from exc
-            except TimeoutError as exc:
-                raise Failed(504, f"{choice.instance} timed out", Outcome.TIMEOUT) from exc
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-                raise NotStarted(repr(exc), unreachable=True) from exc
+                begun = time.monotonic()
+                out, outcome, events = await self._relay(client, reply, first, choice)
+                if streamed and outcome is Outcome.OK:
+                    finished(time.monotonic() - begun, events)
+                return out, outcome
 
     async def _relay(
         self, client: web.Request, reply: aiohttp.ClientResponse, first: bytes, choice: Choice
-    ) -> tuple[web.StreamResponse, Outcome]:
-        """From the first byte on: whatever breaks ends the client's answer, never a retry."""
+    ) -> tuple[web.StreamResponse, Outcome, int]:
+        """From the first byte on: whatever breaks ends the client's answer, never a retry.
+        Also counts the server-sent events relayed (``data:`` fields)."""
         out = web.StreamResponse(status=reply.status)
         out.content_type = reply.content_type
         if reply.charset:
             out.charset = reply.charset
-        await out.prepare(client)
+        events = first.count(_EVENT)
         try:
+            await out.prepare(client)
             await out.write(first)
             async for chunk in reply.content.iter_any():
+                events += chunk.count(_EVENT)
                 await out.write(chunk)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             transport = client.transport
             if transport is None or transport.is_closing():
                 log.info("the client of a request to %s went away", choice.instance)
-                return out, Outcome.ABORTED
+                return out, Outcome.ABORTED, events
             log.warning("%s broke while answering: %r", choice.instance, exc)
             transport.close()  # the client sees a truncated answer, not a clean end
-            return out, Outcome.UPSTREAM_ERROR
+            return out, Outcome.UPSTREAM_ERROR, events
         await out.write_eof()
-        return out, outcome_of(reply.status)
+        return out, outcome_of(reply.status), events
 
     def _post(self, choice: Choice, hop: Hop) -> aiohttp.client._RequestContextManager:
         headers = {**hop.headers, "Content-Type": "application/json"}
         return self._session.post(
             choice.instance + hop.path, data=hop.body, headers=headers, timeout=self._timeout
         )
+
+
+@contextlib.contextmanager
+def _before_answer(choice: Choice) -> Iterator[None]:
+    """What failing before the first answer byte means: a connect timeout or any connection
+    or protocol error did not start the hop; a timeout after connecting is final (504)."""
+    try:
+        yield
+    except aiohttp.ConnectionTimeoutError as exc:
+        raise NotStarted(repr(exc), unreachable=True) from exc
+    except TimeoutError as exc:
+        raise Failed(504, f"{choice.instance} timed out", Outcome.TIMEOUT) from exc
+    except aiohttp.ClientError as exc:
+        raise NotStarted(repr(exc), unreachable=True) from exc
 
 
 def outcome_of(status: int) -> Outcome:

@@ -18,7 +18,7 @@ from collections.abc import Collection, Sequence
 
 from kvconnect._throttle import Throttle
 from kvconnect.router.config import PolicyName, RouterConfig
-from kvconnect.router.cost import CostModel
+from kvconnect.router.cost import CostModel, Estimate
 from kvconnect.router.hashing import chain
 from kvconnect.router.index import POOL, PrefixIndex
 from kvconnect.router.instances import Fleet, Instance
@@ -43,7 +43,7 @@ STORE = POOL
 def make_policy(config: RouterConfig, cost: CostModel) -> Policy:
     """The policy ``config.policy`` names."""
     if config.policy is PolicyName.CACHE:
-        return CacheAware(cost)
+        return CacheAware(cost, config.block_size)
     if config.policy is PolicyName.ROUND_ROBIN:
         return RoundRobin()
     return Random(config.seed)
@@ -92,6 +92,13 @@ class Router:
         candidates = self.candidates(request, [Role.DECODE], exclude)
         return self.policy.decode(request, candidates) if candidates else None
 
+    def retry(self, role: Role, request: Request, exclude: Collection[str]) -> Choice | None:
+        """Another instance of ``role`` for a hop that did not start (None: none left)."""
+        if role is Role.DECODE:
+            return self.decode(request, exclude)
+        candidates = self.candidates(request, [role], exclude)
+        return self.policy.prefill(request, candidates) if candidates else None
+
     def candidates(
         self, request: Request, roles: Sequence[Role], exclude: Collection[str] = ()
     ) -> list[Candidate]:
@@ -102,30 +109,36 @@ class Router:
         return [_candidate(i, c) for i, c in zip(instances, cached, strict=True)]
 
     def admit(self, request: Request, first: Choice, decode: Choice | None) -> Rejection | None:
-        """The SLO verdict before dispatch: None to go ahead."""
+        """The SLO verdict before dispatch: None to go ahead. TBT is predicted at the decode
+        instance (the unified one in one hop)."""
         if self._slo.ttft is None and self._slo.tbt is None:
             return None
-        ttft = self.predict_ttft(request, first)
-        tbt_of = decode or first
-        tbt = self.cost.predict_tbt(_candidate(self._fleet.get(tbt_of.instance), 0))
+        ttft = self.estimate(request, first).seconds
+        tbt = self.cost.predict_tbt(_candidate(self._fleet.get((decode or first).instance), 0))
         return admit(ttft, tbt, self._slo)
 
-    def predict_ttft(self, request: Request, choice: Choice) -> float:
-        """The cost model's TTFT for ``request`` at the chosen instance (whatever the policy)."""
-        if choice.predicted_ttft > 0:
-            return choice.predicted_ttft
+    def estimate(self, request: Request, choice: Choice) -> Estimate:
+        """The cost model's TTFT of ``request`` at the chosen instance now, whatever the policy
+        (its ``compute_tokens`` are what the instance computes: the in-flight count)."""
         candidate = _candidate(self._fleet.get(choice.instance), choice.cached_blocks)
-        return self.cost.predict_ttft(candidate, request, self._config.block_size)
+        return self.cost.estimate(candidate, request, self._config.block_size)
 
-    def uncached_tokens(self, request: Request, choice: Choice) -> int:
-        """Prompt tokens the chosen instance will compute (the in-flight token count)."""
-        cached = max(choice.cached_blocks, request.pool_blocks) * self._config.block_size
-        return max(0, request.prompt_tokens - cached)
+    def decode_load(self, choice: Choice) -> float:
+        """The chosen decode (or unified) instance's load now."""
+        return self.cost.decode_load(_candidate(self._fleet.get(choice.instance), 0))
 
-    def prefilled(self, choice: Choice, tokens: int, seconds: float) -> None:
-        """A prefill of ``tokens`` uncached tokens took ``seconds`` at the chosen instance."""
-        if tokens > 0 and seconds > 0:
-            self.cost.observe_prefill(choice.instance, tokens, seconds)
+    def prefilled(self, choice: Choice, estimate: Estimate, seconds: float) -> None:
+        """A request estimated as ``estimate`` at dispatch had its first token ``seconds``
+        later at the chosen instance: calibrates that instance's prefill throughput."""
+        self.cost.observe_prefill(
+            choice.instance, estimate.work_tokens, seconds - estimate.pool_seconds
+        )
+
+    def decoded(self, choice: Choice, load: float, seconds: float, tokens: int) -> None:
+        """``tokens`` streamed in ``seconds`` after the first at the chosen instance, whose
+        decode load was ``load`` at dispatch: calibrates its TBT."""
+        if tokens > 1:
+            self.cost.observe_decode(choice.instance, load + 1, seconds / (tokens - 1))
 
     def instance_changed(self, instance: Instance) -> None:
         """Fleet listener: an instance that went out loses its index entries (its cache may

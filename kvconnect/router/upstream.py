@@ -8,7 +8,6 @@ vLLM sends raises :class:`~kvconnect.errors.ProtocolError`.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -22,9 +21,8 @@ from kvconnect.router.types import Load
 MAX_REPLY_BYTES = 64 * 1024 * 1024
 """Largest upstream body the router buffers (prefill and non-streamed replies, /metrics)."""
 
-CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
-"""What an unreachable, dead or hung instance raises from aiohttp (ServerTimeoutError is a
-ClientConnectionError and a TimeoutError)."""
+CONNECTION_ERRORS = (aiohttp.ClientError, TimeoutError)
+"""What an unreachable, dead, hung or garbage-speaking instance raises from aiohttp."""
 
 
 async def read_limited(reply: aiohttp.ClientResponse, limit: int = MAX_REPLY_BYTES) -> bytes:
@@ -85,9 +83,3 @@ async def tokenize(
     if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
         raise ProtocolError(f"{url}/tokenize: tokens is not a list of integers")
     return tokens
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether ``exc`` (raised while a request was being sent, before any reply byte) means
-    the instance, not the request, failed."""
-    return isinstance(exc, (*CONNECTION_ERRORS, asyncio.IncompleteReadError))

@@ -7,11 +7,14 @@ prompt (the prompt reversed), the same on every stand-in, so an answer proves it
 whichever instance gave it. In PD, a prefill answers ``kv_transfer_params`` naming itself, and
 a decode says in its answer whose params it got. Faults: :meth:`StandIn.stop` (connection
 refused), ``drop`` (the connection closes before an answer), ``fail_status`` (a 5xx answer),
-``break_after`` (the stream breaks after that many chunks), ``healthy`` (``/health`` 503).
+``break_after`` (the stream breaks after that many chunks), ``hold_after`` (the stream stops
+after that many chunks until the router gives up: ``cancelled`` counts those), ``healthy``
+(``/health`` 503), ``hang`` (``/health`` never answers).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -41,9 +44,12 @@ class StandIn:
         self.received: list[tuple[str, dict[str, Any]]] = []  # generation requests
         self.headers: list[dict[str, str]] = []
         self.healthy = True
+        self.hang = False
         self.drop = False
         self.fail_status: int | None = None
         self.break_after: int | None = None
+        self.hold_after: int | None = None
+        self.cancelled = 0
         self.running = 0
         self.waiting = 0
         self._runner: web.AppRunner | None = None
@@ -60,7 +66,7 @@ class StandIn:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
-        self._runner = web.AppRunner(app, handle_signals=False)
+        self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
@@ -73,6 +79,8 @@ class StandIn:
             self._runner = None
 
     async def _health(self, _request: web.Request) -> web.Response:
+        if self.hang:
+            await asyncio.Event().wait()  # until the caller gives up and closes
         return web.Response(status=200 if self.healthy else 503)
 
     async def _metrics(self, _request: web.Request) -> web.Response:
@@ -128,11 +136,20 @@ class StandIn:
                 assert request.transport is not None
                 request.transport.close()
                 return out
+            if position == self.hold_after:
+                await self._hold()
             event = {"choices": [{"text": char}], **extra}
             await out.write(f"data: {json.dumps(event)}\n\n".encode())
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
+
+    async def _hold(self) -> None:
+        try:
+            await asyncio.Event().wait()  # until the router closes the connection
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
 
 
 def stream_bytes(text: str, extra: dict[str, Any]) -> bytes:

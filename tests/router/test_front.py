@@ -15,8 +15,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvconnect.router.app import RouterService, make_app, service_of
-from kvconnect.router.config import RouterConfig
+from kvconnect.router.app import RouterService, make_runner, service_of
+from kvconnect.router.config import EventSource, RouterConfig
+from kvconnect.store.kvevents import BlockStored
+from kvconnect.store.master.kvevents import KvEventPublisher
 from tests.router.standin import MODEL, StandIn, completion_text, stream_bytes
 from tests.support.waiting import await_for
 
@@ -51,7 +53,7 @@ class Front:
 async def front(**settings: Any) -> AsyncIterator[Front]:
     settings.setdefault("health_interval", QUIET)
     settings.setdefault("policy", "round-robin")
-    runner = web.AppRunner(make_app(RouterConfig(**settings)), handle_signals=False)
+    runner = make_runner(RouterConfig(**settings))
     await runner.setup()
     try:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -107,6 +109,7 @@ def test_a_pd_request_goes_to_prefill_then_to_decode_with_prefills_params() -> N
                 "kv_transfer_params": {"remote_engine_id": "p", "blocks": [1]},
             }
             assert p.headers[0]["Authorization"] == d.headers[0]["Authorization"] == "Bearer k"
+            assert f.metric("kvconnect_router_ttft_observed_seconds_count") == 1
             assert (
                 f.metric(
                     "kvconnect_router_requests_total", endpoint="/v1/completions", outcome="ok"
@@ -146,13 +149,16 @@ def test_a_request_to_an_instance_refusing_connections_is_retried_and_the_instan
     None
 ):
     async def scenario(a: StandIn, b: StandIn) -> None:
-        async with front(unified=(a.url, b.url)) as f:
+        async with front(unified=(a.url, b.url), policy="random") as f:
             await a.stop()
-            prompts = [f"prompt {n}" for n in range(4)]
-            for prompt in prompts:
-                status, data, _ = await f.post("/v1/completions", {"prompt": prompt})
+            prompts: list[list[int]] = []
+            for n in range(40):  # until the policy picked the dead instance once
+                prompts.append([n, 1, 2])  # token ids: no /tokenize call finds it dead first
+                status, data, _ = await f.post("/v1/completions", {"prompt": prompts[-1]})
                 assert status == 200
-                assert json.loads(data) == answer(prompt, "b")
+                assert json.loads(data) == answer(str(prompts[-1]), "b")
+                if not f.service.fleet.get(a.url).healthy:
+                    break
             assert [body["prompt"] for _, body in b.received] == prompts
             assert not f.service.fleet.get(a.url).healthy
             assert f.metric("kvconnect_router_retries_total", role="unified") == 1
@@ -163,16 +169,32 @@ def test_a_request_to_an_instance_refusing_connections_is_retried_and_the_instan
     run(scenario, "a", "b")
 
 
+def test_a_tokenize_call_that_cannot_connect_takes_the_instance_out() -> None:
+    async def scenario(a: StandIn, b: StandIn) -> None:
+        async with front(unified=(a.url, b.url)) as f:
+            await a.stop()  # the idle instance listed first: asked to tokenise
+            status, data, _ = await f.post("/v1/completions", {"prompt": "tokenised by a"})
+            assert (status, json.loads(data)) == (200, answer("tokenised by a", "b"))
+            assert not f.service.fleet.get(a.url).healthy
+            assert f.metric("kvconnect_router_retries_total", role="unified") == 0
+
+    run(scenario, "a", "b")
+
+
 def test_a_pd_hop_whose_connection_closes_before_an_answer_is_retried_on_another_instance() -> None:
     async def scenario(p1: StandIn, p2: StandIn, d1: StandIn, d2: StandIn) -> None:
-        async with front(prefill=(p1.url, p2.url), decode=(d1.url, d2.url)) as f:
+        fleet = {"prefill": (p1.url, p2.url), "decode": (d1.url, d2.url)}
+        async with front(**fleet, policy="random") as f:
             p1.drop = d1.drop = True
-            for n in range(3):
+            for n in range(40):  # until the policy picked each dropping instance once
                 status, data, _ = await f.post("/v1/completions", {"prompt": f"p{n}"})
                 assert status == 200
                 assert json.loads(data) == answer(f"p{n}", "d2", prefilled_by="p2")
+                if p1.received and d1.received:
+                    break
             assert len(p1.received) == len(d1.received) == 1  # tried once, then out
-            assert len(p2.received) == len(d2.received) == 3
+            assert not f.service.fleet.get(p1.url).healthy
+            assert not f.service.fleet.get(d1.url).healthy
             assert f.metric("kvconnect_router_retries_total", role="prefill") == 1
             assert f.metric("kvconnect_router_retries_total", role="decode") == 1
 
@@ -181,13 +203,16 @@ def test_a_pd_hop_whose_connection_closes_before_an_answer_is_retried_on_another
 
 def test_a_5xx_before_any_byte_is_retried_and_the_instance_stays_in() -> None:
     async def scenario(a: StandIn, b: StandIn) -> None:
-        async with front(unified=(a.url, b.url)) as f:
+        async with front(unified=(a.url, b.url), policy="random") as f:
             a.fail_status = 503
-            for n in range(2):
+            for n in range(40):  # until the policy picked the failing instance once
                 status, data, _ = await f.post("/v1/completions", {"prompt": f"x{n}"})
                 assert (status, json.loads(data)) == (200, answer(f"x{n}", "b"))
+                if a.received:
+                    break
             assert f.service.fleet.get(a.url).healthy
-            assert len(a.received) == 1
+            assert len(b.received) == n + 1
+            assert len(a.received) == f.metric("kvconnect_router_retries_total", role="unified") > 0
 
     run(scenario, "a", "b")
 
@@ -221,6 +246,67 @@ def test_an_answer_that_breaks_after_its_first_bytes_is_never_retried() -> None:
     run(scenario, "a", "b")
 
 
+def test_a_client_going_away_mid_stream_closes_the_upstream_request() -> None:
+    async def scenario(a: StandIn) -> None:
+        async with front(unified=(a.url,)) as f:
+            a.hold_after = 2
+            async with f.client.post(
+                f.url + "/v1/completions", json={"prompt": "abandoned", "stream": True}
+            ) as reply:
+                assert reply.status == 200
+                assert (await reply.content.readany()).startswith(b"data: ")
+            # leaving the block closes the client's connection mid-answer
+            await await_for(lambda: a.cancelled == 1, "the instance's request is cancelled")
+            outcome = {"endpoint": "/v1/completions", "outcome": "aborted"}
+            await await_for(
+                lambda: f.metric("kvconnect_router_requests_total", **outcome) == 1,
+                "the abandoned request is counted",
+            )
+            assert f.service.fleet.get(a.url).inflight == 0
+
+    run(scenario, "a")
+
+
+def test_kv_events_steer_a_request_to_the_instance_holding_its_prefix() -> None:
+    prompt = "a shared system prompt, then the user's question"[:48]  # 12 blocks of 4 tokens
+    tokens = list(prompt.encode())  # how the stand-ins tokenise
+    stored = BlockStored(
+        block_hashes=list(range(1000, 1012)),
+        parent_block_hash=None,
+        token_ids=tokens,
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    publisher = KvEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", 100)
+
+    async def scenario(a: StandIn, b: StandIn) -> None:
+        publisher.start()
+        try:
+            publisher.publish([stored])  # before the router starts: replayed as history
+            await await_for(lambda: publisher.stats.published == 1, "published")
+            events = (EventSource(b.url, publisher.endpoint, publisher.replay_endpoint),)
+            settings = {"unified": (a.url, b.url), "events": events, "block_size": 4}
+            async with front(**settings, policy="cache") as f:
+                await await_for(lambda: f.service.router.index_entries() == 12, "indexed")
+                batches = f.metric("kvconnect_router_events_batches_total", source=b.url)
+                assert batches == f.metric("kvconnect_router_events_replayed_total", source=b.url)
+                assert batches == 1
+                for _ in range(3):
+                    status, data, _ = await f.post("/v1/completions", {"prompt": prompt})
+                    assert (status, json.loads(data)) == (200, answer(prompt, "b"))
+                assert f.metric("kvconnect_router_cached_blocks_total", tier="instance") == 36
+                await b.stop()  # its next request fails to connect: out, and out of the index
+                status, data, _ = await f.post("/v1/completions", {"prompt": prompt})
+                assert (status, json.loads(data)) == (200, answer(prompt, "a"))
+                assert f.service.router.index_entries() == 0
+        finally:
+            publisher.close()
+
+    run(scenario, "a", "b")
+
+
 def test_the_health_loop_takes_a_dead_instance_out_and_back_in() -> None:
     async def scenario(a: StandIn, b: StandIn) -> None:
         async with front(unified=(a.url, b.url), health_interval=0.05) as f:
@@ -242,6 +328,19 @@ def test_the_health_loop_takes_a_dead_instance_out_and_back_in() -> None:
             await await_for(lambda: health()[a.url], "the instance comes back when healthy")
             status, data, _ = await f.post("/v1/completions", {"prompt": "back"})
             assert (status, json.loads(data)) == (200, answer("back", "a"))
+
+    run(scenario, "a", "b")
+
+
+def test_an_instance_whose_health_check_hangs_is_taken_out_by_the_checks_timeout() -> None:
+    async def scenario(a: StandIn, b: StandIn) -> None:
+        settings = {"health_interval": 0.05, "health_timeout": 0.2}
+        async with front(unified=(a.url, b.url), **settings) as f:
+            a.hang = True
+            await await_for(lambda: not f.service.fleet.get(a.url).healthy, "a hung instance")
+            assert f.service.fleet.get(b.url).healthy
+            a.hang = False
+            await await_for(lambda: f.service.fleet.get(a.url).healthy, "back when it answers")
 
     run(scenario, "a", "b")
 

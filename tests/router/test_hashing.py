@@ -25,6 +25,8 @@ def test_the_chain_folds_block_hash_from_the_root_over_full_blocks_only(
         expected.append(parent)
     assert chain(ids, size, extra) == tuple(expected)
     assert len(expected) == len(ids) // size
+    if expected:  # a chain continues from any of its blocks
+        assert chain(ids[size:], size, extra, parent=expected[0]) == tuple(expected[1:])
 
 
 @given(tokens, tokens, st.integers(1, 4))

@@ -225,3 +225,29 @@ def test_an_engine_hash_announced_again_with_other_tokens_takes_the_latest() -> 
 def test_a_capacity_below_one_is_refused() -> None:
     with pytest.raises(ConfigError):
         PrefixIndex(0)
+
+
+def test_one_engine_hash_per_block_and_source_is_kept_the_latest() -> None:
+    """An engine that hashes more than the router (multimodal inputs) may name one router block
+    by two engine hashes; the index keeps the latest and ignores removals of the other."""
+    index = PrefixIndex(capacity=100)
+    tokens = list(range(1, 4))
+    index.stored("a", [b"first"], None, tokens, SIZE, b"", False)
+    index.stored("a", [b"second"], None, tokens, SIZE, b"", False)
+    assert index.stats().entries == 1
+    index.removed("a", [b"first"], False)
+    assert index.leading("a", chain(tokens, SIZE)) == 1
+    index.removed("a", [b"second"], False)
+    assert index.leading("a", chain(tokens, SIZE)) == 0
+    assert index.stats().entries == 0
+
+
+def test_a_block_stays_held_while_one_tier_of_the_source_holds_it() -> None:
+    index = PrefixIndex(capacity=100)
+    tokens = list(range(1, 4))
+    for medium in ("GPU", "CPU"):
+        index.stored("a", [b"h"], None, tokens, SIZE, b"", False, medium=medium)
+    index.removed("a", [b"h"], False, medium="GPU")
+    assert index.leading("a", chain(tokens, SIZE)) == 1
+    index.removed("a", [b"h"], False, medium="CPU")
+    assert index.leading("a", chain(tokens, SIZE)) == 0

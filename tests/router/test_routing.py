@@ -76,7 +76,7 @@ def test_an_instances_events_make_it_the_cached_candidate_and_the_choice() -> No
     first = router.first_hop(request)
     assert first is not None
     assert (first.instance, first.cached_blocks) == (A, 3)
-    assert router.uncached_tokens(request, first) == 2
+    assert router.estimate(request, first).compute_tokens == 2
 
 
 def test_an_instance_that_goes_out_leaves_the_index_and_the_candidates() -> None:
