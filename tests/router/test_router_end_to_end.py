@@ -143,8 +143,7 @@ def test_killing_a_prefill_instance_loses_no_request_that_had_not_started(
     fleet: Fleet, router: Router
 ) -> None:
     prompts = [tiny_llama.prompt(50 + i, 300) for i in range(12)]
-    survivor, victim = fleet.prefill
-    served = victim.metric(QUERIES)
+    served = {s.name: s.metric(QUERIES) for s in fleet.prefill}
     answers: list[str | None] = [None] * len(prompts)
     lock = threading.Lock()
 
@@ -153,11 +152,16 @@ def test_killing_a_prefill_instance_loses_no_request_that_had_not_started(
         with lock:
             answers[i] = answer
 
+    def serving() -> list[Server]:
+        return [s for s in fleet.prefill if s.metric(QUERIES) > served[s.name]]
+
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         futures = [pool.submit(send, i) for i in range(len(prompts))]
-        wait_for(lambda: victim.metric(QUERIES) > served, "victim serving", timeout=60)
+        wait_for(lambda: bool(serving()), "a prefill instance serving them", timeout=60)
+        victim = serving()[0]  # the router's choice: kill one that has requests in flight
         victim.kill()
         for future in futures:
             future.result(timeout=120)  # none failed
+    (survivor,) = (s for s in fleet.prefill if s is not victim)
     assert answers == [text(complete(survivor.url, p, max_tokens=8)) for p in prompts]
     assert text(complete(router.url, prompts[0], max_tokens=8)) == answers[0], "served on"
