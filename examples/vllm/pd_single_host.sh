@@ -21,11 +21,15 @@ trap 'kill "${pids[@]}" 2>/dev/null' EXIT
 
 ROLE=(kv_producer kv_consumer)
 EXTRA='{"host": "127.0.0.1", "lease": 30}'
+STORE_EVENTS=()
 if [ "$POOL" = 1 ]; then
-    kvconnect serve --master-listen tcp://127.0.0.1:50051 --store-size 32G &
+    # the store's master publishes what the pool holds as KV events, for the router's index
+    kvconnect serve --master-listen tcp://127.0.0.1:50051 --store-size 32G \
+        --master-kv-events tcp://127.0.0.1:5577 --master-kv-events-replay tcp://127.0.0.1:5578 &
     pids+=($!)
     ROLE=(kv_both kv_both)
     EXTRA='{"host": "127.0.0.1", "lease": 30, "pool": true, "master": "tcp://127.0.0.1:50051"}'
+    STORE_EVENTS=(--store-events tcp://127.0.0.1:5577,tcp://127.0.0.1:5578)
 fi
 
 serve() {  # serve PORT GPU ROLE CPUS EVENTS_PORT: KV events on EVENTS_PORT, replay on +1
@@ -45,6 +49,7 @@ serve 8100 0 "${ROLE[0]}" "${P_CPUS:-auto}" 5557
 serve 8200 1 "${ROLE[1]}" "${D_CPUS:-auto}" 5567
 kvconnect router --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \
     --events http://127.0.0.1:8100=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558 \
-    http://127.0.0.1:8200=tcp://127.0.0.1:5567,tcp://127.0.0.1:5568 &
+    http://127.0.0.1:8200=tcp://127.0.0.1:5567,tcp://127.0.0.1:5568 \
+    ${STORE_EVENTS[@]+"${STORE_EVENTS[@]}"} &
 pids+=($!)
 wait

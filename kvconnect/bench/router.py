@@ -32,6 +32,7 @@ import argparse
 import enum
 import json
 import random
+import shlex
 import statistics
 import tempfile
 import threading
@@ -88,6 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV blocks per prefill instance (default: 3/4 of all system prompts' blocks)",
     )
     parser.add_argument("--no-pool", action="store_true", help="the connector's pool off")
+    parser.add_argument(
+        "--router-args",
+        type=shlex.split,
+        default=[],
+        metavar="ARGS",
+        help="more kvconnect router options for every policy, e.g. '--pool-tps 4000'",
+    )
     parser.add_argument("--store-mib", type=int, default=2048, help="the kvconnect store")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="bench", help="the model")
     parser.add_argument("--seed", type=int, default=17)
@@ -211,7 +219,9 @@ def _phase(
     for server in fleet.servers:
         server.reset_prefix_cache()
     logs.mkdir(parents=True, exist_ok=True)
-    router = fleet.router(logs, name=policy.value, args=["--policy", policy.value])
+    router = fleet.router(
+        logs, name=policy.value, args=["--policy", policy.value, *args.router_args]
+    )
     try:
         before = _counters(fleet.prefill)
         samples: list[Sample] = [{} for _ in shots]
@@ -338,7 +348,8 @@ def report(phases: dict[Policy, list[dict[str, Any]]], args: argparse.Namespace)
         policies[policy.value] = entry
     _print(policies)
     workload_fields = ("systems", "system_tokens", "users", "turns", "turn_tokens",
-                       "output_tokens", "rate", "repetitions", "seed", "shape")  # fmt: skip
+                       "output_tokens", "rate", "repetitions", "seed", "shape",
+                       "router_args")  # fmt: skip
     return {
         "workload": {k: getattr(args, k) for k in workload_fields},
         "prefill_blocks": prefill_blocks(args),
