@@ -10,7 +10,8 @@ asks the publisher's ROUTER socket for them: a DEALER sends ``[b"", start_seq]``
 answered ``[b"", topic, seq, payload]`` per batch still buffered from ``start_seq`` on, then
 ``[b"", b"", END_SEQ, b""]`` (vLLM before 0.32 answered without the topic frame, which
 :func:`parse_replay` accepts too). The field names, their order, which have defaults, and
-these frames are vLLM 0.32's (``vllm/distributed/kv_events.py``).
+these frames are vLLM 0.32's and 0.33's (``vllm/distributed/kv_events.py``; 0.33 added
+``BlockStored.lookahead_token_ids``, which 0.32 ignores when decoding).
 
 Decoding is tolerant where vLLM may grow: unknown fields of a known event are ignored, and an
 event of an unknown type is skipped (counted) rather than failing its batch.
@@ -59,6 +60,7 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False, frozen
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None  # vLLM 0.33 on
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False, frozen=True):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import msgspec
 import pytest
@@ -69,7 +70,11 @@ def _until(condition: Callable[[], bool], seconds: float) -> bool:
     return True
 
 
-def _publish_until_seen(pub: KvEventPublisher, got: Received, first: int, count: int) -> int:
+class Publishing(Protocol):
+    def publish(self, events: list[BlockRemoved]) -> None: ...
+
+
+def _publish_until_seen(pub: Publishing, got: Received, first: int, count: int) -> int:
     """Publish batches ``first``, ``first + 1``, … until the subscriber delivered ``count``
     batches in all and the last one published (a PUB drops what it sends before the
     subscriber's connection is up: publishing again is how a test learns it is). Returns the

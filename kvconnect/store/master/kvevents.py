@@ -175,6 +175,9 @@ class KvEventPublisher(Lifecycle):
                 self._router = self._ctx.socket(zmq.ROUTER)
                 self._router.setsockopt(zmq.LINGER, 0)
                 self._router.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST)
+                # room for a whole replay and its end marker for a slow reader (zmq counts
+                # its reads late, by half the high-water mark)
+                self._router.setsockopt(zmq.SNDHWM, 2 * (self._ring.maxlen or 0) + 2)
                 self._router.bind(self._replay_endpoint)
         except zmq.ZMQError:
             self._ctx.destroy(linger=0)
