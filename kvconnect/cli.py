@@ -65,6 +65,7 @@ _BENCHES = (
     ("vllm", "vLLM prefill/decode: kvconnect vs NIXL", "kvconnect.bench.vllm_pd"),
     ("vllm-pool", "vLLM shared pool: TTFT of a second instance", "kvconnect.bench.vllm_pool"),
     ("sglang", "SGLang HiCache L3: kvconnect vs mooncake and file", "kvconnect.bench.sglang"),
+    ("router", "kvconnect router: cache-aware vs round-robin vs random", "kvconnect.bench.router"),
 )
 
 

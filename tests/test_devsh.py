@@ -109,7 +109,7 @@ def test_pip_noise_is_hidden_and_a_good_install_goes_on(fake: Path) -> None:
     assert run.pytest_runs("venv") == [""]
     assert run.pytest_runs("sglang-venv") == ["tests/sglang"]
     assert run.pytest_runs("vllm-venv") == ["tests/vllm"]
-    assert run.pytest_runs("vllm-cpu-venv") == ["tests/vllm"]
+    assert run.pytest_runs("vllm-cpu-venv") == ["tests/vllm tests/router/test_router_end_to_end.py"]
     assert run.vm_runs() == ["tests/rdma"]
 
 
@@ -120,7 +120,8 @@ def test_options_reach_every_suite(fake: Path) -> None:
     assert run.pytest_runs("venv") == [options]
     assert run.pytest_runs("sglang-venv") == [f"{options} tests/sglang"]
     assert run.pytest_runs("vllm-venv") == [f"{options} tests/vllm"]
-    assert run.pytest_runs("vllm-cpu-venv") == [f"{options} tests/vllm"]
+    router = "tests/router/test_router_end_to_end.py"
+    assert run.pytest_runs("vllm-cpu-venv") == [f"{options} tests/vllm {router}"]
     assert run.vm_runs() == [f"{options} tests/rdma"]
 
 
@@ -132,6 +133,9 @@ def test_paths_select_the_suites_they_name(fake: Path) -> None:
     assert run.pytest_runs("vllm-venv") == []
     assert run.pytest_runs("vllm-cpu-venv") == []
     assert run.vm_runs() == []
+    run = _dev_test(fake, "tests/router/test_router_end_to_end.py")
+    assert run.pytest_runs("vllm-cpu-venv") == ["tests/router/test_router_end_to_end.py"]
+    assert run.pytest_runs("vllm-venv") == []
     run = _dev_test(fake, "tests/rdma/test_rdma.py::test_one", "-q")
     assert run.vm_runs() == ["-q tests/rdma/test_rdma.py::test_one"]
     assert run.pytest_runs("sglang-venv") == []

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# xPyD across hosts: run this script once per instance, with its role, then the proxy once.
+# xPyD across hosts: run this script once per instance, with its role, then the router once.
 #
 #   # on each prefill host (one instance per GPU group):
 #   HOST_IP=10.0.0.11 ./xpyd.sh prefill
 #   # on each decode host:
 #   HOST_IP=10.0.0.21 ./xpyd.sh decode
-#   # anywhere:
-#   ./xpyd.sh proxy --prefill http://10.0.0.11:8100 http://10.0.0.12:8100 \
-#                   --decode  http://10.0.0.21:8200 http://10.0.0.22:8200
+#   # anywhere: kvconnect router, fed by every instance's KV events (port 5557, replay 5558)
+#   ./xpyd.sh router --prefill http://10.0.0.11:8100 http://10.0.0.12:8100 \
+#                    --decode  http://10.0.0.21:8200 http://10.0.0.22:8200 \
+#                    --events http://10.0.0.11:8100=tcp://10.0.0.11:5557,tcp://10.0.0.11:5558 \
+#                             http://10.0.0.12:8100=tcp://10.0.0.12:5557,tcp://10.0.0.12:5558
 #
 # HOST_IP is the address other hosts reach this one at: prefill's side channel and every
 # worker's transfer engine listen there (each TP rank picks a free port; decode learns them
@@ -20,7 +22,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 MODEL="${MODEL:-Qwen/Qwen3-32B}"
 TP="${TP:-4}"
-role="${1:?usage: xpyd.sh prefill|decode|proxy [proxy args]}"
+role="${1:?usage: xpyd.sh prefill|decode|router [router args]}"
 shift
 
 extra() {
@@ -36,6 +38,9 @@ serve() {  # serve PORT KV_ROLE
     [ -z "${POOL_MASTER:-}" ] || kv_role=kv_both
     VLLM_LOGGING_CONFIG_PATH="$PWD/logging.json" \
         exec vllm serve "$MODEL" --host 0.0.0.0 --port "$1" --tensor-parallel-size "$TP" \
+        --enable-prefix-caching --kv-events-config \
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
+          "replay_endpoint": "tcp://*:5558"}' \
         --kv-transfer-config \
         "{\"kv_connector\": \"KVConnectConnector\",
           \"kv_connector_module_path\": \"kvconnect.vllm.connector\",
@@ -46,6 +51,6 @@ serve() {  # serve PORT KV_ROLE
 case "$role" in
     prefill) : "${HOST_IP:?set HOST_IP}"; serve 8100 kv_producer ;;
     decode) : "${HOST_IP:?set HOST_IP}"; serve 8200 kv_consumer ;;
-    proxy) exec python proxy.py --host 0.0.0.0 --port 8000 "$@" ;;
+    router) exec kvconnect router --host 0.0.0.0 --port 8000 "$@" ;;
     *) echo "unknown role $role" >&2; exit 2 ;;
 esac

@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     """Measure in alternating phases, print and write the report."""
     work = Path(args.work or tempfile.mkdtemp(prefix="kvconnect-bench-vllm-pool-"))
     shape = SHAPES[args.shape]
-    model = _write_model(args.vllm_python, work / "model", shape)
+    model = write_model(args.vllm_python, work / "model", shape)
     samples: dict[Series, dict[int, list[Sample]]] = {
         s: {t: [] for t in args.tokens} for s in Series
     }
@@ -174,7 +174,7 @@ def _show(rnd: int, tokens: int, series: Series, sample: Sample) -> None:
     print(f"round {rnd} {tokens:5d} tokens {series.value:15s} {ms:9.1f} ms  {extra}", flush=True)
 
 
-def _write_model(python: str, path: Path, shape: tiny_llama.Shape) -> Path:
+def write_model(python: str, path: Path, shape: tiny_llama.Shape) -> Path:
     """The random Llama, written by vLLM's interpreter (it has torch, safetensors, tokenizers)."""
     if (path / "model.safetensors").exists():
         return path

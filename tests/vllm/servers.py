@@ -24,17 +24,6 @@ class Setup:
     proxy: Proxy
 
 
-def connector(extra: Mapping[str, Any], *, policy: str = "recompute") -> dict[str, Any]:
-    """vLLM's ``--kv-transfer-config`` for kvconnect (``kv_both``) with ``extra`` settings."""
-    return {
-        "kv_connector": "KVConnectConnector",
-        "kv_connector_module_path": "kvconnect.vllm.connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": dict(extra),
-        "kv_load_failure_policy": policy,
-    }
-
-
 @contextmanager
 def pd_pair(
     model: Path,

@@ -13,9 +13,9 @@ import pytest
 
 from kvconnect.bench import tiny_llama
 from kvconnect.bench.tiny_llama import Shape, write_tiny_llama
-from kvconnect.bench.vllm_servers import complete
+from kvconnect.bench.vllm_servers import complete, connector
 from kvconnect.store.launch import Cluster
-from tests.vllm.servers import Setup, connector, pd_pair, text, wait_stats
+from tests.vllm.servers import Setup, pd_pair, text, wait_stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -13,8 +13,8 @@ import pytest
 
 from kvconnect.bench import tiny_llama
 from kvconnect.bench.tiny_llama import Shape, write_tiny_llama
-from kvconnect.bench.vllm_servers import complete
-from tests.vllm.servers import Setup, connector, pd_pair, text, wait_stats
+from kvconnect.bench.vllm_servers import complete, connector
+from tests.vllm.servers import Setup, pd_pair, text, wait_stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
