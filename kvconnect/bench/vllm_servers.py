@@ -59,6 +59,10 @@ def _logging_config(log_dir: Path) -> Path:
     return path
 
 
+FLEET_AGREES = "block hashes agree with the fleet's"
+"""What kvconnect's connector logs once its fleet probe agreed."""
+
+
 class Server:
     """``python -m vllm.entrypoints.openai.api_server`` serving ``model`` on CPU.
 
@@ -156,6 +160,15 @@ class Server:
             except (urllib.error.URLError, OSError):
                 time.sleep(1)
         raise TimeoutError(f"{self.name} not ready in {timeout} s:\n{self.tail()}")
+
+    def wait_pool_verdict(self, timeout: float) -> None:
+        """Wait until the connector's fleet probe agreed (it runs in the background at startup;
+        a pool lookup before it is a miss)."""
+        deadline = time.monotonic() + timeout
+        while FLEET_AGREES not in self.log.read_text(errors="replace"):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: the fleet probe never agreed:\n{self.tail()}")
+            time.sleep(0.2)
 
     def reports(self) -> list[dict[str, float]]:
         """Every ``KV Transfer metrics`` report (one per stats interval with transfers) so far,
@@ -404,6 +417,8 @@ def pd_fleet(
             servers.append(started)
         for started in servers:
             started.wait_ready(startup)
+            if pool:
+                started.wait_pool_verdict(startup)
         yield Fleet(cluster, tuple(servers[:prefill]), tuple(servers[prefill:]), ",".join(events))
 
 

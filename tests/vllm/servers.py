@@ -11,10 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from kvconnect.bench.vllm_servers import Proxy, Server, cpu_groups
-from tests.support.waiting import wait_for
-
-FLEET_AGREES = "block hashes agree with the fleet's"
-"""What the connector logs once its fleet probe agreed (in the background, at startup)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +45,8 @@ def pd_pair(
         for server in servers:
             server.wait_ready(startup)
         if transfer.get("kv_connector_extra_config", {}).get("pool"):
-            for server in servers:  # a lookup before the verdict is a miss
-                wait_for(
-                    lambda s=server: FLEET_AGREES in s.log.read_text(errors="replace"),
-                    f"{server.name}: the fleet probe never agreed:\n{server.tail()}",
-                    timeout=60,
-                )
+            for server in servers:
+                server.wait_pool_verdict(60)
         proxy = Proxy([servers[0].url], [servers[1].url], logs)
         try:
             yield Setup(servers[0], servers[1], proxy)
