@@ -19,9 +19,10 @@ spreads to a second instance once the holder's ``queue / tps`` costs more than r
 prefix on the second one or loading it there from the pool. A unified instance is predicted the
 same way (its running decodes, which slow its prefills, are not counted).
 
-``tps(instance)`` starts at ``prefill_tps`` and follows the instance's observed prefill
-throughput; ``overhead`` (a request's fixed cost: HTTP, tokenising, a scheduler step) starts at
-``prefill_overhead`` and follows what observed prefills took beyond their compute
+``tps(instance)`` starts at ``prefill_tps`` (then at the mean of the instances observed so far)
+and follows the instance's observed prefill throughput; ``overhead`` (a request's fixed cost:
+HTTP, tokenising, a scheduler step) starts at ``prefill_overhead`` and follows what observed
+prefills took beyond their compute
 (:meth:`CostModel.observe_prefill`, EWMAs with weight ``alpha`` per sample). A sample whose
 predicted compute is shorter than the overhead calibrates the overhead, a longer one the
 throughput: folding the fixed cost into throughput would make an instance that served cache
@@ -120,8 +121,16 @@ class CostModel:
         self._per_seq: dict[str, float] = {}
 
     def tps(self, instance: str) -> float:
-        """The prefill throughput (tokens/s) predictions use for ``instance``."""
-        return self._tps.get(instance, self._prefill_tps)
+        """The prefill throughput (tokens/s) predictions use for ``instance``: its own
+        calibration; before its first sample, the mean of the instances observed (an instance
+        left at the prior while its peers calibrated would look slower or faster than it is,
+        and lose or win every choice for that alone); before any sample, ``prefill_tps``."""
+        own = self._tps.get(instance)
+        if own is not None:
+            return own
+        if self._tps:
+            return sum(self._tps.values()) / len(self._tps)
+        return self._prefill_tps
 
     def per_seq(self, instance: str) -> float:
         """The decode step cost per sequence (seconds) predictions use for ``instance``."""

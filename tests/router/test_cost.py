@@ -73,8 +73,12 @@ def test_prefill_throughput_starts_at_the_default_and_follows_observations() -> 
     model.observe_prefill("a", 100, 0.0)  # ignored
     model.observe_prefill("a", -1, 0.1)  # ignored
     assert model.tps("a") == pytest.approx(3000.0)
-    assert model.tps("b") == 1000.0
     assert model.predict_ttft(candidate("a"), request(3000), BS) == pytest.approx(1.0)
+    # an instance not observed yet takes its observed peers' mean, not the prior
+    assert model.tps("b") == pytest.approx(3000.0)
+    model.observe_prefill("c", 100, 0.1)
+    assert model.tps("b") == pytest.approx((3000.0 + 1000.0) / 2)
+    assert CostModel(prefill_tps=1000.0).tps("b") == 1000.0
 
 
 def test_short_prefills_calibrate_the_fixed_cost_and_leave_the_throughput_alone() -> None:
