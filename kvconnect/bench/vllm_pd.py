@@ -28,19 +28,12 @@ from typing import Any
 from kvconnect.bench import tiny_llama
 from kvconnect.bench.baselines import nixl
 from kvconnect.bench.vllm_servers import Server, complete, cpu_groups, first_token_seconds
+from kvconnect.router.app import PREFILL_PARAMS
 from kvconnect.store.launch import free_port
 from kvconnect.vllm.trace import Phase, parse_line
 
 _SHAPE = tiny_llama.Shape(layers=8, hidden=512, heads=8, kv_heads=8, intermediate=1024)
 _STARTUP = 900.0
-_P_PARAMS = {  # what the example proxy sends to prefill (NIXL's format)
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 _CONNECTORS = ("kvconnect", "nixl")
 _REPORT_WAIT = 15.0  # seconds for the decode server to log the request's transfer
 
@@ -186,7 +179,9 @@ class _Pair:
         seen_reports = len(self.decode.reports())
         seen_traces = len(_traces(self.decode))
         started = time.monotonic()
-        prefilled = complete(self.prefill.url, prompt, max_tokens=1, kv_transfer_params=_P_PARAMS)
+        prefilled = complete(
+            self.prefill.url, prompt, max_tokens=1, kv_transfer_params=PREFILL_PARAMS
+        )
         prefill = time.monotonic() - started
         params = prefilled["kv_transfer_params"]
         decode = first_token_seconds(self.decode.url, prompt, kv_transfer_params=params)
