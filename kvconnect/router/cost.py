@@ -27,7 +27,9 @@ prefills took beyond their compute
 predicted compute is shorter than the overhead calibrates the overhead, a longer one the
 throughput: folding the fixed cost into throughput would make an instance that served cache
 hits (little compute, the same fixed cost) look slow, and send its hot prefixes elsewhere. The
-overhead is one for the fleet, so it never decides between instances.
+overhead is one for the fleet, so it never decides between instances. ``pool_tps`` (one store
+for the fleet) starts at the configured rate and follows prefills that loaded from the pool:
+the time their overhead and compute leave.
 
 **Decode load** (Mooncake's formula, batch size + k * waiting)::
 
@@ -111,7 +113,8 @@ class CostModel:
         if not 0 < alpha <= 1:
             raise ConfigError(f"alpha must be in (0, 1], got {alpha}")
         self._prefill_tps = prefill_tps
-        self._pool_tps = pool_tps
+        self._pool_prior = pool_tps
+        self._pool_tps: float | None = None
         self._decode_tbt = decode_tbt
         self._k = k_waiting
         self._alpha = alpha
@@ -132,25 +135,40 @@ class CostModel:
             return sum(self._tps.values()) / len(self._tps)
         return self._prefill_tps
 
+    @property
+    def pool_tps(self) -> float:
+        """Tokens/s loaded from the shared pool (one store for the fleet): calibrated, or
+        the prior before the first pool load."""
+        return self._pool_prior if self._pool_tps is None else self._pool_tps
+
     def per_seq(self, instance: str) -> float:
         """The decode step cost per sequence (seconds) predictions use for ``instance``."""
         return self._per_seq.get(instance, self._decode_tbt)
 
-    def observe_prefill(self, instance: str, tokens_computed: float, seconds: float) -> None:
-        """``instance`` computed ``tokens_computed`` prompt tokens in ``seconds``. The router
-        passes a finished prefill's :attr:`Estimate.work_tokens` from dispatch and its elapsed
-        time less :attr:`Estimate.pool_seconds`. A sample whose predicted compute is shorter
-        than the overhead calibrates the overhead, a longer one the instance's throughput
-        (with the overhead taken off, at most half the sample); samples without time, or with
+    def observe_prefill(
+        self, instance: str, tokens_computed: float, seconds: float, pool_tokens: int = 0
+    ) -> None:
+        """``instance`` computed ``tokens_computed`` prompt tokens and loaded ``pool_tokens``
+        from the pool in ``seconds``: the router passes a finished prefill's
+        :attr:`Estimate.work_tokens` and :attr:`Estimate.pool_tokens` from dispatch and its
+        elapsed time. What the sample says most about is calibrated: a pool load the pool's
+        rate (the time the overhead and the predicted compute leave, at least a twentieth of
+        the sample); else a sample whose predicted compute is shorter than the overhead the
+        overhead, a longer one the instance's throughput (with the overhead taken off, at
+        most half the sample). A pool load left uncalibrated would be counted as compute and
+        make the instances that load from the pool look slow. Samples without time, or with
         negative work, are ignored."""
-        if not seconds > 0 or tokens_computed < 0:
+        if not seconds > 0 or tokens_computed < 0 or pool_tokens < 0:
             return
         compute = tokens_computed / self.tps(instance)
-        if compute < self.overhead or tokens_computed == 0:
+        if pool_tokens > 0:
+            loading = max(seconds - self.overhead - compute, seconds / 20)
+            self._pool_tps = self._ewma(self._pool_tps, pool_tokens / loading)
+        elif compute < self.overhead or tokens_computed == 0:
             self.overhead = self._ewma(self.overhead, max(seconds - compute, 0.0))
-            return
-        busy = max(seconds - self.overhead, seconds / 2)
-        self._tps[instance] = self._ewma(self._tps.get(instance), tokens_computed / busy)
+        else:
+            busy = max(seconds - self.overhead, seconds / 2)
+            self._tps[instance] = self._ewma(self._tps.get(instance), tokens_computed / busy)
 
     def observe_decode(self, instance: str, batch: float, tbt: float) -> None:
         """``instance`` decoded at ``tbt`` seconds per token with ``batch`` sequences (its decode
@@ -166,9 +184,7 @@ class CostModel:
         pool = min(max(r.pool_blocks, c.cached_blocks) * block_size, hit) - local
         compute = prompt - local - pool
         queue = c.inflight_tokens + max(c.load.waiting - c.inflight, 0) * prompt
-        return Estimate(
-            queue, compute, pool, self.tps(c.name), pool / self._pool_tps, self.overhead
-        )
+        return Estimate(queue, compute, pool, self.tps(c.name), pool / self.pool_tps, self.overhead)
 
     def predict_ttft(self, c: Candidate, r: Request, block_size: int) -> float:
         """``r``'s predicted TTFT on prefill instance ``c`` (seconds)."""

@@ -130,9 +130,9 @@ class Router:
 
     def prefilled(self, choice: Choice, estimate: Estimate, seconds: float) -> None:
         """A request estimated as ``estimate`` at dispatch had its first token ``seconds``
-        later at the chosen instance: calibrates that instance's prefill throughput."""
+        later at the chosen instance: calibrates the cost model."""
         self.cost.observe_prefill(
-            choice.instance, estimate.work_tokens, seconds - estimate.pool_seconds
+            choice.instance, estimate.work_tokens, seconds, estimate.pool_tokens
         )
 
     def decoded(self, choice: Choice, load: float, seconds: float, tokens: int) -> None:

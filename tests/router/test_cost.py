@@ -81,7 +81,7 @@ def test_prefill_throughput_starts_at_the_default_and_follows_observations() -> 
     assert CostModel(prefill_tps=1000.0).tps("b") == 1000.0
 
 
-def test_short_prefills_calibrate_the_fixed_cost_and_leave_the_throughput_alone() -> None:
+def test_short_prefills_calibrate_the_fixed_cost_and_pool_loads_the_pool_rate() -> None:
     model = CostModel(prefill_tps=1000.0, prefill_overhead=0.03, alpha=0.5)
     # a cache hit: 8 tokens computed (8 ms predicted) in a 60 ms call
     model.observe_prefill("hits", 8, 0.060)
@@ -94,6 +94,12 @@ def test_short_prefills_calibrate_the_fixed_cost_and_leave_the_throughput_alone(
     model.observe_prefill("cold", 2000, 1.0 + before)
     assert model.tps("cold") == pytest.approx(2000.0)
     assert model.overhead == before, "compute calibrated the fixed cost"
+    # a prefill that loaded 1000 tokens from the pool: its time past overhead and compute
+    overhead = model.overhead
+    model.observe_prefill("cold", 200, overhead + 0.1 + 0.25, pool_tokens=1000)
+    assert model.pool_tps == pytest.approx(1000 / 0.25)
+    assert model.tps("cold") == pytest.approx(2000.0), "a pool load counted as compute"
+    assert model.overhead == overhead
     # the fixed cost is the fleet's: it never decides between instances
     a, b = candidate("hits", cached=9), candidate("other", cached=9)
     assert model.predict_ttft(a, request(160), BS) == model.predict_ttft(b, request(160), BS)
