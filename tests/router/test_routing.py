@@ -26,7 +26,8 @@ PROMPT = list(range(100, 100 + 3 * BLOCK + 2))  # three full blocks and a partia
 
 
 def _router(**settings: object) -> tuple[Router, Fleet]:
-    config = RouterConfig(prefill=(A, B), decode=(D,), block_size=BLOCK, policy="cache", **settings)  # type: ignore[arg-type]
+    fleet = {"prefill": (A, B), "decode": (D,), "policy": "cache", **settings}
+    config = RouterConfig(block_size=BLOCK, **fleet)  # type: ignore[arg-type]
     # The router does no I/O: the fleet's session is never used here.
     fleet = Fleet(
         config.roles(),
@@ -154,17 +155,7 @@ def test_blocks_of_an_adapter_match_only_requests_for_that_adapter() -> None:
 
 
 def test_unified_instances_take_the_first_hop_alone_while_no_decode_is_in() -> None:
-    config = RouterConfig(prefill=(A,), decode=(D,), unified=(U,), block_size=BLOCK)
-    fleet = Fleet(
-        config.roles(),
-        cast(aiohttp.ClientSession, None),
-        interval=1.0,
-        timeout=1.0,
-        unhealthy_after=2,
-    )
-    router = Router(config, fleet)
-    for instance in fleet.instances():
-        instance.healthy = True
+    router, fleet = _router(prefill=(A,), unified=(U,))
     request = router.request(PROMPT, "m")
     assert {c.name for c in router.candidates(request, [Role.PREFILL, Role.UNIFIED])} == {A, U}
     fleet.failed(D, "gone")
