@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import signal
 
@@ -19,6 +20,7 @@ from kvconnect.router.app import make_runner
 from kvconnect.router.config import EventSource, PolicyName, RouterConfig
 
 _DEFAULTS = RouterConfig(unified=("http://defaults.invalid",))
+_FLEET_FIELDS = ("prefill", "decode", "unified", "events", "store_events")  # parsed, not copied
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,33 +88,18 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             raise ConfigError(f"--events takes URL=ENDPOINT[,REPLAY], got {item!r}")
         events.append(EventSource.parse(url, endpoints))
     store = EventSource.parse("", args.store_events) if args.store_events else None
+    flagged = {  # every other field is a flag of its own name
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(RouterConfig)
+        if f.name not in _FLEET_FIELDS and hasattr(args, f.name)
+    }
     return RouterConfig(
         prefill=tuple(args.prefill),
         decode=tuple(args.decode),
         unified=tuple(args.unified),
         events=tuple(events),
         store_events=store,
-        policy=args.policy,
-        ttft_slo=args.ttft_slo,
-        tbt_slo=args.tbt_slo,
-        host=args.host,
-        port=args.port,
-        health_interval=args.health_interval,
-        health_timeout=args.health_timeout,
-        unhealthy_after=args.unhealthy_after,
-        request_timeout=args.request_timeout,
-        connect_timeout=args.connect_timeout,
-        call_timeout=args.call_timeout,
-        max_attempts=args.max_attempts,
-        max_body_bytes=args.max_body_bytes,
-        block_size=args.block_size,
-        index_capacity=args.index_capacity,
-        prefill_tps=args.prefill_tps,
-        prefill_overhead=args.prefill_overhead,
-        pool_tps=args.pool_tps,
-        decode_tbt=args.decode_tbt,
-        k_waiting=args.k_waiting,
-        seed=args.seed,
+        **flagged,
     )
 
 
