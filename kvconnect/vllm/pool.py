@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,8 @@ from kvconnect.vllm.groups import Group, usable_hit
 from kvconnect.vllm.layout import LayerLayout, RankLayout, block_ranges
 
 log = logging.getLogger(__name__)
+
+_FIRST_READ_PAUSE, _LAST_READ_PAUSE = 0.01, 0.5  # seconds: reading another writer's probe
 
 PROBE_TOKENS = 16
 """Tokens of the fleet probe's block: token ids 0, 1, ... (its own length, whatever the block
@@ -203,11 +206,17 @@ class StorePoolIndex:
 def _probe_fleet(client: StoreClient, key: str, mine: bytes) -> tuple[Verdict, str]:
     """The verdict, and why the store could not tell (UNKNOWN)."""
     stored = client.put(key, mine)
-    if stored not in (Code.OK, Code.EXISTS):  # the store is down, or another instance writes it
+    if stored is Code.BUSY:  # a fleet starting together: another instance is writing it now
+        log.debug("kvconnect pool: another instance is writing the fleet probe; reading theirs")
+        theirs = _read_when_written(client, key)
+        if theirs is None:
+            return Verdict.UNKNOWN, "storing the probe: BUSY, and no other instance's came in time"
+    elif stored not in (Code.OK, Code.EXISTS):  # the store is down
         return Verdict.UNKNOWN, f"storing the probe: {stored.name}"
-    theirs = client.get(key)
-    if theirs is None:
-        return Verdict.UNKNOWN, "reading the probe back failed"
+    else:
+        theirs = client.get(key)
+        if theirs is None:
+            return Verdict.UNKNOWN, "reading the probe back failed"
     if bytes(theirs) == mine:
         return Verdict.AGREE, ""
     log.error(
@@ -218,3 +227,17 @@ def _probe_fleet(client: StoreClient, key: str, mine: bytes) -> tuple[Verdict, s
         key,
     )
     return Verdict.DIFFER, ""
+
+
+def _read_when_written(client: StoreClient, key: str) -> bytearray | None:
+    """``key``'s value once another writer's put of it completed, asking again with a growing
+    pause for up to the client's I/O timeout (a put of a few bytes that takes longer stalled:
+    the caller asks again later); None past it."""
+    deadline = time.monotonic() + client.config.io_timeout
+    pause = _FIRST_READ_PAUSE
+    while True:
+        theirs = client.get(key)
+        if theirs is not None or time.monotonic() + pause > deadline:
+            return theirs
+        time.sleep(pause)
+        pause = min(2 * pause, _LAST_READ_PAUSE)

@@ -1,13 +1,15 @@
 """The pool's key scheme and fleet probe (kvconnect/vllm/pool.py) against a real master and
 store server, every environment: instances that hash blocks alike agree, one that does not is
 refused with one ERROR, a store that cannot answer leaves the question open (one WARNING saying
-why), the probe waits for vLLM's seeded hashes and settles in the background before any lookup,
-and ranks whose KV formats differ get no key scheme."""
+why), an instance finding another writing the probe reads theirs, the probe waits for vLLM's
+seeded hashes and settles in the background before any lookup, and ranks whose KV formats
+differ get no key scheme."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from kvconnect.store.client import StoreClient
 from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Cluster
+from kvconnect.store.messages import Code
 from kvconnect.vllm.groups import FULL_ONLY
 from kvconnect.vllm.layout import KVFormat, LayerLayout, RankLayout
 from kvconnect.vllm.lookup import PoolLookups
@@ -74,6 +77,40 @@ def test_a_store_that_cannot_answer_leaves_the_verdict_open(
     warned = [r.getMessage() for r in caplog.records if "got no answer" in r.getMessage()]
     assert len(warned) == 1, "one warning per outage, naming why"
     assert "storing the probe" in warned[0]
+
+
+def test_an_instance_finding_another_writing_the_probe_reads_theirs(
+    client: StoreClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fleet starting together: the probe's put answers BUSY while another instance's write
+    of it is under way; the verdict waits for that write instead of staying open (it used to,
+    and the first requests saved nothing)."""
+    index = _index(client, b"seed-ab", "together")
+    assert index.keys is not None
+    key, theirs = index.keys.probe_key, b"seed-ab"
+    region = client.register(bytearray(theirs))
+
+    def write(part: int) -> None:  # the other instance's put, in two parts: pending in between
+        result = client.batch_put_part_from(
+            [key],
+            region,
+            [4 * part],
+            [4 - part],
+            part=part,
+            parts=2,
+            object_sizes=[7],
+            object_offsets=[4 * part],
+        )
+        assert result.codes == (Code.OK,)
+
+    write(0)
+    with ThreadPoolExecutor(1) as pool, caplog.at_level(logging.DEBUG, logger="kvconnect"):
+        agreed = pool.submit(index.check_fleet)
+        wait_for(lambda: "another instance is writing" in caplog.text, "the probe never waited")
+        write(1)
+        assert agreed.result(timeout=10), "the verdict stayed open while another probe was written"
+    assert index.verdict is Verdict.AGREE
+    assert "got no answer" not in caplog.text
 
 
 def test_the_probe_waits_for_vllm_to_seed_its_hashes(client: StoreClient) -> None:
