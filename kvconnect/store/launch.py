@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from typing import IO
@@ -26,12 +27,22 @@ from kvconnect.lifecycle import Closing
 from kvconnect.store import messages as m
 from kvconnect.store.rpc import RpcClient
 
+_GIVEN: set[int] = set()
+_GIVING = threading.Lock()
+
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A TCP port free on 127.0.0.1 right now, and never one this process was given before:
+    the kernel may hand the same free port to two probes in a row, and two servers told to
+    bind it would race for it."""
+    with _GIVING:
+        while True:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = int(probe.getsockname()[1])
+            if port not in _GIVEN:
+                _GIVEN.add(port)
+                return port
 
 
 class Process:
