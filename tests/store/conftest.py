@@ -28,5 +28,5 @@ def key_table(request: pytest.FixtureRequest) -> Iterator[str]:
     that hypothesis tests may use it (one patch for all their examples)."""
     kind: str = request.param
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(objects, "new_key_table", lambda: make_key_table(kind))
+        patch.setattr(objects, "new_key_table", lambda _mode: make_key_table(kind))
         yield kind

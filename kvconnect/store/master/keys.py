@@ -22,6 +22,9 @@ import sys
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvconnect.errors import ConfigError
+from kvconnect.transfer.config import NativeMode
+
 
 class KeyTable(Protocol):
     """key ↔ slot; see the module docstring."""
@@ -98,7 +101,10 @@ def native_key_table() -> KeyTable | None:
     return NativeKeyTable(seed=secrets.randbits(64))
 
 
-def new_key_table() -> KeyTable:
-    """The C table when built, else the Python one."""
-    native = native_key_table()
+def new_key_table(mode: NativeMode) -> KeyTable:
+    """The table ``MasterConfig.native`` asks for: ``on`` requires the C one, ``off`` never
+    uses it, ``auto`` takes it when built."""
+    native = None if mode == NativeMode.OFF else native_key_table()
+    if native is None and mode == NativeMode.ON:
+        raise ConfigError("native='on' but kvconnect._native is not built (see setup.py)")
     return PythonKeyTable() if native is None else native

@@ -19,7 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvconnect.store.master.keys import KeyTable, new_key_table
+from kvconnect.store.master.keys import new_key_table
+from kvconnect.transfer.config import NativeMode
 
 
 class State(enum.IntEnum):
@@ -81,12 +82,12 @@ class Pending:
 class ObjectTable:
     """key → slot → columns. Times are seconds on the caller's monotonic clock.
 
-    ``index`` maps keys to slots (default: the C table when built); slots run from 0 to
-    :attr:`capacity`, freed ones reused.
+    ``index`` maps keys to slots (``native``: which table, see ``MasterConfig.native``);
+    slots run from 0 to :attr:`capacity`, freed ones reused.
     """
 
-    def __init__(self, index: KeyTable | None = None) -> None:
-        self.index = new_key_table() if index is None else index
+    def __init__(self, native: NativeMode = NativeMode.AUTO) -> None:
+        self.index = new_key_table(native)
         self.size = array("q")
         self.segment = array("i")
         self.offset = array("q")

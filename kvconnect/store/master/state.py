@@ -58,7 +58,7 @@ class MasterState:
 
     def __init__(self, config: MasterConfig, seed: int | None = None) -> None:
         self.config = config
-        self.objects = ObjectTable()
+        self.objects = ObjectTable(config.native)
         self.segments = SegmentTable(config.allocation, config.alignment, seed)
         self._servers: dict[str, float] = {}
         self._next_expiry_scan = 0.0
