@@ -14,7 +14,8 @@ setup(
     ext_modules=[
         Extension(
             "kvconnect._native",
-            sources=["csrc/native.c"],
+            sources=["csrc/native.c", "csrc/keytable.c"],
+            depends=["csrc/keytable.h"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror"],
             optional=not REQUIRED,
         )

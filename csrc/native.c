@@ -6,6 +6,8 @@
  * turns on the interpreter for every syscall. copy_many is a batch of memcpys with the GIL released
  * once.
  *
+ * The module also holds the master's key table (keytable.c), which keeps the GIL.
+ *
  * Timeouts are stall timeouts: the call fails with TimeoutError when no byte moves for `timeout`
  * seconds. Sockets may be blocking or non-blocking; EAGAIN waits in poll().
  */
@@ -18,6 +20,8 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+
+#include "keytable.h"
 
 #define MAX_IOV 1024
 
@@ -234,9 +238,15 @@ static PyMethodDef native_methods[] = {
 static struct PyModuleDef native_module = {
     .m_base = PyModuleDef_HEAD_INIT,
     .m_name = "kvconnect._native",
-    .m_doc = "kvconnect's optional native data path.",
+    .m_doc = "kvconnect's optional native data path and the master's key table.",
     .m_size = -1,
     .m_methods = native_methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *module = PyModule_Create(&native_module);
+    if (module != NULL && keytable_register(module) < 0) {
+        Py_CLEAR(module);
+    }
+    return module;
+}

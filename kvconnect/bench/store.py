@@ -7,8 +7,10 @@ Three phases:
   ``put``/``get`` and zero-copy ``batch_put_from``/``batch_get_into`` for 4 KiB, 1 MiB and
   16 MiB values, and ``exists`` / ``batch_exists(128)`` latency. kvconnect and Mooncake Store
   (when an interpreter with ``mooncake`` is given) alternate round by round; ratios printed.
-* **scale** — a master alone holding 10k → 1M objects (64-character keys, values 64 B to 64 KiB):
-  resident bytes per object and ``batch_exists(128)`` p50 at each size, beside Mooncake's master.
+* **scale** — a master alone holding 10k → 10M objects (64-character keys, values 64 B to
+  64 KiB): resident bytes per object and ``batch_exists(128)`` p50 at each size, per key index
+  (``--scale-index``: the C table, the Python dict), beside Mooncake's master (up to
+  ``--scale-mooncake-max`` objects).
 * **eviction** — ``exists`` latency while a writer fills a full store (eviction running all the
   time) against the same writer on a store with room (no eviction).
 
@@ -54,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--phases", default="data,scale,eviction")
     parser.add_argument("--rounds", type=int, default=3, help="A/B rounds per case")
     parser.add_argument("--scale", default="10000,100000,1000000", help="object counts")
+    parser.add_argument(
+        "--scale-index", default="native", help="key indexes of the master: native,python"
+    )
+    parser.add_argument(
+        "--scale-mooncake-max", type=int, default=0, help="Mooncake's largest count (0: all)"
+    )
     parser.add_argument("--segment", default="4G", help="store memory (Mooncake; kvconnect 2x)")
     parser.add_argument("--mooncake-python", help="interpreter with the mooncake package")
     parser.add_argument("--quick", action="store_true", help="a fraction of the work: a smoke run")
@@ -77,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
         _print_data(report["data"])
     if "scale" in phases:
         counts = [int(n) for n in args.scale.split(",") if n]
-        report["scale"] = _scale_phase(counts, mooncake)
-        _print_scale(report["scale"])
+        indexes = args.scale_index.split(",")
+        report["scale"] = _scale_phase(counts, indexes, mooncake, args.scale_mooncake_max)
+        _print_scale(report["scale"], indexes)
     if "eviction" in phases:
         report["eviction"] = _eviction_phase(quick=args.quick)
         _print_eviction(report["eviction"])
@@ -294,36 +303,27 @@ def _cell(summary: dict[str, float] | None) -> str:
 # --------------------------------------------------------------------------- scale phase
 
 
-def _scale_phase(counts: list[int], mooncake: str | None) -> list[dict[str, Any]]:
+# The report's name of each key index (``--scale-index``) and its ``MasterConfig.native``.
+SCALE_INDEXES = {"native": ("kvconnect", "on"), "python": ("kvconnect-python", "off")}
+
+
+def _scale_phase(
+    counts: list[int], indexes: list[str], mooncake: str | None, mooncake_max: int
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = [{"objects": n} for n in counts]
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    master = Process(
-        ["master", "--master-listen", endpoint, "--master-heartbeat-ttl", "1e9"], "listening"
-    )
-    rpc = RpcClient(endpoint, 30.0, token=cluster_token(None, "", False))
-    try:
-        master_load.mount_virtual(rpc, 1 << 50)
-        base = master_load.rss_bytes(master.pid)
-        rng = random.Random(0)
-        keys: list[str] = []
-        for row in rows:
-            print(f"[scale] kvconnect filling to {row['objects']}", file=sys.stderr, flush=True)
-            keys += master_load.fill(
-                rpc, len(keys), row["objects"] - len(keys), rng, 64, 64 * KiB, SCALE_KEY
-            )
-            rss = master_load.rss_bytes(master.pid)
-            latency = master_load.summary(master_load.lookup_latencies(rpc, keys, 128, 2000))
-            row["kvconnect"] = {"bytes_per_object": (rss - base) / len(keys), **latency}
-    finally:
-        rpc.close()
-        master.stop()
-    if mooncake is not None:
+    for index in indexes:
+        name, native = SCALE_INDEXES[index]
+        for row, result in zip(rows, _scale_kvconnect(counts, native), strict=True):
+            row[name] = result
+    fits = [row for row in rows if not mooncake_max or row["objects"] <= mooncake_max]
+    if mooncake is not None and fits:
         runner = MooncakeStoreBaseline(mooncake, "tcp", 256 * MiB, BUFFER)
         try:
             base = runner.call({"op": "master_rss"})["rss"]
             filled = 0
-            for row in rows:
+            for row in fits:
                 print(f"[scale] mooncake filling to {row['objects']}", file=sys.stderr, flush=True)
+                start = time.monotonic()
                 runner.call(
                     {
                         "op": "fill",
@@ -333,12 +333,15 @@ def _scale_phase(counts: list[int], mooncake: str | None) -> list[dict[str, Any]
                     }
                 )
                 filled = row["objects"]
+                fill_seconds = time.monotonic() - start
                 rss = runner.call({"op": "master_rss"})["rss"]
                 seconds = runner.call({"op": "batch_exists_latency", "batch": 128, "count": 2000})[
                     "seconds"
                 ]
                 row["mooncake"] = {
                     "bytes_per_object": (rss - base) / filled,
+                    "rss": rss,
+                    "fill_seconds": fill_seconds,
                     **master_load.summary(seconds),
                 }
         finally:
@@ -346,16 +349,59 @@ def _scale_phase(counts: list[int], mooncake: str | None) -> list[dict[str, Any]
     return rows
 
 
-def _print_scale(rows: list[dict[str, Any]]) -> None:
-    print(
-        f"\n{'objects':>10}{'kvconnect B/obj':>17}{'p50 us':>9}{'mooncake B/obj':>16}{'p50 us':>9}"
+def _scale_kvconnect(counts: list[int], native: str) -> list[dict[str, float]]:
+    """Fill one master (key index ``native``) to each count in turn; measure at each."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    master = Process(
+        [
+            "master",
+            *("--master-listen", endpoint, "--master-heartbeat-ttl", "1e9"),
+            *("--master-native", native),
+        ],
+        "listening",
     )
+    rpc = RpcClient(endpoint, 30.0, token=cluster_token(None, "", False))
+    results = []
+    try:
+        master_load.mount_virtual(rpc, 1 << 50)
+        base = master_load.rss_bytes(master.pid)
+        rng = random.Random(0)
+        keys: list[str] = []
+        for count in counts:
+            print(f"[scale] kvconnect ({native=}) filling to {count}", file=sys.stderr, flush=True)
+            start = time.monotonic()
+            keys += master_load.fill(
+                rpc, len(keys), count - len(keys), rng, 64, 64 * KiB, SCALE_KEY
+            )
+            fill_seconds = time.monotonic() - start
+            rss = master_load.rss_bytes(master.pid)
+            latency = master_load.summary(master_load.lookup_latencies(rpc, keys, 128, 2000))
+            results.append(
+                {
+                    "bytes_per_object": (rss - base) / len(keys),
+                    "rss": rss,
+                    "fill_seconds": fill_seconds,
+                    **latency,
+                }
+            )
+    finally:
+        rpc.close()
+        master.stop()
+    return results
+
+
+def _print_scale(rows: list[dict[str, Any]], indexes: list[str]) -> None:
+    names = [SCALE_INDEXES[index][0] for index in indexes] + ["mooncake"]
+    print(f"\n{'objects':>10}" + "".join(f"{name + ' B/obj':>24}{'p50 us':>9}" for name in names))
+    nan = float("nan")
     for row in rows:
-        ours, theirs = row["kvconnect"], row.get("mooncake", {})
-        nan = float("nan")
+        cells = [row.get(name, {}) for name in names]
         print(
-            f"{row['objects']:>10}{ours['bytes_per_object']:>17.0f}{ours['p50_us']:>9.0f}"
-            f"{theirs.get('bytes_per_object', nan):>16.0f}{theirs.get('p50_us', nan):>9.0f}"
+            f"{row['objects']:>10}"
+            + "".join(
+                f"{cell.get('bytes_per_object', nan):>24.0f}{cell.get('p50_us', nan):>9.0f}"
+                for cell in cells
+            )
         )
 
 

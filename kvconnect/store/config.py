@@ -17,6 +17,7 @@ from kvconnect._config import (
     cluster_token,
 )
 from kvconnect.errors import ConfigError
+from kvconnect.transfer.config import NativeMode
 
 
 class Strategy(enum.StrEnum):
@@ -78,6 +79,9 @@ class MasterConfig(Section):
     """zmq endpoint to bind the events' replay ROUTER at (empty: no replay)."""
     kv_events_buffer: int = 10_000
     """Batches of events kept for replay."""
+    native: NativeMode = NativeMode.AUTO
+    """The key index: the C table when built (``auto``), required (``on``), the Python dict
+    (``off``)."""
     token: str | None = field(default=None, repr=False)
     """Cluster token every RPC must be authenticated with (CURVE keys derived from it)."""
     token_file: str = ""
@@ -92,6 +96,7 @@ class MasterConfig(Section):
 
     def __post_init__(self) -> None:
         check_choice(self, "allocation", Strategy)
+        check_choice(self, "native", NativeMode)
         check_positive(self, "alignment", "lease_ttl", "put_timeout", "heartbeat_ttl", "ha_ttl")
         if self.ha and not self.ha.startswith("etcd://"):
             raise ConfigError(f"ha must be an etcd://host:port URL, got {self.ha!r}")

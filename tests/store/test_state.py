@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvconnect.store.config import MasterConfig
 from kvconnect.store.master.state import MasterState
 from kvconnect.store.messages import Code, PutItem, SegmentSpec
+
+pytestmark = pytest.mark.usefixtures("key_table")
 
 MiB = 1 << 20
 
@@ -305,8 +308,11 @@ def _check_books(state: MasterState, now: float) -> None:
     objects = state.objects
     ranges: dict[int, list[tuple[int, int]]] = {}
     stored = 0
-    for key, slot in objects.slots.items():
-        assert objects.keys[slot] == key
+    items = list(objects.items())
+    assert len(items) == len(objects)
+    for key, slot in items:
+        assert objects.index.get(key) == slot
+        assert objects.state[slot] != 0
         if objects.state[slot] == 2:
             stored += objects.size[slot]
         for segment, offset in objects.replicas(slot):
@@ -322,7 +328,7 @@ def _check_books(state: MasterState, now: float) -> None:
     for seg in state.segments.live():
         lengths = [
             state.segments.length(objects.size[slot])
-            for slot in objects.slots.values()
+            for _key, slot in items
             for index, _offset in objects.replicas(slot)
             if index == seg.index
         ]

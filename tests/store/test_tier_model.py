@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,8 @@ from kvconnect.store.config import MasterConfig
 from kvconnect.store.master.objects import Replica, State
 from kvconnect.store.master.state import MasterState
 from kvconnect.store.messages import Change, Code, Moved, PutItem, SegmentSpec, Tier, TierReport
+
+pytestmark = pytest.mark.usefixtures("key_table")
 
 KiB = 1 << 10
 GRANULE = 64
@@ -226,7 +229,7 @@ class Cluster:
         state = self.state
         objects = state.objects
         # every live replica of a complete object holds its own put's bytes
-        for key, slot in objects.slots.items():
+        for key, slot in objects.items():
             if objects.state[slot] != State.COMPLETE:
                 continue
             for index, offset in objects.replicas(slot):
@@ -266,14 +269,14 @@ def _check_books(state: MasterState) -> None:
         if sign > 0:
             spans.setdefault(replica.segment, []).append((replica.offset, replica.offset + length))
 
-    for slot in objects.slots.values():
+    for _key, slot in objects.items():
         size = objects.size[slot]
         if objects.state[slot] == State.COMPLETE:
             stored += size
         for replica in objects.replicas(slot):
             take(replica, size)
     for slot, move in objects.moving.items():
-        assert (move.slot, move.key, move.cancelled) == (slot, objects.keys[slot], False)
+        assert (move.slot, move.key, move.cancelled) == (slot, objects.index.key(slot), False)
         assert objects.moves[move.target] is move
         assert objects.state[slot] == State.COMPLETE
     for move in objects.moves.values():
@@ -341,9 +344,9 @@ def test_tiers_never_serve_another_objects_bytes(ops: list[tuple[str, int, int]]
 
 def _report_lost(state: MasterState, server: Server, key: str, now: float) -> None:
     """The server finds ``key``'s disk copy unreadable (if it has one there)."""
-    slot = state.objects.slots.get(key)
+    slot = state.objects.index.get(key)
     disk = state.segments.by_mount.get(server.mount_id(Tier.DISK))
-    if slot is None or disk is None:
+    if slot < 0 or disk is None:
         return
     for index, offset in state.objects.replicas(slot):
         if index == disk.index:

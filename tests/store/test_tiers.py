@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
 from kvconnect.store.config import MasterConfig
 from kvconnect.store.master.objects import MoveKind
 from kvconnect.store.master.state import MasterState
@@ -18,6 +20,8 @@ from kvconnect.store.messages import (
     Tier,
     TierReport,
 )
+
+pytestmark = pytest.mark.usefixtures("key_table")
 
 KiB = 1 << 10
 DRAM_REGION, DISK_REGION = 7, 9
@@ -237,7 +241,7 @@ def test_a_key_put_again_during_its_old_demotion_keeps_its_new_copy() -> None:
     new = state.get_replicas([key], 2.0)[0].locations
     _report(state, disk, 3.0, done=moves[:1])
     assert state.get_replicas([key], 3.0)[0].locations == new, "the old move was cancelled"
-    assert state.objects.size[state.objects.slots[key]] == 2 * KiB
+    assert state.objects.size[state.objects.index.get(key)] == 2 * KiB
     _report(state, disk, 3.0, failed=moves[1:])
     _settle(state, 30.0)
     _check_space(state)
@@ -287,7 +291,7 @@ def test_dram_eviction_of_a_disk_resident_object_drops_only_its_dram_copy() -> N
     _settle(state, 20.0)
     for i in range(3):  # fill DRAM past the watermark: every object goes (low mark 0)
         assert _put(state, f"new{i}", now=21.0 + i) is Code.OK
-    slot = state.objects.slots["k"]
+    slot = state.objects.index.get("k")
     for step in range(100):
         state.tick(30.0 + step)
         if state.segments.disk[state.objects.segment[slot]]:
@@ -360,7 +364,7 @@ def test_a_second_hit_within_the_window_promotes_and_a_scan_does_not() -> None:
     assert _tiers(state, "k0", 201.0) == [Tier.DISK], "this read is served from disk"
     (move,) = _moves(state, dram)
     assert (move.key, move.source_region) == ("k0", DISK_REGION)
-    assert state.objects.moving[state.objects.slots["k0"]].kind is MoveKind.PROMOTE
+    assert state.objects.moving[state.objects.index.get("k0")].kind is MoveKind.PROMOTE
     state.get_replicas(["k0"], 202.0)
     assert len(_moves(state, dram)) == 1, "one promotion at a time"
     _report(state, dram, 203.0, done=[move])
@@ -451,7 +455,7 @@ def _check_space(state: MasterState) -> None:
     assert objects.moving == {}
     footprint: dict[int, int] = {}
     stored = 0
-    for slot in objects.slots.values():
+    for _key, slot in objects.items():
         stored += objects.size[slot]
         for replica in objects.replicas(slot):
             length = state.segments.all[replica.segment].allocator.length(objects.size[slot])

@@ -89,7 +89,7 @@ class Mover:
                 break
         else:
             return False
-        key = objects.keys[slot]
+        key = objects.index.key(slot)
         assert key is not None
         disk.demoting += disk.allocator.length(size)
         disk.move(key, offset, size, from_segment.spec.region, source.offset)
@@ -118,7 +118,7 @@ class Mover:
                 break
         else:
             return
-        key = objects.keys[slot]
+        key = objects.index.key(slot)
         assert key is not None
         dram.move(key, offset, size, from_segment.spec.region, source.offset)
         objects.start_move(

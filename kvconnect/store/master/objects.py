@@ -1,8 +1,9 @@
 """The master's object table, stored by column to stay small at millions of keys.
 
-A key maps to a *slot*; per-slot facts live in typed arrays (8-byte size and offset, 4-byte
-segment, 1-byte state, 8-byte lease deadline, 4-byte last access and pin deadline), so an
-object costs its key string, one dict entry and ~41 bytes. Rare facts live in side tables:
+A key maps to a *slot* through the key index (:mod:`kvconnect.store.master.keys`: the C
+table holds the key's bytes and an 8-byte bucket, no Python object); per-slot facts live in
+typed arrays (8-byte size and offset, 4-byte segment, 1-byte state, 8-byte lease deadline,
+4-byte last access and pin deadline), ~41 bytes. Rare facts live in side tables:
 extra replicas (``replicas > 1``), pending multi-part puts, and moves between tiers under way
 (by target and by slot). Pure data, no I/O, no clock.
 """
@@ -17,6 +18,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+
+from kvconnect.store.master.keys import new_key_table
+from kvconnect.transfer.config import NativeMode
 
 
 class State(enum.IntEnum):
@@ -76,11 +80,14 @@ class Pending:
 
 
 class ObjectTable:
-    """key → slot → columns. Times are seconds on the caller's monotonic clock."""
+    """key → slot → columns. Times are seconds on the caller's monotonic clock.
 
-    def __init__(self) -> None:
-        self.slots: dict[str, int] = {}
-        self.keys: list[str | None] = []
+    ``index`` maps keys to slots (``native``: which table, see ``MasterConfig.native``);
+    slots run from 0 to :attr:`capacity`, freed ones reused.
+    """
+
+    def __init__(self, native: NativeMode = NativeMode.AUTO) -> None:
+        self.index = new_key_table(native)
         self.size = array("q")
         self.segment = array("i")
         self.offset = array("q")
@@ -95,13 +102,25 @@ class ObjectTable:
         self._free: list[int] = []
 
     def __len__(self) -> int:
-        return len(self.slots)
+        return len(self.index)
+
+    @property
+    def capacity(self) -> int:
+        """Slots in the columns, free ones included."""
+        return len(self.state)
+
+    def items(self) -> Iterator[tuple[str, int]]:
+        """Every (key, slot), by slot: a scan of the whole table."""
+        key = self.index.key
+        for slot in range(len(self.state)):
+            name = key(slot)
+            if name is not None:
+                yield name, slot
 
     def add(self, key: str, size: int, segment: int, offset: int, pin: float) -> int:
         """A new PENDING slot for ``key`` (which must be absent)."""
         if self._free:
             slot = self._free.pop()
-            self.keys[slot] = key
             self.size[slot] = size
             self.segment[slot] = segment
             self.offset[slot] = offset
@@ -110,8 +129,7 @@ class ObjectTable:
             self.access[slot] = 0.0
             self.pin[slot] = pin
         else:
-            slot = len(self.keys)
-            self.keys.append(key)
+            slot = len(self.state)
             self.size.append(size)
             self.segment.append(segment)
             self.offset.append(offset)
@@ -119,7 +137,7 @@ class ObjectTable:
             self.lease.append(0.0)
             self.access.append(0.0)
             self.pin.append(pin)
-        self.slots[key] = slot
+        self.index.add(key, slot)
         return slot
 
     def add_many(
@@ -131,9 +149,8 @@ class ObjectTable:
         slots = [self.add(key, size, at.segment, at.offset, pin) for key, size, at in head]
         rest = len(keys) - reuse
         if rest:
-            first = len(self.keys)
+            first = len(self.state)
             new = range(first, first + rest)
-            self.keys.extend(keys[reuse:])
             self.size.extend(sizes[reuse:])
             self.segment.extend([where.segment for where in placed[reuse:]])
             self.offset.extend([where.offset for where in placed[reuse:]])
@@ -141,16 +158,15 @@ class ObjectTable:
             self.lease.extend(array("d", (0.0,)) * rest)
             self.access.extend(array("f", (0.0,)) * rest)
             self.pin.extend(array("f", (pin,)) * rest)
-            self.slots.update(zip(keys[reuse:], new, strict=True))
+            add = self.index.add
+            for key, slot in zip(keys[reuse:], new, strict=True):
+                add(key, slot)
             slots.extend(new)
         return slots
 
     def drop(self, slot: int) -> None:
         """Forget a slot (its key becomes absent); the caller freed its space."""
-        key = self.keys[slot]
-        if key is not None:
-            del self.slots[key]
-        self.keys[slot] = None
+        self.index.remove(slot)
         self.state[slot] = _FREE
         self.extra.pop(slot, None)
         self.pending.pop(slot, None)

@@ -58,7 +58,7 @@ class MasterState:
 
     def __init__(self, config: MasterConfig, seed: int | None = None) -> None:
         self.config = config
-        self.objects = ObjectTable()
+        self.objects = ObjectTable(config.native)
         self.segments = SegmentTable(config.allocation, config.alignment, seed)
         self._servers: dict[str, float] = {}
         self._next_expiry_scan = 0.0
@@ -131,11 +131,11 @@ class MasterState:
         """Index a reported object: a new key, or one more replica of a stored one. A copy the
         index cannot use (the key is being written again, or has another size) is released."""
         objects = self.objects
-        slot = objects.slots.get(change.key)
-        if slot is not None and objects.state[slot] == State.COMPLETE and not self._readable(slot):
+        slot = objects.index.get(change.key)
+        if slot >= 0 and objects.state[slot] == State.COMPLETE and not self._readable(slot):
             self._free(slot, now, None)  # its replicas were lost: this copy replaces them
-            slot = None
-        if slot is None:
+            slot = -1
+        if slot < 0:
             slot = objects.add(change.key, change.size, segment.index, change.offset, 0.0)
             objects.state[slot] = _COMPLETE
             # Not "accessed" within the promotion window: a scan after a restart promotes none.
@@ -202,16 +202,16 @@ class MasterState:
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is a complete object with a live replica."""
-        # The hot lookup: locals, no call per key (a replica off the primary is the rare case).
-        get = self.objects.slots.get
+        # The hot lookup: one batched probe, locals, no call per key (a replica off the
+        # primary is the rare case).
         state = self.objects.state
         segment = self.objects.segment
         alive = self.segments.alive
         return [
-            (slot := get(key)) is not None
-            and state[slot] == State.COMPLETE
+            slot >= 0
+            and state[slot] == _COMPLETE
             and (alive[segment[slot]] == 1 or self._readable(slot))
-            for key in keys
+            for slot in self.objects.index.get_many(keys)
         ]
 
     def put_start(
@@ -228,8 +228,10 @@ class MasterState:
         pin_until = now + self.config.put_timeout * PIN_PUT_TIMEOUTS if pin else 0.0
         results: list[Placement | None] = []
         seen: set[str] = set()
-        for item in items:
-            result = self._admit(item, replicas)
+        index = self.objects.index
+        for item, slot in zip(items, index.get_many([item.key for item in items]), strict=True):
+            # A key seen before in the batch may have lost its slot since the batched lookup.
+            result = self._admit(item, replicas, index.get(item.key) if item.key in seen else slot)
             if result is None and item.key in seen:  # twice in one batch: the second one waits
                 result = Placement(Code.BUSY, [])
             seen.add(item.key)
@@ -275,14 +277,14 @@ class MasterState:
             placed.append(self.segments.place(order, size, replicas))
         return placed
 
-    def _admit(self, item: PutItem, replicas: int) -> Placement | None:
-        """The answer for an item that needs no new allocation, or None to allocate."""
+    def _admit(self, item: PutItem, replicas: int, slot: int) -> Placement | None:
+        """The answer for an item (its key at ``slot``, -1: absent) that needs no new
+        allocation, or None to allocate."""
         if not check_key(item.key) or item.size <= 0 or not 1 <= item.parts <= MAX_PARTS:
             return Placement(Code.INVALID, [])
         if replicas < 1:
             return Placement(Code.INVALID, [])
-        slot = self.objects.slots.get(item.key)
-        if slot is None:
+        if slot < 0:
             return None
         if self.objects.state[slot] == State.COMPLETE:
             if self._readable(slot):
@@ -323,8 +325,8 @@ class MasterState:
         objects = self.objects
         codes = []
         for key, part, put in zip(keys, parts, puts, strict=True):
-            slot = objects.slots.get(key)
-            if slot is None:
+            slot = objects.index.get(key)  # one by one: a part may free its key's slot
+            if slot < 0:
                 codes.append(Code.DISCARDED)
                 continue
             if objects.state[slot] == State.COMPLETE:
@@ -357,9 +359,9 @@ class MasterState:
         """Give up pending puts (their space is quarantined, then reused)."""
         codes = []
         for key, put in zip(keys, puts, strict=True):
-            slot = self.objects.slots.get(key)
+            slot = self.objects.index.get(key)
             if (
-                slot is None
+                slot < 0
                 or self.objects.state[slot] != State.PENDING
                 or self.objects.pending[slot].put != put
             ):
@@ -381,9 +383,8 @@ class MasterState:
         hits = self.counters
         lease = now + self.config.lease_ttl
         results = []
-        for key in keys:
-            slot = objects.slots.get(key)
-            if slot is None or objects.state[slot] != State.COMPLETE:
+        for slot in objects.index.get_many(keys):  # a read drops no object: slots stay valid
+            if slot < 0 or objects.state[slot] != State.COMPLETE:
                 results.append(Replicas(Code.NOT_FOUND, 0, []))
                 continue
             live = self._live(slot)
@@ -412,8 +413,8 @@ class MasterState:
         objects = self.objects
         codes = []
         for key in keys:
-            slot = objects.slots.get(key)
-            if slot is None:
+            slot = objects.index.get(key)  # one by one: a removal frees its slot
+            if slot < 0:
                 codes.append(Code.NOT_FOUND)
             elif not force and (objects.state[slot] == State.PENDING or objects.lease[slot] > now):
                 codes.append(Code.BUSY)
@@ -574,7 +575,7 @@ class MasterState:
         evicts a leased, pending or moving object; soft-pinned ones only when nothing else is
         eligible. Candidates are the objects whose primary replica is in the tier (DRAM) or in
         ``disk``. Returns the bytes of capacity freed."""
-        n = len(self.objects.keys)
+        n = self.objects.capacity
         if n == 0:
             return 0
         sample = self._rng.integers(0, n, size=min(n, max(256, count * 16)))
@@ -631,8 +632,8 @@ class MasterState:
     # ------------------------------------------------------------------------------ helpers
 
     def _replicas_of(self, key: str) -> list[Replica]:
-        slot = self.objects.slots.get(key)
-        return [] if slot is None else self.objects.replicas(slot)
+        slot = self.objects.index.get(key)
+        return [] if slot < 0 else self.objects.replicas(slot)
 
     def _live(self, slot: int) -> list[Replica]:
         segments = self.segments.all
@@ -653,7 +654,7 @@ class MasterState:
         ]
 
     def _log_removal(self, slot: int, reason: RemovalReason) -> None:
-        key = self.objects.keys[slot]
+        key = self.objects.index.key(slot)
         if key is not None:
             self.removals.record(key, reason)
 
@@ -702,9 +703,9 @@ class MasterState:
     def _replica_lost(self, segment: Segment, moved: Moved, now: float) -> None:
         """A server cannot serve a replica any more (checksum mismatch, read error)."""
         objects = self.objects
-        slot = objects.slots.get(moved.key)
+        slot = objects.index.get(moved.key)
         lost = Replica(segment.index, moved.offset)
-        if slot is None or objects.state[slot] != State.COMPLETE:
+        if slot < 0 or objects.state[slot] != State.COMPLETE:
             return
         replicas = objects.replicas(slot)
         if lost not in replicas:
