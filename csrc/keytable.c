@@ -413,16 +413,29 @@ static void delete_bucket(KeyTable *t, size_t i) {
     t->buckets[i].slot = EMPTY;
 }
 
+/* The key of the slot `arg` names: 1 when it holds one (then `key`, `len` are set), 0 when
+ * not (any other int), -1 on a type error. */
+static int held_key(const KeyTable *t, PyObject *arg, long long *slot, const unsigned char **key,
+                    size_t *len) {
+    *slot = PyLong_AsLongLong(arg);
+    if (*slot == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (*slot < 0 || (size_t)*slot >= t->slots || t->place[*slot] == ABSENT) {
+        return 0;
+    }
+    *key = key_at(t, t->place[*slot], len);
+    return 1;
+}
+
 static PyObject *keytable_remove(KeyTable *t, PyObject *arg) {
-    long long slot = PyLong_AsLongLong(arg);
-    if (slot == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (slot < 0 || (size_t)slot >= t->slots || t->place[slot] == ABSENT) {
-        Py_RETURN_NONE;
-    }
+    long long slot;
+    const unsigned char *key;
     size_t len;
-    const unsigned char *key = key_at(t, t->place[slot], &len);
+    int held = held_key(t, arg, &slot, &key, &len);
+    if (held <= 0) {
+        return held < 0 ? NULL : Py_NewRef(Py_None);
+    }
     uint32_t tag = tag_of(hash_bytes(key, len, t->seed));
     size_t i = tag & t->mask;
     while (t->buckets[i].slot != (uint32_t)slot) {
@@ -440,15 +453,12 @@ static PyObject *keytable_remove(KeyTable *t, PyObject *arg) {
 }
 
 static PyObject *keytable_key(KeyTable *t, PyObject *arg) {
-    long long slot = PyLong_AsLongLong(arg);
-    if (slot == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (slot < 0 || (size_t)slot >= t->slots || t->place[slot] == ABSENT) {
-        Py_RETURN_NONE;
-    }
+    long long slot;
+    const unsigned char *key;
     size_t len;
-    const unsigned char *key = key_at(t, t->place[slot], &len);
+    if (held_key(t, arg, &slot, &key, &len) <= 0) {
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    }
     return PyUnicode_DecodeUTF8((const char *)key, (Py_ssize_t)len, "strict");
 }
 
