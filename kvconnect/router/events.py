@@ -11,7 +11,13 @@ are numbered per publisher process; the subscriber expects them in order from 0,
 - a batch past the next expected one (a dropped message, a reconnect) is a gap: the missed
   batches are replayed before it is delivered; what the publisher no longer buffers is lost;
 - a batch before the next expected one is a restarted publisher (a new process counts from
-  0 again): ``on_reset`` is called, then the new process's history is replayed.
+  0 again): ``on_reset`` is called, then the new process's history is replayed;
+- so is a dropped connection to the publisher, at once: a restarted publisher may send its
+  first batches before the subscriber reconnected (they are lost to a SUB) and then go quiet,
+  or send more of them than the old one did, so that its numbers look like a gap; neither
+  shows in the numbers. The subscriber then starts over from 0, as at its start. A publisher
+  that only lost its connection is taken for a restarted one too: its buffered history
+  rebuilds what the subscriber knows, and what it no longer buffers is missed, never stale.
 
 Frames and payloads that are not batches are counted and skipped; nothing a publisher sends
 stops the thread. Every wait has a timeout, and :meth:`EventSubscriber.close` interrupts any
@@ -147,9 +153,12 @@ class EventSubscriber(Lifecycle):
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(self._endpoint)
         try:
             while not self._closing.is_set():
+                if _disconnected(monitor):
+                    self._restarted("its connection dropped")
                 if self._wait(sub):
                     self._live(sub.recv_multipart(zmq.NOBLOCK))
                     continue
@@ -159,6 +168,8 @@ class EventSubscriber(Lifecycle):
         except Exception:  # the thread must not die silently; a zmq error ends it
             log.exception("KV events of %s: subscriber stopped", self.name)
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
             self._drop_dealer()
 
@@ -184,10 +195,7 @@ class EventSubscriber(Lifecycle):
             return
         self._just_replayed = False
         if seq < self._next:
-            log.info("KV events of %s: publisher restarted (seq %d)", self.name, seq)
-            self._count(restarts=1)
-            self._reset()
-            self._next = 0
+            self._restarted(f"its sequence went back to {seq}")
         if seq > self._next:
             self._count(gaps=1)
             self._replay(seq)
@@ -241,6 +249,15 @@ class EventSubscriber(Lifecycle):
             log.exception("KV events of %s: on_batch failed", self.name)
             self._count(callback_errors=1)
 
+    def _restarted(self, why: str) -> None:
+        """Start over from 0, as at the start: the publisher restarted (or may have)."""
+        log.info("KV events of %s: publisher restarted (%s)", self.name, why)
+        self._count(restarts=1)
+        self._next = 0
+        self._caught_up = False
+        self._just_replayed = False
+        self._reset()
+
     def _reset(self) -> None:
         if self._on_reset is None:
             return
@@ -270,3 +287,12 @@ class EventSubscriber(Lifecycle):
             self._stats = dataclasses.replace(
                 stats, **{name: getattr(stats, name) + delta for name, delta in deltas.items()}
             )
+
+
+def _disconnected(monitor: zmq.Socket[bytes]) -> bool:
+    """Whether ``monitor`` (a SUB socket's) reported a dropped connection since last asked."""
+    dropped = False
+    while monitor.poll(0):
+        monitor.recv_multipart(zmq.NOBLOCK)  # only EVENT_DISCONNECTED is monitored
+        dropped = True
+    return dropped

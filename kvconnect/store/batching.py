@@ -202,6 +202,25 @@ def _check_span(span: Span) -> None:
         )
 
 
+def joined(results: Sequence[BatchResult]) -> BatchResult:
+    """The results of consecutive runs of one batch's keys, as the batch's."""
+    if len(results) == 1:
+        return results[0]
+    return BatchResult(
+        tuple(code for result in results for code in result.codes),
+        tuple(size for result in results for size in result.sizes),
+        tuple(batch for result in results for batch in result.unsettled),
+    )
+
+
+def runs(picked: list[int], run: int) -> list[list[int]]:
+    """``picked`` in runs of at most ``run``, one master call each; a batch over
+    ``MAX_BATCH`` stays whole, for the master to refuse (the documented INVALID)."""
+    if len(picked) > MAX_BATCH:
+        return [picked]
+    return [picked[i : i + run] for i in range(0, len(picked), run)]
+
+
 def all_codes(code: Code, count: int) -> BatchResult:
     """``count`` keys, each ``code``, nothing moved."""
     return BatchResult((code,) * count, (0,) * count)

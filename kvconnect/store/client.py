@@ -1,8 +1,9 @@
 """StoreClient: the embedded client of the store, in the inference engine's process.
 
-Metadata goes to the master (one RPC per batch); bytes move straight between the caller's
-registered memory and store-server memory through the transfer engine — over shared memory on
-the same host, TCP otherwise. Threads: every method may be called from any thread.
+Metadata goes to the master (one RPC per run of up to ``MASTER_RUN`` keys of a batch); bytes
+move straight between the caller's registered memory and store-server memory through the
+transfer engine — over shared memory on the same host, TCP otherwise. Threads: every method
+may be called from any thread.
 
 The contract (docs/store.md, "Client API"):
 
@@ -58,6 +59,11 @@ __all__ = ["BatchResult", "Regions", "Span", "StoreClient"]
 
 _RETRY = (Code.FAILED, Code.TIMEOUT)  # settled failures: another replica may serve the key
 _CANCEL_POLL = 0.005  # seconds between two questions to a read's cancel hook
+
+MASTER_RUN = 4096
+"""Most keys of a batch in one master call: the master answers on one thread, and a call of
+``MAX_BATCH`` keys held it about a second on a 2-core machine (longer than ``rpc_timeout``,
+so a legal batch failed and left its puts pending) while every other client waited."""
 
 Cancel = Callable[[], bool]
 """A read's cancel hook: called (from the reading thread) while its transfers run; True stops
@@ -143,13 +149,14 @@ class StoreClient(Lifecycle):
         found = [False] * len(keys)
         if not picked:
             return found
-        asked = b.take(keys, picked)
-        reply = self._call(m.Exists(asked))
-        if not isinstance(reply, m.ExistsReply) or len(reply.found) != len(asked):
-            raise StoreError(f"unexpected reply to exists: {reply!r}")
-        failing = self._negative.failing(asked, self._clock())
-        for i, there, bad in zip(picked, reply.found, failing, strict=True):
-            found[i] = there and not bad
+        for run in b.runs(picked, MASTER_RUN):
+            asked = b.take(keys, run)
+            reply = self._call(m.Exists(asked))
+            if not isinstance(reply, m.ExistsReply) or len(reply.found) != len(asked):
+                raise StoreError(f"unexpected reply to exists: {reply!r}")
+            failing = self._negative.failing(asked, self._clock())
+            for i, there, bad in zip(run, reply.found, failing, strict=True):
+                found[i] = there and not bad
         return found
 
     def remove(self, key: str, *, force: bool = False) -> Code:
@@ -163,14 +170,15 @@ class StoreClient(Lifecycle):
         codes = [Code.INVALID] * len(keys)
         if not picked:
             return codes
-        try:
-            reply = self._call(m.Remove(b.take(keys, picked), force))
-        except StoreError as exc:
-            answers = [_failure_code(exc)] * len(picked)
-        else:
-            answers = _codes(reply, len(picked))
-        for i, code in zip(picked, answers, strict=True):
-            codes[i] = code
+        for run in b.runs(picked, MASTER_RUN):
+            try:
+                reply = self._call(m.Remove(b.take(keys, run), force))
+            except StoreError as exc:
+                answers = [_failure_code(exc)] * len(run)
+            else:
+                answers = _codes(reply, len(run))
+            for i, code in zip(run, answers, strict=True):
+                codes[i] = code
         return codes
 
     def stats(self) -> m.StatsReply:
@@ -277,11 +285,15 @@ class StoreClient(Lifecycle):
     ) -> BatchResult:
         deadline = self._clock() + (self.config.io_timeout if timeout is None else timeout)
         picked = b.valid_keys(keys)
-        if len(picked) == len(keys):
+        if len(picked) == len(keys) <= MASTER_RUN:
             return self._put_valid(keys, ranges, part, deadline)
-        chosen = part.take(picked) if part else None
-        result = self._put_valid(b.take(keys, picked), ranges.take(picked), chosen, deadline)
-        return b.spread(result, picked, len(keys))
+        results = [
+            self._put_valid(
+                b.take(keys, run), ranges.take(run), part.take(run) if part else None, deadline
+            )
+            for run in b.runs(picked, MASTER_RUN)
+        ]
+        return b.spread(b.joined(results), picked, len(keys))
 
     def _put_valid(
         self, keys: list[str], ranges: b.Ranges, part: b.Part | None, deadline: float
@@ -433,11 +445,13 @@ class StoreClient(Lifecycle):
         start = self._clock()
         deadline = start + (self.config.io_timeout if timeout is None else timeout)
         picked = b.valid_keys(keys)
-        if len(picked) == len(keys):
+        if len(picked) == len(keys) <= MASTER_RUN:
             return self._get_valid(keys, ranges, start, deadline, cancel)
-        chosen = ranges.take(picked)
-        result = self._get_valid(b.take(keys, picked), chosen, start, deadline, cancel)
-        return b.spread(result, picked, len(keys))
+        results = [
+            self._get_valid(b.take(keys, run), ranges.take(run), start, deadline, cancel)
+            for run in b.runs(picked, MASTER_RUN)
+        ]
+        return b.spread(b.joined(results), picked, len(keys))
 
     def _get_valid(
         self,

@@ -116,6 +116,34 @@ def test_history_live_stream_and_a_restart_of_the_master_publisher() -> None:
     assert sub.stats.decode_errors == 0
 
 
+def test_a_restart_whose_numbers_look_like_a_gap_is_a_restart() -> None:
+    """A restarted publisher that sent more batches than the old one before the subscriber
+    reconnected (lost to its SUB) numbers its next one past the expected: the dropped
+    connection, not the number, says it restarted, and its history is replayed from 0."""
+    pub_at, replay_at = _tcp(), _tcp()
+    got = Received()
+    first = KvEventPublisher(pub_at, replay_at, 100)
+    first.start()
+    sub = EventSubscriber(
+        "inst", pub_at, replay_at, got.on_batch, timeout=0.2, on_reset=got.on_reset
+    )
+    with sub:
+        i = _publish_until_seen(first, got, 0, 1)
+        first.close()
+        second = KvEventPublisher(pub_at, replay_at, 100)
+        second.start()
+        try:
+            for n in range(i + 5):  # at once: before the subscriber's reconnect
+                second.publish([BlockRemoved([1000 + n], "CPU")])
+            wait_for(lambda: second.stats.published == i + 5, "published")
+            j = _publish_until_seen(second, got, 1000 + i + 5, i + 1)
+        finally:
+            second.close()
+    assert got.resets == 1
+    assert got.hashes == [*range(i), *range(1000, j)], "the new history, in order, once each"
+    assert sub.stats.restarts == 1
+
+
 class Scripted:
     """A publisher the test drives frame by frame: an XPUB (so the test knows when the
     subscriber subscribed) and a ROUTER answering replays from ``ring`` on its own thread."""

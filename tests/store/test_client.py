@@ -16,7 +16,7 @@ import pytest
 from kvconnect.errors import InvalidRequest, StoreError
 from kvconnect.store import messages as m
 from kvconnect.store.batching import MAX_SPANS, BatchResult, Span
-from kvconnect.store.client import StoreClient
+from kvconnect.store.client import MASTER_RUN, StoreClient
 from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Cluster, Process
 from kvconnect.store.messages import Code
@@ -124,12 +124,39 @@ def test_a_batch_the_master_refuses_reports_the_masters_code(client: StoreClient
     assert client.breaker.state is BreakerState.CLOSED, "a refusal is no sign of an outage"
     assert client.batch_exists(keys[:3]) == [False] * 3
     assert client.stats().pending == 0
-    # The limit itself is served.
+    # The limit itself is served (its speed is not the question: a generous deadline).
     fits = keys[: m.MAX_BATCH]
-    assert set(client.batch_put_from(fits, buffer, [0] * len(fits), [8] * len(fits)).codes) == {
-        Code.OK
-    }
+    put = client.batch_put_from(fits, buffer, [0] * len(fits), [8] * len(fits), timeout=60)
+    assert set(put.codes) == {Code.OK}
     assert client.batch_remove(fits) == [Code.OK] * len(fits)
+
+
+def test_a_batch_larger_than_one_master_run_keeps_every_keys_result_in_place(
+    client: StoreClient,
+) -> None:
+    """The client asks the master in runs of MASTER_RUN keys (no call holds the master's one
+    thread long); results, bad keys among them, land at their keys, and the bytes are right."""
+    count = 2 * MASTER_RUN + 5
+    size = 16
+    source = _filled(client, 5, count * size)
+    keys: list[str] = [f"run-{n}" for n in range(count)]
+    for bad in (0, MASTER_RUN - 1, MASTER_RUN, count - 1):
+        keys[bad] = ""  # invalid: never sent, INVALID in place
+    offsets = [n * size for n in range(count)]
+    put = client.batch_put_from(keys, source, offsets, [size] * count, timeout=60)
+    expected = [Code.INVALID if key == "" else Code.OK for key in keys]
+    assert list(put.codes) == expected
+    assert client.batch_exists(keys) == [key != "" for key in keys]
+    target = client.register(np.zeros(count * size, dtype=np.uint8))
+    reversed_offsets = offsets[::-1]  # each key read into another place than it came from
+    got = client.batch_get_into(keys, target, reversed_offsets, [size] * count, timeout=60)
+    assert list(got.codes) == expected
+    for n, key in enumerate(keys):
+        at = reversed_offsets[n]
+        want = source.view[n * size : (n + 1) * size] if key else bytes(size)
+        assert bytes(target.view[at : at + size]) == bytes(want), key
+    assert client.batch_remove(keys, force=True) == expected  # force: the reads' leases
+    assert client.stats().pending == 0
 
 
 # ----------------------------------------------------------------------- C12: the contract
