@@ -228,11 +228,11 @@ async def _serve(service: RouterService, client: web.Request) -> tuple[web.Strea
     _count_decision(service, req, first)
     headers = _forwarded(client)
     if decode is None:  # one hop
-        hop = Hop(client.path, raw, headers, 0, 0)
+        hop = Hop(client.path, raw, headers, 0)
         return await _final_hop(service, client, req, first, hop)
     params = await _prefill(service, client, body, req, first, headers)
     decode_body = dict(body, kv_transfer_params=params)
-    hop = Hop(client.path, json.dumps(decode_body).encode(), headers, 0, 0)
+    hop = Hop(client.path, json.dumps(decode_body).encode(), headers, 0)
     _count_decision(service, req, decode)
     return await _final_hop(service, client, req, decode, hop)
 
@@ -311,7 +311,7 @@ async def _prefill(
 
     async def send(choice: Choice) -> tuple[int, str, bytes]:
         estimate = router.estimate(req, choice)
-        hop = Hop(client.path, data, headers, estimate.compute_tokens, estimate.pool_tokens)
+        hop = Hop(client.path, data, headers, estimate.compute_tokens)
         begun = time.monotonic()
         answer = await service.relay.call(choice, hop)
         if answer[0] == 200:
@@ -356,9 +356,10 @@ async def _final_hop(
         def finished(seconds: float, events: int) -> None:
             router.decoded(choice, load, seconds, events - 1)  # less the closing [DONE]
 
-        work = (estimate.compute_tokens, estimate.pool_tokens) if unified else (0, 0)
-        sent = dataclasses.replace(hop, tokens=work[0], pool_tokens=work[1])
-        return await service.relay.stream(client, choice, sent, started, finished)
+        tokens = estimate.compute_tokens if unified else 0
+        return await service.relay.stream(
+            client, choice, dataclasses.replace(hop, tokens=tokens), started, finished
+        )
 
     _, answer = await service.relay.attempts(
         first, lambda tried: router.retry(role, req, tried), role, send

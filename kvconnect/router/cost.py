@@ -9,16 +9,13 @@ Pure: the caller passes what it observed; nothing here reads a clock.
     pool    = min(max(pool_blocks, cached_blocks) * B, hit) - local    loaded from the pool
     compute = P - local - pool
     queue   = inflight_tokens + max(waiting - inflight, 0) * P
-    TTFT    = overhead + (queue + compute) / tps(instance)
-                       + (inflight_pool_tokens + pool) / pool_tps
+    TTFT    = overhead + (queue + compute) / tps(instance) + pool / pool_tps
 
-``inflight_tokens`` and ``inflight_pool_tokens`` are the router's own counts of the tokens it
-sent there that are not prefilled yet (fresh): to compute, and to load from the pool (an
-instance loads its queue's pool hits one after another, so a queue of pool hits is not short
-for computing little); ``waiting`` comes from the instance's ``/metrics`` (a health interval
-old) and, less the router's own in-flight requests, counts requests others sent, each assumed
-as long as this prompt. So a hot prefix stays on the instance holding it while its queue is
-short, and spreads to a second instance once the holder's queue costs more than recomputing the
+``inflight_tokens`` is the router's own count of the uncached tokens it sent there that are not
+prefilled yet (fresh); ``waiting`` comes from the instance's ``/metrics`` (a health interval old)
+and, less the router's own in-flight requests, counts requests others sent, each assumed as long
+as this prompt. So a hot prefix stays on the instance holding it while its queue is short, and
+spreads to a second instance once the holder's ``queue / tps`` costs more than recomputing the
 prefix on the second one or loading it there from the pool. A unified instance is predicted the
 same way (its running decodes, which slow its prefills, are not counted).
 
@@ -71,23 +68,17 @@ ALPHA = 0.2
 class Estimate:
     """The parts of a predicted TTFT (tokens and seconds)."""
 
-    queue_tokens: float  # to compute ahead of the request on the instance
+    queue_tokens: float  # ahead of the request on the instance
     compute_tokens: int  # the request's own tokens to compute
     pool_tokens: int  # the request's tokens loaded from the shared pool
     tps: float  # the instance's prefill throughput used
-    pool_seconds: float  # loaded_tokens / pool_tps
+    pool_seconds: float  # pool_tokens / pool_tps
     overhead: float = 0.0  # the fixed cost of a request (seconds)
-    queue_pool_tokens: int = 0  # to load from the pool ahead of the request on the instance
 
     @property
     def work_tokens(self) -> float:
         """What the instance computes before the request's first token."""
         return self.queue_tokens + self.compute_tokens
-
-    @property
-    def loaded_tokens(self) -> int:
-        """What the instance loads from the pool before the request's first token."""
-        return self.queue_pool_tokens + self.pool_tokens
 
     @property
     def seconds(self) -> float:
@@ -159,7 +150,7 @@ class CostModel:
     ) -> None:
         """``instance`` computed ``tokens_computed`` prompt tokens and loaded ``pool_tokens``
         from the pool in ``seconds``: the router passes a finished prefill's
-        :attr:`Estimate.work_tokens` and :attr:`Estimate.loaded_tokens` from dispatch and its
+        :attr:`Estimate.work_tokens` and :attr:`Estimate.pool_tokens` from dispatch and its
         elapsed time. What the sample says most about is calibrated: a pool load the pool's
         rate (the time the overhead and the predicted compute leave, at least a twentieth of
         the sample); else a sample whose predicted compute is shorter than the overhead the
@@ -193,16 +184,7 @@ class CostModel:
         pool = min(max(r.pool_blocks, c.cached_blocks) * block_size, hit) - local
         compute = prompt - local - pool
         queue = c.inflight_tokens + max(c.load.waiting - c.inflight, 0) * prompt
-        loaded = c.inflight_pool_tokens + pool
-        return Estimate(
-            queue,
-            compute,
-            pool,
-            self.tps(c.name),
-            loaded / self.pool_tps,
-            self.overhead,
-            c.inflight_pool_tokens,
-        )
+        return Estimate(queue, compute, pool, self.tps(c.name), pool / self.pool_tps, self.overhead)
 
     def predict_ttft(self, c: Candidate, r: Request, block_size: int) -> float:
         """``r``'s predicted TTFT on prefill instance ``c`` (seconds)."""

@@ -114,6 +114,7 @@ class EventSubscriber(Lifecycle):
         self._next = 0  # the sequence number expected next
         self._caught_up = False  # a batch arrived, or a replay of the history was answered
         self._just_replayed = False  # live batches below _next are duplicates, not a restart
+        self._dropped = False  # the publisher's connection dropped: start over when it is back
         self._lock = threading.Lock()
         self._stats = SubscriberStats()
         self._closing = threading.Event()
@@ -157,12 +158,14 @@ class EventSubscriber(Lifecycle):
         sub.connect(self._endpoint)
         try:
             while not self._closing.is_set():
-                if _disconnected(monitor):
-                    self._restarted("its connection dropped")
+                self._dropped = self._dropped or _disconnected(monitor)
                 if self._wait(sub):
                     self._live(sub.recv_multipart(zmq.NOBLOCK))
                     continue
                 self._just_replayed = False  # duplicates would have arrived by now
+                if self._dropped and self._replay_endpoint is not None:
+                    self._dropped = False  # a quiet publisher since: start over now
+                    self._restarted("its connection dropped")
                 if not self._caught_up and self._replay_endpoint is not None:
                     self._replay(None)  # a quiet publisher's history
         except Exception:  # the thread must not die silently; a zmq error ends it
@@ -194,8 +197,11 @@ class EventSubscriber(Lifecycle):
             self._count(duplicates=1)
             return
         self._just_replayed = False
-        if seq < self._next:
-            self._restarted(f"its sequence went back to {seq}")
+        if seq < self._next or self._dropped:
+            self._restarted(
+                f"seq {seq} after a dropped connection" if self._dropped else f"seq {seq}"
+            )
+            self._dropped = False
         if seq > self._next:
             self._count(gaps=1)
             self._replay(seq)

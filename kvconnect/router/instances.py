@@ -36,26 +36,23 @@ class Instance:
     load: Load = field(default_factory=Load)
     inflight: int = 0  # requests the router sent here that have not finished
     inflight_tokens: int = 0  # their uncached prompt tokens not yet prefilled
-    inflight_pool_tokens: int = 0  # their prompt tokens still to load from the pool
 
 
 class Ticket:
     """One request's share of an instance's in-flight counts, from :meth:`Fleet.begin` until
     :meth:`close` (idempotent; also a context manager)."""
 
-    def __init__(self, instance: Instance, tokens: int, pool_tokens: int) -> None:
+    def __init__(self, instance: Instance, tokens: int) -> None:
         self._instance = instance
-        self._tokens, self._pool_tokens = tokens, pool_tokens
+        self._tokens = tokens
         self._open = True
         instance.inflight += 1
         instance.inflight_tokens += tokens
-        instance.inflight_pool_tokens += pool_tokens
 
     def prefilled(self) -> None:
         """The prompt is computed: its tokens no longer wait (the request still runs)."""
         self._instance.inflight_tokens -= self._tokens
-        self._instance.inflight_pool_tokens -= self._pool_tokens
-        self._tokens = self._pool_tokens = 0
+        self._tokens = 0
 
     def close(self) -> None:
         """The request finished here (in any way)."""
@@ -132,10 +129,9 @@ class Fleet:
         roles = {i.role for i in self._instances.values() if i.healthy}
         return Role.UNIFIED in roles or {Role.PREFILL, Role.DECODE} <= roles
 
-    def begin(self, url: str, tokens: int, pool_tokens: int) -> Ticket:
-        """Count a request in flight at ``url``, with ``tokens`` uncached prompt tokens to
-        compute and ``pool_tokens`` to load from the pool."""
-        return Ticket(self._instances[url], tokens, pool_tokens)
+    def begin(self, url: str, tokens: int) -> Ticket:
+        """Count a request (with ``tokens`` uncached prompt tokens) in flight at ``url``."""
+        return Ticket(self._instances[url], tokens)
 
     def failed(self, url: str, reason: str) -> None:
         """A request could not reach ``url``: take it out now (back after a good check)."""

@@ -76,14 +76,12 @@ class Failed(Exception):
 @dataclass(frozen=True, slots=True)
 class Hop:
     """What is sent: ``body`` (JSON bytes) to ``path`` with ``headers``, counting ``tokens``
-    uncached prompt tokens to compute and ``pool_tokens`` to load from the pool in flight at
-    the instance until its first answer byte."""
+    uncached prompt tokens in flight at the instance until its first answer byte."""
 
     path: str
     body: bytes
     headers: Mapping[str, str]
     tokens: int
-    pool_tokens: int
 
 
 def error(status: int, message: str, kind: str = "router_error") -> web.Response:
@@ -142,10 +140,7 @@ class Relay:
 
     async def call(self, choice: Choice, hop: Hop) -> tuple[int, str, bytes]:
         """The whole (buffered) answer of one hop: status, content type, body."""
-        with (
-            self._fleet.begin(choice.instance, hop.tokens, hop.pool_tokens),
-            _before_answer(choice),
-        ):
+        with self._fleet.begin(choice.instance, hop.tokens), _before_answer(choice):
             async with self._post(choice, hop) as reply:
                 if reply.status >= 500:
                     raise NotStarted(f"answered {reply.status}", unreachable=False)
@@ -168,7 +163,7 @@ class Relay:
         TTFT), and ``finished`` the seconds from there to its end and its number of events,
         once relayed whole. Raises NotStarted or Failed before the first byte; after it, the
         outcome says whether the answer was relayed whole."""
-        with self._fleet.begin(choice.instance, hop.tokens, hop.pool_tokens) as ticket:
+        with self._fleet.begin(choice.instance, hop.tokens) as ticket:
             begun = time.monotonic()
             with _before_answer(choice):
                 reply = await self._post(choice, hop)

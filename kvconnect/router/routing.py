@@ -132,7 +132,7 @@ class Router:
         """A request estimated as ``estimate`` at dispatch had its first token ``seconds``
         later at the chosen instance: calibrates the cost model."""
         self.cost.observe_prefill(
-            choice.instance, estimate.work_tokens, seconds, estimate.loaded_tokens
+            choice.instance, estimate.work_tokens, seconds, estimate.pool_tokens
         )
 
     def decoded(self, choice: Choice, load: float, seconds: float, tokens: int) -> None:
@@ -214,6 +214,5 @@ def _candidate(instance: Instance, cached_blocks: int) -> Candidate:
         load=instance.load,
         inflight=instance.inflight,
         inflight_tokens=instance.inflight_tokens,
-        inflight_pool_tokens=instance.inflight_pool_tokens,
         cached_blocks=cached_blocks,
     )

@@ -36,7 +36,6 @@ class Candidate:
     load: Load
     inflight: int  # requests the router sent there that have not finished
     inflight_tokens: int  # their uncached prompt tokens not yet prefilled (the router's count)
-    inflight_pool_tokens: int  # their prompt tokens still to load from the pool (likewise)
     cached_blocks: int  # leading blocks of this request the instance holds (from the index)
 
 

@@ -17,14 +17,10 @@ def candidate(
     cached: int = 0,
     inflight: int = 0,
     inflight_tokens: int = 0,
-    inflight_pool_tokens: int = 0,
     running: int = 0,
     waiting: int = 0,
 ) -> Candidate:
-    load = Load(running, waiting)
-    return Candidate(
-        name, Role.PREFILL, load, inflight, inflight_tokens, inflight_pool_tokens, cached
-    )
+    return Candidate(name, Role.PREFILL, Load(running, waiting), inflight, inflight_tokens, cached)
 
 
 def request(prompt: int = 160, pool: int = 0) -> Request:
@@ -46,18 +42,6 @@ def test_the_ttft_counts_overhead_queue_uncached_compute_and_pool_loads() -> Non
     assert model.predict_ttft(
         candidate(cached=3, inflight_tokens=100), request(166, pool=7), BS
     ) == pytest.approx(0.01 + 0.154 + 0.0064)
-
-
-def test_queued_pool_loads_count_ahead_of_the_request() -> None:
-    """An instance loads its queue's pool hits one after another: a queue of pool hits that
-    computes little is still long (it looked empty, and a cache-aware router piled onto it)."""
-    model = CostModel(prefill_tps=1000.0, pool_tps=10_000.0, prefill_overhead=0.0)
-    queued = candidate(cached=3, inflight=2, inflight_tokens=100, inflight_pool_tokens=3000)
-    estimate = model.estimate(queued, request(166, pool=7), BS)
-    assert (estimate.queue_pool_tokens, estimate.loaded_tokens) == (3000, 3064)
-    assert estimate.seconds == pytest.approx(0.154 + 0.3064)
-    idle = model.estimate(candidate(cached=3), request(166, pool=7), BS)
-    assert estimate.seconds - idle.seconds == pytest.approx(0.1 + 0.3)
 
 
 def test_the_pool_adds_nothing_below_the_local_cache_and_the_last_token_is_computed() -> None:

@@ -147,27 +147,6 @@ def test_the_pool_from_kvconnect_events_and_from_the_store() -> None:
     assert router.request(PROMPT, "m").pool_blocks == 3
 
 
-def test_a_dispatched_pool_hit_queues_its_load_at_its_instance_until_prefilled() -> None:
-    """The next request's estimate there counts the first one's pool load ahead of it, and
-    the first one's observed prefill calibrates the pool's rate with both loads' tokens."""
-    router, fleet = _router()
-    router.apply_events(A, _batch(_stored(PROMPT, ownership=OWNERSHIP_KVCONNECT)))
-    request = router.request(PROMPT, "m")
-    first = router.first_hop(request)
-    assert first is not None
-    assert request.pool_blocks == 3
-    estimate = router.estimate(request, first)
-    assert (estimate.compute_tokens, estimate.pool_tokens) == (2, 3 * BLOCK)
-    with fleet.begin(first.instance, estimate.compute_tokens, estimate.pool_tokens) as ticket:
-        behind = router.estimate(request, first)
-        assert (behind.queue_tokens, behind.queue_pool_tokens) == (2, 3 * BLOCK)
-        assert behind.seconds > estimate.seconds
-        ticket.prefilled()
-        assert router.estimate(request, first).queue_pool_tokens == 0
-    instance = fleet.get(first.instance)
-    assert (instance.inflight, instance.inflight_tokens, instance.inflight_pool_tokens) == (0, 0, 0)
-
-
 def test_blocks_of_an_adapter_match_only_requests_for_that_adapter() -> None:
     router, _ = _router()
     router.apply_events(A, _batch(_stored(PROMPT, lora="sql-adapter")))
