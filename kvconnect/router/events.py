@@ -12,7 +12,7 @@ are numbered per publisher process; the subscriber expects them in order from 0,
   batches are replayed before it is delivered; what the publisher no longer buffers is lost;
 - a batch before the next expected one is a restarted publisher (a new process counts from
   0 again): ``on_reset`` is called, then the new process's history is replayed;
-- so is a dropped connection to the publisher, at once: a restarted publisher may send its
+- so is a dropped connection to the publisher, once it is back: a restarted publisher may send its
   first batches before the subscriber reconnected (they are lost to a SUB) and then go quiet,
   or send more of them than the old one did, so that its numbers look like a gap; neither
   shows in the numbers. The subscriber then starts over from 0, as at its start. A publisher
@@ -261,7 +261,6 @@ class EventSubscriber(Lifecycle):
         self._count(restarts=1)
         self._next = 0
         self._caught_up = False
-        self._just_replayed = False
         self._reset()
 
     def _reset(self) -> None:
