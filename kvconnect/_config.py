@@ -13,7 +13,8 @@ mapping (``"store": {"replicas": 2}``), or through the adapter's flat keys that 
 :func:`cluster_token` resolves the cluster token, generating one in a file only this user can
 read when none is configured. It lives here rather than in ``kvconnect.auth`` because it is
 configuration (settings, environment, files) that every layer needs, while ``auth`` derives
-CurveZMQ keys for the control planes and imports zmq, which the transfer layer must not need.
+CurveZMQ keys for the zmq control planes and imports zmq, which the transfer layer must not
+need.
 """
 
 from __future__ import annotations

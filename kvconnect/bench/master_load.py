@@ -1,17 +1,23 @@
-"""Load on a store master alone (no data moves): filling it, writing at a steady rate, and
-timing lookups. Used by ``kvconnect bench store`` for the scale and eviction phases; run as a
-module it is the background writer process."""
+"""Load on a store master: filling it, writing at a steady rate, timing lookups, and loader
+processes that call it as fast as they can. Used by ``kvconnect bench store`` for the scale,
+eviction and throughput phases; run as a module it is the background writer process, or with
+``--load KIND`` one loader."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
+import sys
 import time
 
 from kvconnect._config import cluster_token
 from kvconnect.store import messages as m
+from kvconnect.store.client import StoreClient
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.rpc import RpcClient
+from kvconnect.transfer import TransferConfig
 
 FILL_BATCH = 1000
 SERVER = "bench-server"
@@ -117,11 +123,59 @@ def _writer(endpoint: str, rate: float, seconds: float, size: int) -> None:
     rpc.close()
 
 
+LOAD_KINDS = ("batch_exists", "put", "put_rpcs")
+"""What a loader calls: ``batch_exists`` of the stored keys, ``put`` of a 64-byte value (the
+bytes cross TCP to the store server), or the master's own ``put_start`` + ``put_end`` of one
+key with no bytes moved (counted as one call: two RPCs)."""
+
+
+def load_keys(batch: int) -> list[str]:
+    """The keys a ``batch_exists`` loader asks for (stored before the loaders start)."""
+    return [f"load-{j}" for j in range(batch)]
+
+
+def _loader(endpoint: str, kind: str, batch: int, name: str) -> None:
+    """Wait for ``{"seconds": S}`` on stdin, call ``kind`` as fast as possible for S seconds,
+    print ``{"calls": n}``: the protocol of the Mooncake runner's loaders."""
+    token = cluster_token(None, "", False)
+    config = StoreClientConfig(master=endpoint, rpc_timeout=10)
+    client = StoreClient(config, TransferConfig.from_mapping({"transport": "tcp"}))
+    client.start()
+    rpc = RpcClient(endpoint, 10.0, token=token)
+    keys, value = load_keys(batch), b"y" * 64
+    try:
+        print(json.dumps({"ready": True}), flush=True)
+        seconds = float(json.loads(sys.stdin.readline())["seconds"])
+        calls = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            key = f"{name}-{calls}"
+            if kind == "batch_exists":
+                if not all(client.batch_exists(keys)):
+                    raise RuntimeError("batch_exists missed a stored key")
+            elif kind == "put":
+                if client.put(key, value) is not m.Code.OK:
+                    raise RuntimeError(f"put of {key} failed")
+            else:
+                _put(rpc, name, [m.PutItem(key, 64)])
+            calls += 1
+        print(json.dumps({"calls": calls}), flush=True)
+    finally:
+        rpc.close()
+        client.close()
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("endpoint")
+    parser.add_argument("--load", choices=LOAD_KINDS, help="be one loader of this kind")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--name", default="loader")
     parser.add_argument("--rate", type=float, default=5000)
     parser.add_argument("--seconds", type=float, default=5)
     parser.add_argument("--size", type=int, default=4096)
     options = parser.parse_args()
-    _writer(options.endpoint, options.rate, options.seconds, options.size)
+    if options.load:
+        _loader(options.endpoint, options.load, options.batch, options.name)
+    else:
+        _writer(options.endpoint, options.rate, options.seconds, options.size)

@@ -1,6 +1,6 @@
 """``kvconnect bench store``: the store's data path, lookups and master scale, beside Mooncake.
 
-Three phases:
+Four phases:
 
 * **data** — per mode (``tcp``: the client owns no memory and every byte crosses TCP to a store
   server process; ``same-host``: the same processes, bytes through shared memory), bytes-API
@@ -13,6 +13,8 @@ Three phases:
   ``--scale-mooncake-max`` objects).
 * **eviction** — ``exists`` latency while a writer fills a full store (eviction running all the
   time) against the same writer on a store with room (no eviction).
+* **throughput** — calls/s the master serves to ``--throughput-processes`` client processes at
+  once, beside Mooncake's (:mod:`kvconnect.bench.store_throughput`).
 
 ``--tier disk`` runs the disk tier's phases instead (:mod:`kvconnect.bench.disk`).
 """
@@ -35,6 +37,7 @@ from kvconnect._config import cluster_token
 from kvconnect.bench import disk_report, master_load
 from kvconnect.bench.baselines.mooncake_engine import find_mooncake_python
 from kvconnect.bench.baselines.mooncake_store import MooncakeStoreBaseline
+from kvconnect.bench.store_throughput import print_throughput, throughput_phase
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
 from kvconnect.store.config import StoreClientConfig, StoreServerConfig
@@ -53,7 +56,7 @@ SCALE_KEY = "kvconnect-scale-{:048d}"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvconnect bench store``."""
     parser.add_argument("--modes", default="tcp,same-host")
-    parser.add_argument("--phases", default="data,scale,eviction")
+    parser.add_argument("--phases", default="data,scale,eviction,throughput")
     parser.add_argument("--rounds", type=int, default=3, help="A/B rounds per case")
     parser.add_argument("--scale", default="10000,100000,1000000", help="object counts")
     parser.add_argument(
@@ -62,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scale-mooncake-max", type=int, default=0, help="Mooncake's largest count (0: all)"
     )
+    parser.add_argument("--throughput-processes", type=int, default=8)
+    parser.add_argument("--throughput-seconds", type=float, default=3.0)
     parser.add_argument("--segment", default="4G", help="store memory (Mooncake; kvconnect 2x)")
     parser.add_argument("--mooncake-python", help="interpreter with the mooncake package")
     parser.add_argument("--quick", action="store_true", help="a fraction of the work: a smoke run")
@@ -91,6 +96,12 @@ def run(args: argparse.Namespace) -> int:
     if "eviction" in phases:
         report["eviction"] = _eviction_phase(quick=args.quick)
         _print_eviction(report["eviction"])
+    if "throughput" in phases:
+        seconds = 1.0 if args.quick else args.throughput_seconds
+        rounds = 1 if args.quick else args.rounds
+        result = throughput_phase(mooncake, args.throughput_processes, seconds, rounds)
+        report["throughput"] = result
+        print_throughput(result)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"\nresults written to {args.out}")
     return 0

@@ -37,7 +37,7 @@ class MasterConfig(Section):
     _SHARED_ENV: ClassVar[dict[str, str]] = AUTH_ENV
 
     listen: str = "tcp://127.0.0.1:50051"
-    """zmq endpoint the master answers on."""
+    """``tcp://host:port`` the master answers on (``*`` for every address)."""
     ha: str = ""
     """``etcd://host:port[,…]``: run as one of several masters, the elected one leads."""
     ha_ttl: int = 2
@@ -83,7 +83,8 @@ class MasterConfig(Section):
     """The key index: the C table when built (``auto``), required (``on``), the Python dict
     (``off``)."""
     token: str | None = field(default=None, repr=False)
-    """Cluster token every RPC must be authenticated with (CURVE keys derived from it)."""
+    """Cluster token every RPC must be authenticated with (the channel is sealed with keys
+    derived from it)."""
     token_file: str = ""
     """File holding the cluster token (first line); read when ``token`` is unset."""
     insecure: bool = False
@@ -123,7 +124,7 @@ class StoreServerConfig(Section):
     _ENV_PREFIX: ClassVar[str] = "KVCONNECT_STORE_"
 
     master: str = "tcp://127.0.0.1:50051"
-    """zmq endpoint of the master."""
+    """``tcp://host:port`` of the master (or ``etcd://…`` to follow the HA leader)."""
     size: int = 1 << 30
     """Bytes of memory this server offers (allocated and pre-faulted at start)."""
     hugepages: bool = False
@@ -172,7 +173,7 @@ class StoreClientConfig(Section):
     _ENV_PREFIX: ClassVar[str] = "KVCONNECT_CLIENT_"
 
     master: str = "tcp://127.0.0.1:50051"
-    """zmq endpoint of the master."""
+    """``tcp://host:port`` of the master (or ``etcd://…`` to follow the HA leader)."""
     rpc_timeout: float = 1.0
     """Timeout of one call to the master."""
     io_timeout: float = 5.0

@@ -1,30 +1,49 @@
-"""Request/reply plumbing over zmq (ROUTER on the master, DEALER per client thread).
+"""Request/reply plumbing over the master channel (:mod:`kvconnect.store.channel`).
 
-The server is single-threaded: it answers requests in arrival order and runs background work
-between polls in bounded steps, so state needs no locks. Whatever one message holds, it costs
-only that message: a message that cannot be decoded, answered or replied to is dropped and
-counted, and a message over ``max_message_bytes`` disconnects its sender. With a cluster
-token every connection is CURVE-authenticated (:mod:`kvconnect.auth`). Clients get one DEALER
-socket per thread (zmq sockets are not thread-safe); a call waits at most its timeout, and
-late replies of abandoned calls are recognized by request id and dropped.
+The server is one thread with one event loop: it answers requests in arrival order and runs
+background work between rounds in bounded steps, so state needs no locks. Whatever one
+message holds, it costs only that message: a message that cannot be decoded or answered is
+dropped and counted, and a frame over ``max_message_bytes`` (or one that fails to open)
+disconnects its sender. Connections still in their handshake are bounded in number and time,
+so idle or dripping sockets cannot crowd out clients. Clients get one connection per thread;
+a call waits at most its timeout, and a call that times out closes its connection, so no late
+reply can be mistaken for the next call's.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
+import os
+import selectors
+import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import msgspec
-import zmq
 
 from kvconnect._throttle import Throttle
-from kvconnect.auth import ServerAuth, curve_keys, secure_client
-from kvconnect.errors import ClosedError, CoordinationUnavailable, MasterUnavailable
+from kvconnect.errors import (
+    AuthenticationError,
+    ClosedError,
+    CoordinationUnavailable,
+    MasterUnavailable,
+    ProtocolError,
+)
 from kvconnect.etcd import Etcd
 from kvconnect.store import messages as m
+from kvconnect.store.channel import (
+    ClientChannel,
+    Phase,
+    ServerSession,
+    format_endpoint,
+    parse_endpoint,
+    sealed_frame_limit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +54,29 @@ _reply_decoder = msgspec.msgpack.Decoder(m.ReplyEnvelope)
 
 Handler = Callable[[m.Request], m.Reply]
 LEADER_KEY = "/kvconnect/master/leader"  # value: the HA leader's endpoint (see master/ha.py)
-_PURPOSE = "master"  # CURVE key derivation label (kvconnect.auth)
+ROUND_ANSWERS = 1024  # answers between two ticks: a flood cannot starve background work
+_TURN = 64  # answers to one connection before the next one's turn
+_ACCEPTS = 64  # connections accepted per round
+_MAX_HANDSHAKES = 256  # connections in their handshake at once (the oldest goes first)
+_HANDSHAKE_SECONDS = 5.0  # the whole handshake, however the bytes drip
+_READ = 1 << 18  # bytes read from one connection per round
+_OUTPUT_HIGH = 1 << 20  # a connection whose replies pile up is not read until they drain
+_REPLY_LIMIT = 1 << 30  # the largest reply a client accepts
+_RETRY = 0.05  # between connection attempts to a master that refuses them
+
+
+@dataclass(eq=False, slots=True)
+class _Connection:
+    sock: socket.socket
+    session: ServerSession
+    opened: float
+    inbox: deque[bytes] = field(default_factory=deque)
+    output: bytearray = field(default_factory=bytearray)
+    writing: bool = False
 
 
 class RpcServer:
-    """Serves ``handler`` on a ROUTER socket; ``tick`` runs between polls (background work)."""
+    """Serves ``handler`` on a TCP listener; ``tick`` runs between rounds (background work)."""
 
     def __init__(
         self,
@@ -52,32 +89,43 @@ class RpcServer:
     ) -> None:
         """``tick`` returns how long (s) the loop may sleep before it wants to run again;
         ``token`` None serves unauthenticated clients."""
-        self._endpoint = endpoint
+        self._address = parse_endpoint(endpoint)
         self._handler = handler
         self._tick = tick
-        self._context = zmq.Context()
-        self._auth = ServerAuth(self._context, curve_keys(token, _PURPOSE) if token else None)
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self._auth.secure(self._socket)
-        self._poller = self._auth.poller(self._socket)
+        self._token = token
+        self._max_frame = sealed_frame_limit(max_message_bytes, token)
+        self._id = os.urandom(16)
+        self._listener: socket.socket | None = None
+        self._selector = selectors.DefaultSelector()
+        self._connections: dict[socket.socket, _Connection] = {}
+        self._handshaking: dict[socket.socket, _Connection] = {}  # oldest first
+        self._ready: deque[_Connection] = deque()  # connections with requests to answer
+        self._paused_until = 0.0
         self._stop = threading.Event()
         self.endpoint = ""
         self.malformed = 0
+        self.refused = 0
+        """Connections refused: no or a wrong cluster token, a foreign protocol, a handshake
+        that did not finish in time or was crowded out."""
         self._throttle = Throttle()
+        self._refusals = Throttle()
         self.crashed: BaseException | None = None
-
-    @property
-    def refused(self) -> int:
-        """Connections refused for want of the cluster token."""
-        return self._auth.refused
 
     def bind(self) -> str:
         """Bind; returns the endpoint actually bound (resolves port 0 / ``*``)."""
-        self._socket.bind(self._endpoint)
-        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        family = socket.AF_INET6 if ":" in self._address[0] else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(self._address)
+            listener.listen(1024)
+        except OSError:
+            listener.close()
+            raise
+        listener.setblocking(False)
+        self._listener = listener
+        self._selector.register(listener, selectors.EVENT_READ)
+        self.endpoint = format_endpoint(listener.getsockname())
         return self.endpoint
 
     def serve(self) -> None:
@@ -86,44 +134,168 @@ class RpcServer:
         try:
             while not self._stop.is_set():
                 wait = self._tick()
-                ready = dict(self._poller.poll(int(max(0.0, min(wait, 0.05)) * 1000)))
-                self._auth.handle_ready(ready)
-                if self._socket in ready:
-                    self._drain()
+                timeout = 0.0 if self._ready else max(0.0, min(wait, 0.05))
+                for key, events in self._selector.select(timeout):
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    else:
+                        self._io(self._connections[key.fileobj], events)  # type: ignore[index]
+                self._answer_round()
+                self._expire_handshakes()
+                self._resume_accepting()
         except BaseException as exc:
             self.crashed = exc
             log.critical("the master's serving loop failed: %s", exc, exc_info=True)
         finally:
-            self._auth.close()
-            self._socket.close(0)
-            self._context.term()
+            for conn in list(self._connections.values()):
+                self._disconnect(conn)
+            if self._listener is not None:
+                self._listener.close()
+            self._selector.close()
 
     def stop(self) -> None:
         """Make :meth:`serve` return (within ~50 ms)."""
         self._stop.set()
 
-    def _drain(self) -> None:
-        # Answer everything queued before doing background work again, up to a bound, so a
-        # flood cannot starve the tick (leases, heartbeats, eviction) either.
-        for _ in range(1024):
+    # ------------------------------------------------------------------ connections
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        for _ in range(_ACCEPTS):
             try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
+                sock, _address = self._listener.accept()
+            except BlockingIOError:
                 return
-            if len(frames) != 2:
-                self._dropped("a message of %d frames", len(frames))
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors: stop accepting for a moment instead of spinning on
+                    # a listener that stays readable; the handshake deadline frees some.
+                    log.warning("cannot accept master connections for now: %s", exc)
+                    self._selector.unregister(self._listener)
+                    self._paused_until = time.monotonic() + 0.1
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            session = ServerSession(self._token, self._id, self._max_frame)
+            conn = _Connection(sock, session, time.monotonic())
+            self._connections[sock] = conn
+            self._handshaking[sock] = conn
+            self._selector.register(sock, selectors.EVENT_READ)
+            if len(self._handshaking) > _MAX_HANDSHAKES:
+                self._refuse(next(iter(self._handshaking.values())), "crowded out")
+
+    def _resume_accepting(self) -> None:
+        if self._paused_until and time.monotonic() >= self._paused_until:
+            self._paused_until = 0.0
+            assert self._listener is not None
+            self._selector.register(self._listener, selectors.EVENT_READ)
+
+    def _expire_handshakes(self) -> None:
+        cutoff = time.monotonic() - _HANDSHAKE_SECONDS
+        while self._handshaking:
+            oldest = next(iter(self._handshaking.values()))
+            if oldest.opened > cutoff:
+                return
+            self._refuse(oldest, "handshake not finished in time")
+
+    def _io(self, conn: _Connection, events: int) -> None:
+        if events & selectors.EVENT_WRITE:
+            self._flush(conn)
+        readable = events & selectors.EVENT_READ
+        if readable and not conn.inbox and len(conn.output) < _OUTPUT_HIGH:
+            self._read(conn)
+
+    def _read(self, conn: _Connection) -> None:
+        try:
+            data = conn.sock.recv(_READ)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._disconnect(conn)
+            return
+        if not data:
+            self._disconnect(conn)
+            return
+        try:
+            messages = conn.session.receive(data)
+        except AuthenticationError as exc:
+            conn.output += conn.session.take_output()  # the refusal, if there is one
+            self._flush(conn)
+            self._refuse(conn, str(exc))
+            return
+        except ProtocolError as exc:
+            if conn.sock in self._handshaking:
+                self._refuse(conn, str(exc))
+            else:
+                self._dropped("a connection (%s)", exc)
+                self._disconnect(conn)
+            return
+        if conn.sock in self._handshaking and conn.session.phase is Phase.OPEN:
+            del self._handshaking[conn.sock]
+        conn.output += conn.session.take_output()
+        if conn.output:
+            self._flush(conn)
+        if messages:
+            conn.inbox.extend(messages)
+            self._ready.append(conn)
+
+    def _flush(self, conn: _Connection) -> None:
+        if conn.sock.fileno() < 0:
+            return
+        try:
+            sent = conn.sock.send(conn.output)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._disconnect(conn)
+            return
+        del conn.output[:sent]
+        wants_write = bool(conn.output)
+        if wants_write != conn.writing:
+            conn.writing = wants_write
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if wants_write else 0)
+            self._selector.modify(conn.sock, events)
+
+    def _disconnect(self, conn: _Connection) -> None:
+        if self._connections.pop(conn.sock, None) is None:
+            return
+        self._handshaking.pop(conn.sock, None)
+        conn.inbox.clear()
+        self._selector.unregister(conn.sock)
+        conn.sock.close()
+
+    def _refuse(self, conn: _Connection, why: str) -> None:
+        self.refused += 1
+        if self._refusals.ready():
+            log.warning("refused %d master connection(s) (last: %s)", self.refused, why)
+        self._disconnect(conn)
+
+    # ---------------------------------------------------------------------- requests
+
+    def _answer_round(self) -> None:
+        budget = ROUND_ANSWERS
+        while self._ready and budget > 0:
+            conn = self._ready.popleft()
+            if conn.sock not in self._connections:
                 continue
-            identity, payload = frames
-            try:
-                reply = self._answer(payload)
-            except Exception as exc:  # e.g. RecursionError decoding hostile nesting
-                self._dropped("a message that could not be answered (%r)", exc)
-                continue
-            if reply is not None:
-                try:
-                    self._socket.send_multipart([identity, reply], zmq.NOBLOCK)
-                except zmq.ZMQError as exc:  # the client stopped reading: its reply goes
-                    self._dropped("a reply that could not be sent (%s)", exc)
+            for _ in range(min(_TURN, budget)):
+                if not conn.inbox:
+                    break
+                budget -= 1
+                reply = self._reply(conn.inbox.popleft())
+                if reply is not None:
+                    conn.session.send(reply)
+            conn.output += conn.session.take_output()
+            self._flush(conn)
+            if conn.inbox and conn.sock in self._connections:
+                self._ready.append(conn)
+
+    def _reply(self, payload: bytes) -> bytes | None:
+        try:
+            return self._answer(payload)
+        except Exception as exc:  # e.g. RecursionError decoding hostile nesting
+            self._dropped("a message that could not be answered (%r)", exc)
+            return None
 
     def _dropped(self, what: str, *args: object) -> None:
         self.malformed += 1
@@ -160,25 +332,24 @@ class RpcServer:
 
 
 class RpcClient:
-    """Calls the master; thread-safe (a socket per calling thread).
+    """Calls the master; thread-safe (a connection per calling thread).
 
-    ``target`` is a zmq endpoint, or ``etcd://…``: then the current HA leader is looked up in
-    etcd, and looked up again (one retry within the timeout) when the master it reached is gone
-    or answers that it is not the leader.
+    ``target`` is a ``tcp://host:port`` endpoint, or ``etcd://…``: then the current HA leader
+    is looked up in etcd, and looked up again (one retry within the timeout) when the master
+    it reached is gone or answers that it is not the leader.
     """
 
     def __init__(self, target: str, timeout: float, *, token: str | None) -> None:
         """``token``: the cluster token (None: plain, for an insecure master)."""
         self._target = target
         self._timeout = timeout
-        self._keys = curve_keys(token, _PURPOSE) if token else None
+        self._token = token
         self._etcd = (
             Etcd(target, timeout=min(timeout, 2.0)) if target.startswith("etcd://") else None
         )
         self._endpoint: str | None = None if self._etcd is not None else target
-        self._context = zmq.Context()
         self._local = threading.local()
-        self._sockets: list[zmq.Socket[bytes]] = []
+        self._channels: set[ClientChannel] = set()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
@@ -201,15 +372,14 @@ class RpcClient:
         return reply
 
     def close(self) -> None:
-        """Close every socket and the context. Idempotent."""
+        """Close every connection (calls blocked on one fail with ClosedError). Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            sockets, self._sockets = self._sockets, []
-        for sock in sockets:
-            sock.close(0)
-        self._context.term()
+            channels, self._channels = self._channels, set()
+        for channel in channels:
+            channel.close()
         if self._etcd is not None:
             self._etcd.close()
 
@@ -240,50 +410,89 @@ class RpcClient:
         """One call at ``endpoint``. With ``check_leader`` (and etcd), halfway to the deadline
         without an answer etcd is asked whether the leader moved (then ``_LeaderMoved``): a
         dead leader costs half the budget, not all of it. The request is never sent twice to
-        one master (a late first answer would race the second)."""
+        one master (it may have acted on the first)."""
         check: float | None = None
         if check_leader and self._etcd is not None:
             check = time.monotonic() + (deadline - time.monotonic()) / 2
-        sock = self._socket(endpoint)
+        channel = self._channel(endpoint, deadline if check is None else check)
+        if channel is None and check is not None:  # not connected halfway: did the leader move?
+            check = None
+            self._check_leader(endpoint)
+            channel = self._channel(endpoint, deadline)
+        if channel is None:
+            raise MasterUnavailable(f"master {endpoint} is not reachable")
         request_id = next(self._ids)
         payload = _encoder.encode(m.Envelope(m.PROTOCOL_VERSION, request_id, request))
+        what = type(request).__name__
         try:
-            sock.send(payload, zmq.NOBLOCK)
-        except zmq.Again:
-            # IMMEDIATE: the socket is writable only while connected, so a dead master costs
-            # the timeout here instead of a queued request that would be answered much later.
-            if check is not None and not sock.poll(_ms(check), zmq.POLLOUT):
-                self._check_leader(endpoint)
-                check = None
-            if not sock.poll(_ms(deadline), zmq.POLLOUT):
-                raise MasterUnavailable(self._not_connected(endpoint)) from None
-            try:
-                sock.send(payload, zmq.NOBLOCK)
-            except zmq.Again as exc:
-                raise MasterUnavailable(self._not_connected(endpoint)) from exc
-        while True:
-            # A receive timeout instead of a poll: one call less per request on the hot path.
-            sock.setsockopt(zmq.RCVTIMEO, max(1, _ms(deadline if check is None else check)))
-            try:
-                data = sock.recv()
-            except zmq.Again:
-                if check is not None:
-                    self._check_leader(endpoint)
+            channel.send(payload, deadline)
+            while True:
+                try:
+                    data = channel.receive(deadline if check is None else check)
+                except TimeoutError:
+                    if check is None:
+                        raise
                     check = None
+                    self._check_leader(endpoint)  # may raise _LeaderMoved
                     continue
-                raise MasterUnavailable(
-                    f"master {endpoint} did not answer {type(request).__name__} in time"
-                ) from None
-            try:
                 reply = _reply_decoder.decode(data)
-            except msgspec.DecodeError:
-                continue  # not ours to interpret; keep waiting for our reply
-            if reply.request_id == request_id:
+                if reply.request_id != request_id:
+                    raise ProtocolError(f"a reply to request {reply.request_id}")
                 return reply.body
-            if time.monotonic() >= deadline:
+        except TimeoutError:
+            self._drop(channel)
+            raise MasterUnavailable(f"master {endpoint} did not answer {what} in time") from None
+        except _LeaderMoved:
+            self._drop(channel)
+            raise
+        except (OSError, ProtocolError, msgspec.DecodeError) as exc:
+            self._drop(channel)
+            if self._closed:
+                raise ClosedError("store client is closed") from exc
+            raise MasterUnavailable(f"master {endpoint} failed during {what}: {exc}") from exc
+
+    def _channel(self, endpoint: str, deadline: float) -> ClientChannel | None:
+        """This thread's connection to ``endpoint``, connecting (and retrying while nothing
+        accepts) until ``deadline``: None if no connection by then."""
+        channel: ClientChannel | None = getattr(self._local, "channel", None)
+        if channel is not None:
+            if self._local.endpoint == endpoint and not channel.stale():
+                return channel
+            self._drop(channel)  # the leader moved, or the master ended the connection
+        while True:
+            self._ensure_open()
+            try:
+                channel = ClientChannel.connect(endpoint, self._token, deadline, _REPLY_LIMIT)
+                break
+            except AuthenticationError as exc:
                 raise MasterUnavailable(
-                    f"master {endpoint} did not answer {type(request).__name__} in time"
-                )
+                    f"master {endpoint} and this client disagree on the cluster token: {exc}"
+                ) from exc
+            except ProtocolError as exc:
+                raise MasterUnavailable(f"{endpoint} is not a usable master: {exc}") from exc
+            except OSError:  # refused, reset, or timed out: retry until the deadline
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                time.sleep(min(_RETRY, remaining))
+        with self._lock:
+            if self._closed:
+                channel.close()
+                raise ClosedError("store client is closed")
+            self._channels.add(channel)
+        self._local.channel = channel
+        self._local.endpoint = endpoint
+        return channel
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise ClosedError("store client is closed")
+
+    def _drop(self, channel: ClientChannel) -> None:
+        with self._lock:
+            self._channels.discard(channel)
+        channel.close()
+        self._local.channel = None
 
     def _check_leader(self, endpoint: str) -> None:
         """Raise ``_LeaderMoved`` if etcd names a leader other than ``endpoint`` (a lookup that
@@ -297,33 +506,6 @@ class RpcClient:
             self._endpoint = leader
             raise _LeaderMoved(leader)
 
-    def _not_connected(self, endpoint: str) -> str:
-        if self._keys is None:
-            return f"master {endpoint} is not connected (or it requires a cluster token)"
-        return f"master {endpoint} is not connected (or it refused this client's cluster token)"
-
-    def _socket(self, endpoint: str) -> zmq.Socket[bytes]:
-        sock: zmq.Socket[bytes] | None = getattr(self._local, "socket", None)
-        if sock is not None and getattr(self._local, "endpoint", None) == endpoint:
-            return sock
-        with self._lock:
-            if self._closed:
-                raise ClosedError("store client is closed")
-            if sock is not None:  # the leader moved: this thread's old socket goes
-                self._sockets.remove(sock)
-                sock.close(0)
-            sock = self._context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-            sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-            secure_client(sock, self._keys)
-            sock.connect(endpoint)
-            self._sockets.append(sock)
-        self._local.socket = sock
-        self._local.endpoint = endpoint
-        return sock
-
 
 class _LeaderMoved(Exception):
     """etcd names another leader while a call waits (internal to RpcClient.call)."""
@@ -333,8 +515,3 @@ def find_leader(etcd: Etcd) -> str | None:
     """The current HA leader's endpoint, or None while there is none."""
     value, _term = etcd.get(LEADER_KEY)
     return value.decode() if value is not None else None
-
-
-def _ms(deadline: float) -> int:
-    """Milliseconds until ``deadline`` for zmq polls (0 once passed)."""
-    return max(0, int((deadline - time.monotonic()) * 1000))

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
-import zmq
 
 from kvconnect._config import MiB, cluster_token
 from kvconnect.errors import MasterUnavailable
+from kvconnect.store import channel as ch
 from kvconnect.store import messages as m
+from kvconnect.store.channel import ClientChannel
 from kvconnect.store.client import StoreClient
 from kvconnect.store.commands import EXIT_CRASHED
 from kvconnect.store.config import StoreClientConfig
@@ -24,7 +27,8 @@ from kvconnect.store.launch import Cluster, Process, free_port
 from kvconnect.store.rpc import RpcClient
 from kvconnect.testing.peer import pattern
 from kvconnect.transfer import TransferConfig
-from tests.support.dealer import RawDealer
+from kvconnect.transfer.protocol import wire
+from tests.support.master_wire import hostile_hello, read_until_closed
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -49,9 +53,15 @@ def _nested(depth: int) -> bytes:
     return b"\x91" * depth + b"\xc0"
 
 
-def test_hostile_messages_cost_only_themselves(cluster: Cluster, raw_dealer: RawDealer) -> None:
+def _raw(endpoint: str) -> ClientChannel:
+    """A channel with the cluster token that sends whatever bytes a test gives it."""
     token = cluster_token(None, "", False)
-    raw = raw_dealer(cluster.master_endpoint, token, "master")
+    return ClientChannel.connect(endpoint, token, time.monotonic() + 5, 1 << 30)
+
+
+def test_hostile_messages_cost_only_themselves(cluster: Cluster) -> None:
+    raw = _raw(cluster.master_endpoint)
+    deadline = time.monotonic() + 30
     client = _client(cluster.master_endpoint)
     try:
         assert client.batch_put_from(
@@ -60,48 +70,56 @@ def test_hostile_messages_cost_only_themselves(cluster: Cluster, raw_dealer: Raw
         dropped = cluster.stats().dropped
         # ~100 KB of nesting (RecursionError in the decoder), a header with a nested body, and
         # junk: each is dropped, and the master answers the next real request.
-        raw.send(_nested(100_000))
-        raw.send(b"\x93\x01\x07" + _nested(100_000))
-        raw.send(b"\xc1" * 64)
+        raw.send(_nested(100_000), deadline)
+        raw.send(b"\x93\x01\x07" + _nested(100_000), deadline)
+        raw.send(b"\xc1" * 64, deadline)
         wait_for(lambda: cluster.stats().dropped >= dropped + 3, "hostile messages not counted")
         assert cluster.master.proc is not None
         assert cluster.master.proc.poll() is None
         assert client.get("kept") == pattern(1, 4096).tobytes()
         # Over the cap (1 MiB here): the sender is disconnected, everyone else is served.
-        raw.send(b"\x00" * (2 * MiB))
+        with contextlib.suppress(OSError):  # the master may cut it off mid-frame
+            raw.send(b"\x00" * (2 * MiB), deadline)
+        with pytest.raises(ConnectionError):
+            raw.receive(deadline)  # the connection ends, no answer
         assert client.batch_exists(["kept", "absent"]) == [True, False]
         assert client.stats().dropped >= dropped + 3
     finally:
+        raw.close()
         client.close()
 
 
-def test_the_master_refuses_every_rpc_without_the_token(
-    cluster: Cluster, raw_dealer: RawDealer
-) -> None:
+def test_the_master_refuses_every_rpc_without_the_token(cluster: Cluster) -> None:
     refused = cluster.stats().refused
     client = _client(cluster.master_endpoint)
     store = cluster.stats().segments[0].name
-    attackers: list[zmq.Socket[bytes]] = []
     try:
         region = client.register(bytearray(pattern(2, 64 * 1024).tobytes()))
         keys = [f"victim-{i}" for i in range(16)]
         assert client.batch_put_from(keys, region, [0] * 16, [4096] * 16).ok() == [True] * 16
-        # Without the token (plain, or a wrong one) a Mount under the live segment's name, a
+        # Without the token (plain, or a wrong proof) a Mount under the live segment's name, a
         # forced remove and a topology listing never reach the master.
         spec = m.SegmentSpec(store, "attacker:1", 1, 1 << 20, "attacker-host")
-        hostile: list[m.Request] = [
-            m.Mount("attacker", "mount-1", spec, [], False),
-            m.Remove(keys, True),
-            m.Stats(),
-        ]
-        for token in (None, "not-the-cluster-token"):
-            sock = raw_dealer(cluster.master_endpoint, token, "master")
-            attackers.append(sock)
-            for request in hostile:
-                sock.send(msgspec.msgpack.encode(m.Envelope(m.PROTOCOL_VERSION, 1, request)))
+        hostile = b"".join(
+            ch.LENGTH.pack(len(body)) + body
+            for body in (
+                msgspec.msgpack.encode(m.Envelope(m.PROTOCOL_VERSION, 1, request))
+                for request in (
+                    m.Mount("attacker", "mount-1", spec, [], False),
+                    m.Remove(keys, True),
+                    m.Stats(),
+                )
+            )
+        )
+        plain = hostile_hello(cluster.master_endpoint, flags=0)
+        plain.sendall(hostile)  # as if the handshake were done
+        wrong = hostile_hello(cluster.master_endpoint, flags=wire.FLAG_TOKEN)
+        wrong.sendall(b"\x00" * wire.MAC_LEN + hostile)  # a made-up proof
+        # Each gets the master's HELLO (and the wrong proof a refusal), then the connection
+        # ends: no reply to any request.
+        assert len(read_until_closed(plain, 10)) == wire.SERVER_HELLO.size
+        assert read_until_closed(wrong, 10)[wire.SERVER_HELLO.size :] == b"\x01"
         wait_for(lambda: cluster.stats().refused >= refused + 2, "refusals not counted")
-        for sock in attackers:
-            assert not sock.poll(200), "an unauthenticated socket got a reply"
         view = bytearray(16 * 4096)
         result = client.batch_get_into(
             keys, client.register(view), [i * 4096 for i in range(16)], [4096] * 16
@@ -111,10 +129,10 @@ def test_the_master_refuses_every_rpc_without_the_token(
         stats = cluster.stats()
         assert [s.name for s in stats.segments] == [store]
         assert stats.keys >= 16
-        wrong = RpcClient(cluster.master_endpoint, 0.5, token="not-the-cluster-token")
+        guess = RpcClient(cluster.master_endpoint, 0.5, token="not-the-cluster-token")
         with pytest.raises(MasterUnavailable, match="cluster token"):
-            wrong.call(m.Stats())
-        wrong.close()
+            guess.call(m.Stats())
+        guess.close()
     finally:
         client.close()
 

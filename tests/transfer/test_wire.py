@@ -41,7 +41,7 @@ def _pair(
 
     def client() -> bytes:
         try:
-            return wire.client_handshake(left, client_token, wire.deadline_after(5))
+            return wire.client_handshake(left, client_token, wire.deadline_after(5)).peer_id
         finally:
             left.close()
             thread.join()

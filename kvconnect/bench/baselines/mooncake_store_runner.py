@@ -34,6 +34,10 @@ JSON line each (``{"error": "..."}`` if a command fails):
   by each other; only metadata is of interest). Data ops are refused until ``remove_all``.
 * ``{"op": "batch_exists_latency", "batch": B, "count": N}``: ``batch_is_exist`` of B random
   filled keys, per-call seconds.
+* ``{"op": "throughput", "kind": "batch_exists"|"put", "processes": P, "seconds": S,
+  "batch": B}``: P loader processes (this script, ``--role loader``), each its own client of
+  the master, call ``batch_is_exist`` on B stored keys or ``put`` 64-byte values as fast as
+  they can for S seconds, all at once; ``{"calls": total}`` (the master's throughput).
 * ``{"op": "offload", "size": S, "count": N, "wait": W}`` (``same-host --offload DIR``: the
   master with ``--enable_offload --offload_on_evict``, the real client with
   ``--enable_offload`` and ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH=DIR``, bucket backend): N puts
@@ -464,6 +468,11 @@ class Bench:
             )
         if op == "batch_exists_latency":
             return {"seconds": self._fill_exists(int(cmd.get("batch", 128)), int(cmd["count"]))}
+        if op == "throughput":
+            kind, processes = str(cmd["kind"]), int(cmd["processes"])
+            return self._throughput(
+                prefix, kind, processes, float(cmd["seconds"]), int(cmd["batch"])
+            )
         if op == "offload":
             return self._offload(prefix, int(cmd["size"]), int(cmd["count"]), float(cmd["wait"]))
         raise OpError(f"unknown op {op!r}")
@@ -553,6 +562,33 @@ class Bench:
                 seconds.append(time.perf_counter() - start)
                 self._check(all(f == 1 for f in flags), f"batch_is_exist returned {_bad(flags)}")
         return seconds
+
+    def _throughput(
+        self, prefix: str, kind: str, processes: int, seconds: float, batch: int
+    ) -> dict[str, Any]:
+        if kind not in ("batch_exists", "put"):
+            raise OpError(f"unknown throughput kind {kind!r}")
+        for key in _load_keys(prefix, batch):
+            rc = self.store.put(key, b"x" * 64)
+            self._check(rc == 0, f"put returned {rc}")
+        loaders = []
+        try:
+            for n in range(processes):
+                argv = [sys.executable, os.path.abspath(__file__), "--role", "loader"]
+                argv += ["--master", self.master.address, "--metadata", self.master.metadata]
+                argv += ["--kind", kind, "--batch", str(batch), "--name", f"{prefix}:{n}"]
+                loaders.append(Child(argv, _log(self.args, f"loader{n}"), pipe=True))
+            for loader in loaders:
+                loader.reply()  # set up and waiting
+            for loader in loaders:  # all start together
+                assert loader.proc.stdin is not None
+                loader.proc.stdin.write(json.dumps({"seconds": seconds}) + "\n")
+                loader.proc.stdin.flush()
+            return {"calls": sum(int(loader.reply()["calls"]) for loader in loaders)}
+        finally:
+            for loader in loaders:
+                loader.stop()
+            self.store.remove_all()
 
     def _warm(self, prefix: str, fraction: float) -> dict[str, Any]:
         """Write ``fraction`` of the store server's segment once, then ``remove_all``."""
@@ -711,6 +747,38 @@ def _bench(args: argparse.Namespace) -> None:
             print(json.dumps(reply), flush=True)
 
 
+def _load_keys(prefix: str, batch: int) -> list[str]:
+    return [f"{prefix}-load-{j}" for j in range(batch)]
+
+
+def _loader(args: argparse.Namespace) -> None:
+    """One client of the throughput op: set up, wait for ``{"seconds": S}``, call as fast as
+    it can for S seconds, print ``{"calls": n}``."""
+    store = Store()
+    store.setup(args.metadata, args.master, 0, 16 * MIB)
+    try:
+        print(json.dumps({"ready": True}), flush=True)
+        seconds = float(json.loads(sys.stdin.readline())["seconds"])
+        prefix = args.name.rpartition(":")[0]
+        keys = _load_keys(prefix, args.batch)
+        value = b"y" * 64
+        calls = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if args.kind == "batch_exists":
+                flags = store.batch_is_exist(keys)
+                if not all(f == 1 for f in flags):
+                    raise OpError(f"batch_is_exist returned {_bad(flags)}")
+            else:
+                rc = store.put(f"{args.name}-{calls}", value)
+                if rc != 0:
+                    raise OpError(f"put returned {rc}")
+            calls += 1
+        print(json.dumps({"calls": calls}), flush=True)
+    finally:
+        store.close()
+
+
 def _servers(args: argparse.Namespace) -> None:
     """A master and ``--holders`` store server processes, until EOF on stdin."""
     with contextlib.ExitStack() as stack:
@@ -744,7 +812,8 @@ def _exit_now(signum: int, frame: object) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--role", choices=["bench", "holder", "servers"], default="bench")
+    roles = ["bench", "holder", "servers", "loader"]
+    parser.add_argument("--role", choices=roles, default="bench")
     parser.add_argument("--mode", choices=["tcp", "same-host", "embedded"], default="tcp")
     parser.add_argument("--segment", type=int, default=4 * GIB, help="store server bytes")
     parser.add_argument("--buffer", type=int, default=256 * MIB, help="registered client buffer")
@@ -760,9 +829,12 @@ def main() -> None:
     parser.add_argument("--master", help=argparse.SUPPRESS)
     parser.add_argument("--metadata", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
+    parser.add_argument("--kind", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=128, help=argparse.SUPPRESS)
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _exit_now if args.role == "holder" else _on_sigterm)
-    {"holder": _holder, "servers": _servers, "bench": _bench}[args.role](args)
+    roles_main = {"holder": _holder, "servers": _servers, "bench": _bench, "loader": _loader}
+    roles_main[args.role](args)
 
 
 if __name__ == "__main__":

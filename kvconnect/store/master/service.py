@@ -81,7 +81,7 @@ class MasterService:
 
     @property
     def endpoint(self) -> str:
-        """The bound zmq endpoint (after start)."""
+        """The bound ``tcp://`` endpoint (after start)."""
         return self._server.endpoint
 
     @property

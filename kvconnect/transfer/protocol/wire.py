@@ -27,6 +27,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Final
 
 import msgspec
@@ -235,23 +236,42 @@ def recv_exact(sock: socket.socket, size: int, deadline: float | None = None) ->
 # --------------------------------------------------------------------------------- handshake
 
 
-def _mac(token: str, label: bytes, first: bytes, second: bytes) -> bytes:
+def token_mac(token: str, label: bytes, first: bytes, second: bytes) -> bytes:
+    """HMAC-SHA256 keyed by the token over ``label | first | second`` (proofs, session keys)."""
     return hmac.new(token.encode(), label + first + second, hashlib.sha256).digest()
 
 
-def client_handshake(sock: socket.socket, token: str | None, deadline: float) -> bytes:
+@dataclass(frozen=True, slots=True)
+class Handshake:
+    """What a finished client handshake learned: the server's id and both nonces (from which
+    a caller may derive session keys)."""
+
+    peer_id: bytes
+    client_nonce: bytes
+    server_nonce: bytes
+
+
+def client_handshake(
+    sock: socket.socket,
+    token: str | None,
+    deadline: float,
+    *,
+    magic: bytes = MAGIC,
+    version: int = PROTOCOL_VERSION,
+) -> Handshake:
     """Run the client side of the handshake, all of it by ``deadline`` (``time.monotonic()``;
-    TimeoutError after it); returns the server's 16-byte engine id."""
+    TimeoutError after it). ``magic``/``version`` name the protocol spoken after it (another
+    server, e.g. the store master's, uses this handshake with its own)."""
     nonce = os.urandom(NONCE_LEN)
     until(sock, deadline)
-    sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, FLAG_TOKEN if token else 0, nonce))
-    magic, version, flags, server_nonce, engine_id = SERVER_HELLO.unpack(
+    sock.sendall(HELLO.pack(magic, version, FLAG_TOKEN if token else 0, nonce))
+    their_magic, their_version, flags, server_nonce, peer_id = SERVER_HELLO.unpack(
         recv_exact(sock, SERVER_HELLO.size, deadline)
     )
-    if magic != MAGIC:
-        raise ProtocolError("peer is not a kvconnect listener")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"peer speaks protocol {version}, this engine {PROTOCOL_VERSION}")
+    if their_magic != magic:
+        raise ProtocolError(f"peer is not a kvconnect listener (no {magic.decode()} greeting)")
+    if their_version != version:
+        raise ProtocolError(f"peer speaks protocol {their_version}, this client {version}")
     wants_token = bool(flags & FLAG_TOKEN)
     if wants_token and not token:
         raise AuthenticationError("peer requires a cluster token and none is configured")
@@ -259,14 +279,14 @@ def client_handshake(sock: socket.socket, token: str | None, deadline: float) ->
         raise AuthenticationError("a cluster token is configured but the peer does not use one")
     if token:
         until(sock, deadline)
-        sock.sendall(_mac(token, b"client", server_nonce, nonce))
+        sock.sendall(token_mac(token, b"client", server_nonce, nonce))
         reply = recv_exact(sock, 1, deadline)
         if reply != b"\x00":
             raise AuthenticationError("peer rejected our cluster token")
         proof = recv_exact(sock, MAC_LEN, deadline)
-        if not hmac.compare_digest(proof, _mac(token, b"server", nonce, server_nonce)):
+        if not hmac.compare_digest(proof, token_mac(token, b"server", nonce, server_nonce)):
             raise AuthenticationError("peer failed to prove the cluster token")
-    return bytes(engine_id)
+    return Handshake(bytes(peer_id), nonce, bytes(server_nonce))
 
 
 def server_handshake(
@@ -287,10 +307,10 @@ def server_handshake(
     if token:
         proof = recv_exact(sock, MAC_LEN, deadline)
         until(sock, deadline)
-        if not hmac.compare_digest(proof, _mac(token, b"client", nonce, client_nonce)):
+        if not hmac.compare_digest(proof, token_mac(token, b"client", nonce, client_nonce)):
             sock.sendall(b"\x01")
             raise AuthenticationError("client failed to prove the cluster token")
-        sock.sendall(b"\x00" + _mac(token, b"server", client_nonce, nonce))
+        sock.sendall(b"\x00" + token_mac(token, b"server", client_nonce, nonce))
 
 
 # ------------------------------------------------------------------------------ connections
@@ -341,7 +361,7 @@ def open_connection(
         if sock.family == socket.AF_UNIX:
             until(sock, deadline)
             sock.connect(address)
-        engine_id = client_handshake(sock, token, deadline)
+        engine_id = client_handshake(sock, token, deadline).peer_id
         sock.settimeout(timeout)
     except OSError as exc:
         sock.close()
