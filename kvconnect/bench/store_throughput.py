@@ -104,9 +104,11 @@ def throughput_phase(
 ) -> dict[str, Any]:
     """Calls/s per kind and system: median and (min, max) over ``rounds`` rounds."""
     ours = _Kvconnect()
-    theirs = MooncakeStoreBaseline(mooncake, "tcp", SEGMENT, 64 << 20) if mooncake else None
+    theirs: MooncakeStoreBaseline | None = None
     samples: dict[str, dict[str, list[float]]] = {kind: {} for kind in KINDS}
     try:
+        if mooncake is not None:
+            theirs = MooncakeStoreBaseline(mooncake, "tcp", SEGMENT, 64 << 20)
         for kind in KINDS:
             for n in range(rounds):
                 order = ["kvconnect", "mooncake"] if n % 2 == 0 else ["mooncake", "kvconnect"]

@@ -262,7 +262,7 @@ class ClientChannel:
         buffer = self._buffer
         while len(buffer) < size:
             wire.until(self._sock, deadline)
-            chunk = self._sock.recv(max(size - len(buffer), 1 << 16))
+            chunk = self._sock.recv(min(max(size - len(buffer), 1 << 16), 1 << 22))
             if not chunk:
                 raise ConnectionResetError("the master closed the connection")
             buffer += chunk
