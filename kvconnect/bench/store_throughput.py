@@ -113,15 +113,16 @@ def throughput_phase(
             for n in range(rounds):
                 order = ["kvconnect", "mooncake"] if n % 2 == 0 else ["mooncake", "kvconnect"]
                 for name in order:
+                    if name == "mooncake" and (theirs is None or kind == "put_rpcs"):
+                        continue
                     print(f"[throughput] {name} {kind} round {n + 1}/{rounds}", file=sys.stderr)
                     if name == "kvconnect":
                         calls = ours.run(kind, processes, seconds)
-                    elif theirs is not None and kind != "put_rpcs":
+                    else:
+                        assert theirs is not None
                         request = {"op": "throughput", "kind": kind, "processes": processes}
                         request.update(seconds=seconds, batch=BATCH)
                         calls = int(theirs.call(request)["calls"])
-                    else:
-                        continue
                     samples[kind].setdefault(name, []).append(calls / seconds)
     finally:
         ours.close()
