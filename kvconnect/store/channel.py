@@ -22,6 +22,7 @@ import os
 import select
 import socket
 import struct
+import time
 from typing import Final
 
 from cryptography.exceptions import InvalidTag
@@ -136,15 +137,10 @@ class ServerSession:
         """Queue ``message`` (the connection must be open)."""
         self._output += frame(self._seals[1], message)
 
-    def take_output(self) -> bytes:
+    def take_output(self) -> bytearray:
         """Bytes to write, in order; each is returned once."""
-        out, self._output = bytes(self._output), bytearray()
+        out, self._output = self._output, bytearray()
         return out
-
-    @property
-    def pending_output(self) -> int:
-        """Bytes queued and not taken yet."""
-        return len(self._output)
 
     def _hello(self) -> None:
         if len(self._inbox) < wire.HELLO.size:
@@ -224,7 +220,7 @@ class ClientChannel:
         """Connect and handshake by ``deadline``. OSError when nothing accepts,
         AuthenticationError/ProtocolError when the server is not one this client can talk to."""
         address = parse_endpoint(endpoint)
-        timeout = deadline - wire.deadline_after(0)
+        timeout = deadline - time.monotonic()
         if timeout <= 0:
             raise TimeoutError("deadline passed")
         sock = socket.create_connection(address, timeout=timeout)

@@ -138,8 +138,11 @@ class RpcServer:
                 for key, events in self._selector.select(timeout):
                     if key.fileobj is self._listener:
                         self._accept()
-                    else:
-                        self._io(self._connections[key.fileobj], events)  # type: ignore[index]
+                        continue
+                    # None: closed earlier in this round (e.g. crowded out by an accept)
+                    conn = self._connections.get(key.fileobj)  # type: ignore[call-overload]
+                    if conn is not None:
+                        self._io(conn, events)
                 self._answer_round()
                 self._expire_handshakes()
                 self._resume_accepting()
@@ -201,6 +204,8 @@ class RpcServer:
     def _io(self, conn: _Connection, events: int) -> None:
         if events & selectors.EVENT_WRITE:
             self._flush(conn)
+            if conn.sock not in self._connections:
+                return
         readable = events & selectors.EVENT_READ
         if readable and not conn.inbox and len(conn.output) < _OUTPUT_HIGH:
             self._read(conn)
@@ -240,8 +245,6 @@ class RpcServer:
             self._ready.append(conn)
 
     def _flush(self, conn: _Connection) -> None:
-        if conn.sock.fileno() < 0:
-            return
         try:
             sent = conn.sock.send(conn.output)
         except (BlockingIOError, InterruptedError):
