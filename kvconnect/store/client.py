@@ -131,8 +131,9 @@ class StoreClient(Lifecycle):
         return self._breaker
 
     def register(self, buffer: object) -> MemoryRegion:
-        """Register memory for zero-copy ``batch_put_from``/``batch_get_into`` (host or GPU)."""
-        return self.engine.register(buffer)
+        """Register memory for zero-copy ``batch_put_from``/``batch_get_into`` (host or GPU);
+        private to this client: store servers never address it."""
+        return self.engine.register(buffer, private=True)
 
     # --------------------------------------------------------------------------------- keys
 
@@ -557,7 +558,7 @@ class StoreClient(Lifecycle):
         """Run ``use`` on ``buffer`` registered for the call; the registration (which keeps
         ``buffer`` alive) ends once no transfer touches it, which for an UNSETTLED key is
         later, on a transport thread."""
-        region = self.engine.register(buffer)
+        region = self.engine.register(buffer, private=True)
         try:
             result = use(region)
         except BaseException:

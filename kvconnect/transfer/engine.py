@@ -269,22 +269,28 @@ class TransferEngine(Lifecycle):
             regions=tuple(
                 RegionInfo(r.id, r.length, r.kind.value, r.writable, r.shareable)
                 for r in self._registry.regions()
+                if not r.private
             ),
         )
 
     # ------------------------------------------------------------------------------- memory
 
-    def register(self, buffer: object, *, writable: bool | None = None) -> MemoryRegion:
+    def register(
+        self, buffer: object, *, writable: bool | None = None, private: bool = False
+    ) -> MemoryRegion:
         """Register memory for transfers and publish it in the segment.
 
         ``buffer``: any C-contiguous buffer-protocol object (numpy, bytearray, mmap), a torch
         CPU tensor, or CUDA memory exposing ``__cuda_array_interface__`` (torch, cupy). The
         region keeps ``buffer`` alive until unregistered. ``writable=False`` refuses remote
-        WRITEs into it. Raises RegistrationError.
+        WRITEs into it. ``private`` regions are only the local side of this engine's requests:
+        not published (registering one costs no descriptor update, e.g. no etcd write) and
+        refused to peers. Raises RegistrationError.
         """
         self._require_open()
-        region = self._registry.register(buffer, writable=writable)
-        self._republish()
+        region = self._registry.register(buffer, writable=writable, private=private)
+        if not private:
+            self._republish()
         return region
 
     def allocate(
@@ -325,7 +331,8 @@ class TransferEngine(Lifecycle):
     def unregister(self, region: MemoryRegion) -> None:
         """Withdraw ``region``. RegionBusy while transfers use it; peers are refused after."""
         self._registry.unregister(region)
-        self._republish()
+        if not region.private:
+            self._republish()
 
     def fence(self, region: MemoryRegion) -> MemoryRegion:
         """Cut off every peer that addressed ``region``: it is published again under a new id

@@ -79,6 +79,7 @@ class MemoryRegion:
         "id",
         "kind",
         "length",
+        "private",
         "writable",
     )
 
@@ -95,6 +96,7 @@ class MemoryRegion:
         keepalive: object = None,
         shared: _SharedMemory | None = None,
         source: FileSource | None = None,
+        private: bool = False,
     ) -> None:
         self.id = region_id
         self.kind = kind
@@ -106,6 +108,8 @@ class MemoryRegion:
         self._keepalive = keepalive
         self._shared = shared
         self._source = source
+        self.private = private
+        """Local side of this engine's requests only: never published, peers are refused."""
 
     @property
     def view(self) -> memoryview:
@@ -167,9 +171,12 @@ class MemoryRegistry:
         """Called (outside the lock) for each region that stops being registered under its id:
         unregistered, fenced or closed. The RDMA transport deregisters its MRs there."""
 
-    def register(self, buffer: object, *, writable: bool | None = None) -> MemoryRegion:
+    def register(
+        self, buffer: object, *, writable: bool | None = None, private: bool = False
+    ) -> MemoryRegion:
         """Register ``buffer`` (buffer protocol, torch CPU tensor, or CUDA array interface)."""
         region = _describe(buffer, self._take_id(), writable)
+        region.private = private
         with self._lock:
             self._regions[region.id] = region
             self._users[region.id] = 0
@@ -249,6 +256,7 @@ class MemoryRegistry:
             keepalive=region._keepalive,
             shared=region._shared,
             source=region._source,
+            private=region.private,
         )
         with self._lock:
             if self._regions.get(region.id) is not region:
@@ -283,7 +291,8 @@ class MemoryRegistry:
     def acquire(
         self, region_id: int, offset: int, length: int, *, write: bool
     ) -> tuple[Access, MemoryRegion | None]:
-        """Check an access and, when allowed, count a user until :meth:`release`."""
+        """Check a peer's access (private regions are unknown to peers) and, when allowed,
+        count a user until :meth:`release`."""
         access, regions = self.acquire_many((region_id, offset, length), write=write)
         return access, regions[0] if regions else None
 
@@ -296,7 +305,7 @@ class MemoryRegistry:
             for i in range(0, len(flat), 3):
                 region_id, offset, length = flat[i], flat[i + 1], flat[i + 2]
                 region = self._regions.get(region_id)
-                if region is None:
+                if region is None or region.private:
                     access = Access.UNKNOWN_REGION
                 elif offset < 0 or length <= 0 or offset + length > region.length:
                     access = Access.OUT_OF_BOUNDS

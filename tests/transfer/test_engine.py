@@ -78,6 +78,25 @@ def test_descriptor_lists_endpoints_and_regions(engine: TransferEngine) -> None:
     assert [r.id for r in engine.segment.regions] == [shared.id]
 
 
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+def test_a_private_region_is_local_only(transport: str) -> None:
+    config = TransferConfig(transport=transport, metadata="embedded")
+    with TransferEngine(config) as owner, TransferEngine(config) as engine:
+        served = owner.register(bytearray(pattern(3, 8192).tobytes()))
+        hidden = owner.register(bytearray(8192), private=True)
+        local = engine.register(bytearray(8192), private=True)
+        assert [r.id for r in owner.segment.regions] == [served.id]
+        assert [r.id for r in engine.segment.regions] == []
+        engine.read(local, 0, owner.name, served.id, 0, 8192)  # the local side of a READ
+        assert local.view == pattern(3, 8192).data
+        for op in (TransferOp.READ, TransferOp.WRITE):
+            batch = engine.submit(op, [TransferRequest(local, 0, owner.name, hidden.id, 0, 64)])
+            assert batch.wait(timeout=10) == (TransferStatus.FAILED,)
+            assert isinstance(batch.errors[0], AccessDenied)
+        assert hidden.view == bytes(8192)
+        engine.unregister(local)
+
+
 def test_listener_binds_only_the_configured_interface(engine: TransferEngine) -> None:
     other = _primary_address()
     if other is None:

@@ -74,6 +74,28 @@ def test_a_read_frame_is_answered_with_exact_bytes_and_counted(
     assert (stats.frames, stats.bytes_served, stats.protocol_errors) == (2, 1000, 0)
 
 
+def test_a_private_region_is_unknown_to_peers(
+    served: tuple[Listener, MemoryRegion, str],
+) -> None:
+    listener, region, token = served
+    private = listener._registry.register(bytearray(b"\x05" * 4096), private=True)
+    sock, _ = wire.open_connection(listener.endpoints["tcp"], token, 5)
+    with sock:
+        sock.sendall(_read_frame(private.id, 0, 10, 1))
+        assert wire.HEADER.unpack(wire.recv_exact(sock, wire.HEADER.size))[1] == (
+            Status.UNKNOWN_REGION
+        )
+        header = wire.HEADER.pack(FrameKind.WRITE, 0, 1, 0, 2)
+        sock.sendall(header + struct.pack("<QQQ", private.id, 0, 4) + b"\xff" * 4)
+        assert wire.HEADER.unpack(wire.recv_exact(sock, wire.HEADER.size))[1] == (
+            Status.UNKNOWN_REGION
+        )
+        sock.sendall(_read_frame(region.id, 0, 10, 3))  # the connection goes on
+        assert wire.HEADER.unpack(wire.recv_exact(sock, wire.HEADER.size))[1] == Status.OK
+        assert wire.recv_exact(sock, 10) == pattern(4, SIZE).data[:10]
+    assert private.view == b"\x05" * 4096
+
+
 def test_an_oversized_frame_closes_only_that_connection(
     served: tuple[Listener, MemoryRegion, str],
 ) -> None:
