@@ -16,6 +16,7 @@ from kvconnect.testing.peer import pattern
 from kvconnect.transfer import (
     MemoryRegion,
     SegmentDescriptor,
+    TransferConfig,
     TransferEngine,
     TransferOp,
     TransferStatus,
@@ -143,3 +144,37 @@ def test_close_ends_a_handshake_with_a_peer_that_accepted_but_never_answers(
         senders = [t for t in threading.enumerate() if t.name.startswith("kvconnect-tcp-send")]
         assert senders == []
         assert batch.wait(10) != (TransferStatus.COMPLETED,)
+
+
+def test_small_requests_from_many_threads_are_byte_exact() -> None:
+    """Submitting threads send small frames themselves on idle connections, racing the sender
+    threads for the same sockets: every byte still lands where it belongs."""
+    threads, rounds, size = 8, 60, 4096
+    config = TransferConfig(transport="tcp")
+    with TransferEngine(config) as owner, TransferEngine(config) as engine:
+        remote = owner.register(np.zeros(MiB, dtype=np.uint8))
+        remote.view[:] = pattern(7, MiB).data
+        local = engine.register(np.zeros(MiB, dtype=np.uint8))
+        errors: list[str] = []
+
+        def work(t: int) -> None:
+            base = t * (MiB // threads)
+            for i in range(rounds):
+                at = base + (i % 16) * size
+                fresh = pattern(100 * t + i, size).data
+                local.view[at : at + size] = fresh
+                engine.write(local, at, owner.name, remote.id, at, size)
+                local.view[at : at + size] = bytes(size)
+                engine.read(local, at, owner.name, remote.id, at, size)
+                if local.view[at : at + size] != fresh or remote.view[at : at + size] != fresh:
+                    errors.append(f"thread {t} round {i}")
+
+        workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        assert errors == []
+        stats = engine.stats().transports["tcp"]
+        assert (stats.ops, stats.errors) == (2 * threads * rounds, 0)
+        assert stats.bytes_read == stats.bytes_written == threads * rounds * size

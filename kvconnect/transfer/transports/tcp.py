@@ -4,7 +4,10 @@ Per peer engine a *channel* holds a queue of frames and ``tcp_streams`` streams.
 a sender thread (takes the next frame, sends header + payload with one vectored send from the
 registered memory) and, per connection, a receiver thread (reads responses in order, a READ's
 payload straight into registered memory with ``recv_into``). Up to ``stream_window`` frames are
-in flight per stream.
+in flight per stream. A small frame submitted while a stream's connection is idle is sent by the
+submitting thread itself, which saves the hand-off to the sender thread (most of a small
+request's latency): an idle connection's send buffer is empty (the peer answered everything it
+was sent), so a send of at most ``_DIRECT_BYTES`` fits in it and cannot block.
 
 Failures: a broken connection requeues its in-flight frames for the other streams (at most
 ``max_retries`` times per frame) and reconnects; a peer that refuses connections or turned out
@@ -46,6 +49,7 @@ from kvconnect.transfer.batch import (
 from kvconnect.transfer.config import TransferConfig
 from kvconnect.transfer.datapath.iov import DataPath
 from kvconnect.transfer.datapath.staging import StagingPool, Window, close_all, host_views
+from kvconnect.transfer.memory import MemoryKind
 from kvconnect.transfer.protocol import wire
 from kvconnect.transfer.protocol.wire import FrameKind, Status
 from kvconnect.transfer.segment import SegmentDescriptor
@@ -57,6 +61,7 @@ log = logging.getLogger(__name__)
 
 _ACCESS_STATUSES = {Status.UNKNOWN_REGION, Status.OUT_OF_BOUNDS, Status.READ_ONLY}
 _SCRATCH = memoryview(bytearray(1 << 20))  # sink for bytes of requests that already ended
+_DIRECT_BYTES = 64 << 10  # WRITE payloads the submitting thread may send itself (see above)
 
 
 @dataclass(slots=True, eq=False)
@@ -121,6 +126,8 @@ class TcpTransport:
             if channel is None:
                 fail_frames(frames, ClosedError("engine closed"))
                 return
+            if len(frames) == 1 and _direct(frames[0]) and channel.send_now(frames[0]):
+                return
             if channel.enqueue(frames):
                 return
             # The channel retired for idleness just now: a fresh one takes the frames.
@@ -157,6 +164,14 @@ class TcpTransport:
         with self._lock:
             if self._channels.get(channel.peer.engine_id) is channel:
                 del self._channels[channel.peer.engine_id]
+
+
+def _direct(frame: Frame) -> bool:
+    """Whether the submitting thread may send ``frame`` itself: a READ (its request is only
+    entries) or a small WRITE, of host memory only (device memory would need staging)."""
+    if any(piece.local.kind is not MemoryKind.HOST for piece in frame.slices):
+        return False
+    return frame.op is TransferOp.READ or sum(p.length for p in frame.slices) <= _DIRECT_BYTES
 
 
 def fail_frames(frames: Sequence[Frame], error: KVConnectError) -> None:
@@ -220,6 +235,23 @@ class _Channel:
             self._busy += 1
             self._last_active = time.monotonic()
             return self._queue.popleft()
+
+    def send_now(self, frame: Frame) -> bool:
+        """Send ``frame`` on this thread if nothing is queued and a stream's connection is
+        idle; False (frame untouched) otherwise. Counted busy meanwhile, like a frame a sender
+        took, so the channel cannot retire under it."""
+        with self._cond:
+            if self._error is not None or self._queue:
+                return False
+            idle = [conn for conn in (s.connection() for s in self._streams) if conn is not None]
+            if not idle:
+                return False
+            self._busy += 1
+            self._last_active = time.monotonic()
+        try:
+            return any(conn.try_send(frame) for conn in idle)
+        finally:
+            self.handed_over()
 
     def handed_over(self) -> None:
         """A frame from :meth:`take` is now sent (or requeued or failed)."""
@@ -329,6 +361,11 @@ class _Stream:
         conn = self._conn
         return conn is None or conn.quiet()
 
+    def connection(self) -> _Connection | None:
+        """The open connection if it has no frame in flight (a candidate to send at once)."""
+        conn = self._conn
+        return conn if conn is not None and not conn.broken and conn.quiet() else None
+
     def _run(self) -> None:
         try:
             while True:
@@ -397,6 +434,9 @@ class _Connection:
         self.sock = sock
         self.broken = False
         self._cond = threading.Condition()
+        # Held while a frame goes out: the sender thread and a submitting thread (try_send)
+        # must not interleave bytes, and responses are matched in send order.
+        self._sending = threading.Lock()
         self._inflight: deque[Frame] = deque()
         self._receiver = threading.Thread(
             target=self._receive_loop, name="kvconnect-tcp-recv", daemon=True
@@ -426,13 +466,32 @@ class _Connection:
 
     def send(self, frame: Frame) -> None:
         """Send ``frame`` (waits for window space). Failures requeue; never raises."""
-        with self._cond:
-            while len(self._inflight) >= self.channel.config.stream_window and not self.broken:
-                self._cond.wait()
-            broken = self.broken
-        if broken:
-            self.channel.requeue([frame], BrokenError("connection broke"))
-        elif frame.op is TransferOp.WRITE:
+        with self._sending:
+            with self._cond:
+                while len(self._inflight) >= self.channel.config.stream_window and not self.broken:
+                    self._cond.wait()
+                broken = self.broken
+            if broken:
+                self.channel.requeue([frame], BrokenError("connection broke"))
+            else:
+                self._send(frame)
+
+    def try_send(self, frame: Frame) -> bool:
+        """Send ``frame`` now if no other thread is sending and nothing is in flight; False
+        (frame untouched) otherwise. Failures requeue, as in :meth:`send`."""
+        if not self._sending.acquire(blocking=False):
+            return False
+        try:
+            with self._cond:
+                if self.broken or self._inflight:
+                    return False
+            self._send(frame)
+            return True
+        finally:
+            self._sending.release()
+
+    def _send(self, frame: Frame) -> None:
+        if frame.op is TransferOp.WRITE:
             self._send_write(frame)
         else:
             self._send_read(frame)
