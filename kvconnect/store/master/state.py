@@ -379,27 +379,42 @@ class MasterState:
         promotion (this read is served from disk).
         """
         objects = self.objects
-        disk = self.segments.disk
-        hits = self.counters
+        state, primary, offsets = objects.state, objects.segment, objects.offset
+        sizes, leases, access, extra = objects.size, objects.lease, objects.access, objects.extra
+        alive, disk, segments = self.segments.alive, self.segments.disk, self.segments.all
         lease = now + self.config.lease_ttl
-        results = []
+        promote_window = self.config.promote_window
+        missing = Replicas(Code.NOT_FOUND, 0, [])
+        reads = [0, 0]  # per tier (DRAM, disk): counted once per call
+        results: list[Replicas] = []
         for slot in objects.index.get_many(keys):  # a read drops no object: slots stay valid
-            if slot < 0 or objects.state[slot] != State.COMPLETE:
-                results.append(Replicas(Code.NOT_FOUND, 0, []))
+            if slot < 0 or state[slot] != State.COMPLETE:
+                results.append(missing)
                 continue
-            live = self._live(slot)
-            if not live:
-                results.append(Replicas(Code.NOT_FOUND, 0, []))
-                continue
-            objects.lease[slot] = lease
-            if len(live) > 1:
+            if slot in extra:
+                live = self._live(slot)
+                if not live:
+                    results.append(missing)
+                    continue
                 live.sort(key=self._read_order(host_id))
-            tier = disk[live[0].segment]
-            hits[tier].hits += 1
-            if tier and now - objects.access[slot] < self.config.promote_window:
-                self.mover.promote(slot, live[0])
-            objects.access[slot] = now
-            results.append(Replicas(Code.OK, objects.size[slot], self._locations(live)))
+                segment, offset = live[0]
+                locations = self._locations(live)
+            else:  # one replica, the common case: no lists of Replica to build
+                segment, offset = primary[slot], offsets[slot]
+                if not alive[segment]:
+                    results.append(missing)
+                    continue
+                spec = segments[segment].spec
+                locations = [Location(spec.engine_segment, spec.region, offset)]
+            leases[slot] = lease
+            tier = disk[segment]
+            reads[tier] += 1
+            if tier and now - access[slot] < promote_window:
+                self.mover.promote(slot, Replica(segment, offset))
+            access[slot] = now
+            results.append(Replicas(Code.OK, sizes[slot], locations))
+        for tier, count in enumerate(reads):
+            self.counters[tier].hits += count
         return results
 
     def _read_order(self, host_id: str) -> Callable[[Replica], tuple[int, bool]]:
