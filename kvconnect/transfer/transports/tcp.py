@@ -243,13 +243,13 @@ class _Channel:
         with self._cond:
             if self._error is not None or self._queue:
                 return False
-            idle = [conn for conn in (s.connection() for s in self._streams) if conn is not None]
-            if not idle:
+            open_ = [conn for conn in (s.connection() for s in self._streams) if conn is not None]
+            if not open_:
                 return False
             self._busy += 1
             self._last_active = time.monotonic()
         try:
-            return any(conn.try_send(frame) for conn in idle)
+            return any(conn.try_send(frame) for conn in open_)
         finally:
             self.handed_over()
 
@@ -362,9 +362,8 @@ class _Stream:
         return conn is None or conn.quiet()
 
     def connection(self) -> _Connection | None:
-        """The open connection if it has no frame in flight (a candidate to send at once)."""
-        conn = self._conn
-        return conn if conn is not None and not conn.broken and conn.quiet() else None
+        """The current connection, if any (:meth:`_Connection.try_send` checks it is idle)."""
+        return self._conn
 
     def _run(self) -> None:
         try:
