@@ -29,10 +29,12 @@ HOST_IP = "10.0.0.5"
 SCRIPT_TIMEOUT = 30.0
 
 # A recording stand-in: one file per call, the program's name and its argv, NUL-separated.
-# A program the script runs in the background (a store) stays up until the script kills it.
+# A program the script runs in the background (a store) stays up until the script kills it;
+# the kill may come at any moment, so a record appears whole (renamed) or not at all.
 _STUB = """#!/bin/sh
-record=$(mktemp "$STUB_CALLS/call.XXXXXX")
-printf '%s\\0' "$(basename "$0")" "$@" > "$record"
+part=$(mktemp "$STUB_CALLS/part.XXXXXX")
+printf '%s\\0' "$(basename "$0")" "$@" > "$part"
+mv "$part" "$STUB_CALLS/call.${part##*.}"
 if [ "$(basename "$0")" = kvconnect ]; then exec sleep 600; fi
 """
 _PROGRAMS = ("python", "python3", "sglang", "kvconnect")
@@ -143,7 +145,7 @@ def _sglang_command(example: Example, model: Path, tmp_path: Path) -> list[str]:
         capture_output=True,
     )
     launches = []
-    for record in calls.iterdir():
+    for record in calls.glob("call.*"):
         program, *argv = record.read_bytes().decode().split("\0")[:-1]
         if program.startswith("python") and argv[:2] == ["-m", "sglang.launch_server"]:
             launches.append(argv[2:])
