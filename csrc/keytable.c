@@ -11,6 +11,7 @@
  * get_many works in groups: hash every key and prefetch its bucket, then find each tag and
  * prefetch the slot's word, then prefetch the key bytes, then compare. The three cache misses
  * of a lookup at tens of millions of keys thus overlap across the group instead of adding up.
+ * live_many adds one more stage, the slot's state and segment columns (the master's exists).
  * The GIL stays held: the master is single-threaded and every call is short.
  */
 #define PY_SSIZE_T_CLEAN
@@ -354,6 +355,111 @@ static PyObject *keytable_get_many(KeyTable *t, PyObject *seq) {
     return result;
 }
 
+/* A C-contiguous buffer of `itemsize`-byte items of struct format `format`, or -1 with a
+ * TypeError. */
+static int column(PyObject *obj, Py_buffer *view, const char *format, Py_ssize_t itemsize,
+                  const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        return -1;
+    }
+    const char *have = view->format != NULL ? view->format : "B";
+    if (view->itemsize != itemsize || strcmp(have, format) != 0) {
+        PyErr_Format(PyExc_TypeError, "live_many: %s must hold '%s' items, not '%s'", name,
+                     format, have);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* Classify one group's slots (out[]) against the columns; prefetches every slot's state and
+ * segment before reading any, as lookup_group does for the index. */
+static int classify_group(const long *out, Py_ssize_t n, const Py_buffer *state, long wanted,
+                          const Py_buffer *segment, const Py_buffer *alive, PyObject **found) {
+    const int8_t *states = state->buf;
+    const int32_t *segments = segment->buf;
+    const unsigned char *up = alive->buf;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (out[k] >= 0 && out[k] < state->len && out[k] < segment->len / 4) {
+            __builtin_prefetch(&states[out[k]]);
+            __builtin_prefetch(&segments[out[k]]);
+        }
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        long slot = out[k];
+        if (slot < 0) {
+            found[k] = Py_False;
+            continue;
+        }
+        if (slot >= state->len || slot >= segment->len / 4) {
+            PyErr_SetString(PyExc_IndexError, "live_many: a slot beyond the columns");
+            return -1;
+        }
+        if (states[slot] != wanted) {
+            found[k] = Py_False;
+            continue;
+        }
+        int32_t at = segments[slot];
+        if (at < 0 || at >= alive->len) {
+            PyErr_SetString(PyExc_IndexError, "live_many: a segment beyond alive");
+            return -1;
+        }
+        found[k] = up[at] ? Py_True : Py_None;
+    }
+    return 0;
+}
+
+static PyObject *keytable_live_many(KeyTable *t, PyObject *args) {
+    PyObject *seq, *state_obj, *segment_obj, *alive_obj;
+    long wanted;
+    if (!PyArg_ParseTuple(args, "OOlOO", &seq, &state_obj, &wanted, &segment_obj, &alive_obj)) {
+        return NULL;
+    }
+    Py_buffer state, segment, alive;
+    if (column(state_obj, &state, "b", 1, "state") < 0) {
+        return NULL;
+    }
+    if (column(segment_obj, &segment, "i", 4, "segment") < 0) {
+        PyBuffer_Release(&state);
+        return NULL;
+    }
+    if (column(alive_obj, &alive, "B", 1, "alive") < 0) {
+        PyBuffer_Release(&segment);
+        PyBuffer_Release(&state);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    PyObject *fast = PySequence_Fast(seq, "keys must be a sequence");
+    if (fast == NULL) {
+        goto done;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **keys = PySequence_Fast_ITEMS(fast);
+    result = PyList_New(n);
+    if (result == NULL) {
+        goto done;
+    }
+    long out[GROUP];
+    PyObject *found[GROUP];
+    for (Py_ssize_t first = 0; first < n; first += GROUP) {
+        Py_ssize_t count = n - first < GROUP ? n - first : GROUP;
+        if (lookup_group(t, keys + first, count, out) < 0 ||
+            classify_group(out, count, &state, wanted, &segment, &alive, found) < 0) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        for (Py_ssize_t k = 0; k < count; k++) {
+            PyList_SET_ITEM(result, first + k, Py_NewRef(found[k]));
+        }
+    }
+done:
+    Py_XDECREF(fast);
+    PyBuffer_Release(&alive);
+    PyBuffer_Release(&segment);
+    PyBuffer_Release(&state);
+    return result;
+}
+
 static PyObject *keytable_add(KeyTable *t, PyObject *args) {
     PyObject *key;
     long long slot;
@@ -482,6 +588,9 @@ static PyMethodDef keytable_methods[] = {
     {"get", (PyCFunction)keytable_get, METH_O, "get(key) -> slot, or -1 if absent"},
     {"get_many", (PyCFunction)keytable_get_many, METH_O,
      "get_many(keys) -> [slot or -1], misses of the batch overlapped"},
+    {"live_many", (PyCFunction)keytable_live_many, METH_VARARGS,
+     "live_many(keys, state, wanted, segment, alive) -> [False if absent or state != wanted, "
+     "else True if alive[segment[slot]], else None]"},
     {"add", (PyCFunction)keytable_add, METH_VARARGS,
      "add(key, slot): index an absent key at a free slot (ValueError otherwise)"},
     {"remove", (PyCFunction)keytable_remove, METH_O, "remove(slot): forget the slot's key"},

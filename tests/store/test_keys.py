@@ -4,6 +4,7 @@ compaction, hostile keys (empty, 1 byte, MAX_KEY_BYTES, non-ASCII, equal hash ta
 from __future__ import annotations
 
 import itertools
+from array import array
 
 import pytest
 from hypothesis import given, settings
@@ -146,3 +147,48 @@ def test_keys_that_are_not_str_are_a_type_error_natively() -> None:
     with pytest.raises(TypeError):
         table.get_many(["ok", 5])  # type: ignore[list-item]
     assert table.get("\ud800") == -1  # a lone surrogate has no UTF-8: never a stored key
+
+
+@pytest.mark.parametrize("kind", KEY_TABLES)
+@settings(max_examples=100)
+@given(
+    slots=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3)), min_size=1, max_size=80),
+    alive=st.lists(st.booleans(), min_size=4, max_size=4),
+    probe=st.lists(st.integers(0, 100), max_size=100),
+)
+def test_live_many_reads_the_columns_of_each_found_key(
+    kind: str, slots: list[tuple[int, int]], alive: list[bool], probe: list[int]
+) -> None:
+    """Every third slot has no key; the probe asks for held, free and never-added keys, more
+    than one group of them."""
+    table = _table(kind)
+    state = array("b", [s for s, _ in slots])
+    segment = array("i", [g for _, g in slots])
+    for slot in range(len(slots)):
+        if slot % 3:
+            table.add(f"key-{slot}", slot)
+    keys = [f"key-{n}" for n in probe]
+    expected: list[bool | None] = []
+    for n in probe:
+        if n >= len(slots) or n % 3 == 0 or state[n] != 2:
+            expected.append(False)
+        else:
+            expected.append(True if alive[segment[n]] else None)
+    assert table.live_many(keys, state, 2, segment, bytearray(alive)) == expected
+
+
+def test_live_many_refuses_columns_of_other_types_and_slots_beyond_them() -> None:
+    table = _native.KeyTable(seed=1)
+    table.add("k", 5)
+    state, segment, alive = array("b", [2] * 6), array("i", [0] * 6), bytearray([1])
+    assert table.live_many(["k", "x"], state, 2, segment, alive) == [True, False]
+    with pytest.raises(TypeError, match="state"):
+        table.live_many(["k"], array("q", [2] * 6), 2, segment, alive)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="segment"):
+        table.live_many(["k"], state, 2, array("q", [0] * 6), alive)
+    with pytest.raises(IndexError, match="beyond the columns"):
+        table.live_many(["k"], array("b", [2] * 5), 2, segment, alive)
+    with pytest.raises(IndexError, match="beyond alive"):
+        table.live_many(["k"], state, 2, array("i", [1] * 6), alive)
+    with pytest.raises(TypeError):
+        table.live_many(["k", 3], state, 2, segment, alive)  # type: ignore[list-item]

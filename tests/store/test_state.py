@@ -209,6 +209,20 @@ def test_segment_loss_invalidates_at_once_and_cleans_up_in_background() -> None:
     assert unknown == ["mount-a"], "must mount again"
 
 
+def test_an_object_whose_primary_segment_is_lost_exists_while_another_replica_lives() -> None:
+    state = _state(heartbeat_ttl=2.0)
+    _mount(state, "a", size=8 * MiB)
+    other = _mount(state, "b", size=8 * MiB, host="h2")
+    placement = state.put_start("c", [PutItem("both", 1000)], 2, "h1", False, 0.0)[0]
+    assert [loc.segment for loc in placement.locations] == ["engine-a", "engine-b"]
+    assert state.put_end(["both"], [0], [placement.put], 0.0) == [Code.OK]
+    placement = state.put_start("c", [PutItem("only-a", 1000)], 1, "h1", False, 0.0)[0]
+    assert state.put_end(["only-a"], [0], [placement.put], 0.0) == [Code.OK]
+    state.heartbeat("server-b", [other], [0], 2.5)
+    state.tick(2.5)  # server-a silent for > 2 s: the primary's segment is gone
+    assert state.exists(["only-a", "both", "absent", "both"]) == [False, True, False, True]
+
+
 def test_remount_of_a_name_replaces_the_old_mount() -> None:
     state = _state()
     _mount(state, "a")

@@ -4,6 +4,10 @@ Both implementations keep one contract (the master's tests run against both):
 
 - ``get(key)`` is the key's slot, or -1; ``get_many(keys)`` the same for a batch (the C table
   overlaps the cache misses of the batch's lookups).
+- ``live_many(keys, state, wanted, segment, alive)`` is, per key, False when it is absent or its
+  slot's ``state`` is not ``wanted``, True when ``alive[segment[slot]]``, else None (the
+  caller decides from the object's other replicas): the master's ``exists`` in one call (the
+  C table overlaps the cache misses of the columns too).
 - ``add(key, slot)`` indexes an absent key at a slot that has none; ValueError otherwise.
 - ``remove(slot)`` forgets the slot's key (nothing if it has none); ``key(slot)`` is the
   slot's key, or None.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import secrets
 import sys
+from array import array
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -41,6 +46,17 @@ class KeyTable(Protocol):
 
     def get_many(self, keys: Sequence[str], /) -> list[int]:
         """:meth:`get` of each key."""
+
+    def live_many(
+        self,
+        keys: Sequence[str],
+        state: array[int],
+        wanted: int,
+        segment: array[int],
+        alive: bytearray,
+        /,
+    ) -> list[bool | None]:
+        """Per key: in state ``wanted`` on a live primary segment; see the module docstring."""
 
     def add(self, key: str, slot: int, /) -> None:
         """Index ``key`` (absent) at ``slot`` (without a key)."""
@@ -72,6 +88,23 @@ class PythonKeyTable:
     def get_many(self, keys: Sequence[str], /) -> list[int]:
         get = self._slots.get
         return [get(key, -1) for key in keys]
+
+    def live_many(
+        self,
+        keys: Sequence[str],
+        state: array[int],
+        wanted: int,
+        segment: array[int],
+        alive: bytearray,
+        /,
+    ) -> list[bool | None]:
+        found: list[bool | None] = []
+        for slot in self.get_many(keys):
+            if slot < 0 or state[slot] != wanted:
+                found.append(False)
+            else:
+                found.append(True if alive[segment[slot]] else None)
+        return found
 
     def add(self, key: str, slot: int, /) -> None:
         if slot < 0 or key in self._slots or self.key(slot) is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -202,16 +203,17 @@ class MasterState:
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is a complete object with a live replica."""
-        # The hot lookup: one batched probe, locals, no call per key (a replica off the
-        # primary is the rare case).
-        state = self.objects.state
-        segment = self.objects.segment
-        alive = self.segments.alive
+        # The hot lookup: one call for the batch (index and columns); a primary on a lost
+        # segment, whose other replicas decide, is the rare case.
+        objects = self.objects
+        found = objects.index.live_many(
+            keys, objects.state, _COMPLETE, objects.segment, self.segments.alive
+        )
+        if None not in found:
+            return cast(list[bool], found)
+        get = objects.index.get
         return [
-            slot >= 0
-            and state[slot] == _COMPLETE
-            and (alive[segment[slot]] == 1 or self._readable(slot))
-            for slot in self.objects.index.get_many(keys)
+            self._readable(get(k)) if f is None else f for k, f in zip(keys, found, strict=True)
         ]
 
     def put_start(
