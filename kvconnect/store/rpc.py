@@ -306,24 +306,30 @@ class RpcServer:
             log.warning("dropped %s (%d dropped so far)", what % args, self.malformed)
 
     def _answer(self, payload: bytes) -> bytes | None:
+        # The whole envelope first (one decode on the hot path); the header alone only when
+        # that fails, for the request id and version to answer with.
+        try:
+            envelope = _request_decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            return self._undecodable(payload, exc)
+        body: m.Reply
+        if envelope.version != m.PROTOCOL_VERSION:
+            body = _version_error(envelope.version)
+        else:
+            body = self._handle(envelope.body)
+        return _encoder.encode(m.ReplyEnvelope(envelope.request_id, body))
+
+    def _undecodable(self, payload: bytes, error: msgspec.DecodeError) -> bytes | None:
         try:
             head = _head_decoder.decode(payload)
         except msgspec.DecodeError:
             self._dropped("a message without a readable header")
             return None  # no request id to answer to
         if head.version != m.PROTOCOL_VERSION:
-            body: m.Reply = m.Error(
-                m.Code.VERSION,
-                f"protocol {head.version} unsupported (master speaks {m.PROTOCOL_VERSION})",
-            )
+            body = _version_error(head.version)
         else:
-            try:
-                request = _request_decoder.decode(payload).body
-            except msgspec.DecodeError as exc:
-                self.malformed += 1
-                body = m.Error(m.Code.INVALID, f"malformed request: {exc}")
-            else:
-                body = self._handle(request)
+            self.malformed += 1
+            body = m.Error(m.Code.INVALID, f"malformed request: {error}")
         return _encoder.encode(m.ReplyEnvelope(head.request_id, body))
 
     def _handle(self, request: m.Request) -> m.Reply:
@@ -332,6 +338,12 @@ class RpcServer:
         except Exception as exc:  # one bad request must not take the master down
             log.exception("handler failed on %s", type(request).__name__)
             return m.Error(m.Code.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def _version_error(version: int) -> m.Error:
+    return m.Error(
+        m.Code.VERSION, f"protocol {version} unsupported (master speaks {m.PROTOCOL_VERSION})"
+    )
 
 
 class RpcClient:
