@@ -24,7 +24,7 @@ from kvconnect.store.resilience import BreakerState
 from kvconnect.testing.peer import pattern
 from kvconnect.transfer import TransferConfig
 from kvconnect.transfer.batch import Slice
-from kvconnect.transfer.datapath.copying import Copier
+from kvconnect.transfer.datapath.copying import Copier, CopyWorkers
 from kvconnect.transfer.memory import MemoryRegion
 from tests.support.waiting import wait_for
 
@@ -271,6 +271,8 @@ class _HeldCopies:
             return original(copier, *args, **kwargs)
 
         monkeypatch.setattr(Copier, "copy", copy)
+        # Held copies are a transport thread's: none runs inline in the caller.
+        monkeypatch.setattr(CopyWorkers, "inline", lambda _workers, _group: False)
 
 
 @contextlib.contextmanager

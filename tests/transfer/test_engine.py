@@ -97,6 +97,32 @@ def test_a_private_region_is_local_only(transport: str) -> None:
         engine.unregister(local)
 
 
+@pytest.mark.parametrize("transport", ["local", "shm"])
+def test_a_small_copy_in_memory_is_done_when_submit_returns(transport: str) -> None:
+    """Same process or same host, a few KiB of host memory are copied by the submitting thread
+    (no worker hand-off); a FILE region's source may wait on a disk, so it still goes to a
+    worker, as does anything larger."""
+    config = TransferConfig(transport=transport, metadata="embedded")
+    with TransferEngine(config) as owner, TransferEngine(config) as engine:
+        served = owner.allocate(1 << 20)
+        served.view[:] = pattern(5, 1 << 20).data
+        local = engine.register(bytearray(1 << 20), private=True)
+        engine.read(local, 0, owner.name, served.id, 0, 1 << 20)  # first contact, mapping
+        read = engine.submit(
+            TransferOp.READ, [TransferRequest(local, 0, owner.name, served.id, 4096, 4096)]
+        )
+        assert read.done(), "the READ completed in submit"
+        assert read.statuses == (TransferStatus.COMPLETED,)
+        assert local.view[:4096] == pattern(5, 1 << 20).data[4096:8192]
+        local.view[:4096] = pattern(6, 4096).data
+        write = engine.submit(
+            TransferOp.WRITE, [TransferRequest(local, 0, owner.name, served.id, 65536, 4096)]
+        )
+        assert write.done(), "the WRITE completed in submit"
+        assert write.statuses == (TransferStatus.COMPLETED,)
+        assert served.view[65536 : 65536 + 4096] == pattern(6, 4096).data
+
+
 def test_listener_binds_only_the_configured_interface(engine: TransferEngine) -> None:
     other = _primary_address()
     if other is None:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import msgspec
 import numpy as np
+import pytest
 
 from kvconnect.errors import AccessDenied
 from kvconnect.testing.peer import pattern
@@ -24,6 +25,7 @@ from kvconnect.transfer.datapath.copying import Copier, CopyWorkers
 from kvconnect.transfer.datapath.cuda import DeviceCopier
 from kvconnect.transfer.datapath.iov import select_datapath
 from kvconnect.transfer.memory import MemoryRegistry
+from kvconnect.transfer.transports import shm
 from kvconnect.transfer.transports.shm import ShmTransport
 from tests.support.slices import SLICE, MiB, submit_request
 
@@ -139,3 +141,70 @@ def test_forget_ends_a_handshake_with_a_peer_that_accepted_but_never_answers() -
             transport.close()
             workers.close()
             registry.close()
+
+
+def test_a_small_copy_of_a_mapped_region_is_done_when_submit_returns() -> None:
+    # No hand-off to a copy worker and back (two thread wake-ups) for a few KiB.
+    with shm_setup() as (engine, remote, local, transport):
+        peer = engine.segment
+        assert submit_request(transport, peer, TransferOp.READ, local, remote.id).wait(10) == (
+            TransferStatus.COMPLETED,
+        )  # maps the region
+        local.view[:] = bytes(MiB)
+        batch = submit_request(transport, peer, TransferOp.READ, local, remote.id, 4096, 4096)
+        assert batch.done(), "completed in submit"
+        assert batch.statuses == (TransferStatus.COMPLETED,)
+        assert local.view[:4096] == pattern(7, MiB).data[4096:8192]
+        local.view[:4096] = pattern(9, 4096).data
+        batch = submit_request(transport, peer, TransferOp.WRITE, local, remote.id, 0, 4096)
+        assert batch.done(), "completed in submit"
+        assert batch.statuses == (TransferStatus.COMPLETED,)
+        assert remote.view[:4096] == pattern(9, 4096).data
+
+
+def test_a_small_copy_never_waits_for_a_peer_busy_in_a_handshake() -> None:
+    with shm_setup() as (engine, remote, local, transport):
+        peer = engine.segment
+        assert submit_request(transport, peer, TransferOp.READ, local, remote.id).wait(10) == (
+            TransferStatus.COMPLETED,
+        )
+        state = transport._peers[peer.engine_id]
+        local.view[:] = bytes(MiB)
+        with state._lock:  # as while another thread maps a region (up to connect_timeout)
+            batch = submit_request(transport, peer, TransferOp.READ, local, remote.id, 0, 4096)
+            # submit returned although the peer is locked: the copy went to a worker, which
+            # waits for the lock.
+            assert not batch.done()
+        assert batch.wait(10) == (TransferStatus.COMPLETED,)
+        assert local.view[:4096] == pattern(7, MiB).data[:4096]
+
+
+def test_a_small_copy_whose_owner_check_would_wait_completes_on_a_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The owner closed the control connection during the copy: telling whether it is alive
+    # takes a fresh handshake, which the submitting thread leaves to a worker.
+    asked: list[tuple[str, bool]] = []  # (thread, wait)
+    check = shm._ShmPeer.check_alive
+
+    def closed_meanwhile(self: shm._ShmPeer, *, wait: bool = True) -> bool:
+        asked.append((threading.current_thread().name, wait))
+        return check(self, wait=wait) if wait else False
+
+    with shm_setup() as (engine, remote, local, transport):
+        peer = engine.segment
+        assert submit_request(transport, peer, TransferOp.READ, local, remote.id).wait(10) == (
+            TransferStatus.COMPLETED,
+        )
+        monkeypatch.setattr(shm._ShmPeer, "check_alive", closed_meanwhile)
+        local.view[:] = bytes(MiB)
+        batch = submit_request(transport, peer, TransferOp.READ, local, remote.id, 8192, 4096)
+        assert batch.wait(10) == (TransferStatus.COMPLETED,)
+        # The submitting thread asked without waiting; then a copy worker, waiting (the
+        # shared-memory watch thread may ask too, now and then).
+        asked = [(thread, wait) for thread, wait in asked if "watch" not in thread]
+        assert asked[0] == (threading.current_thread().name, False)
+        assert asked[1][0].startswith("kvconnect-copy"), asked
+        assert asked[1][1] is True
+        assert local.view[:4096] == pattern(7, MiB).data[8192:12288]
+        assert transport.stats().bytes_read == MiB + 4096

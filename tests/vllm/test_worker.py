@@ -20,7 +20,7 @@ from kvconnect.store.client import StoreClient
 from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Cluster
 from kvconnect.transfer import TransferConfig, TransferOp
-from kvconnect.transfer.datapath.copying import Copier
+from kvconnect.transfer.datapath.copying import Copier, CopyWorkers
 from kvconnect.vllm import worker as worker_module
 from kvconnect.vllm.config import VllmConnectorConfig, parse_config
 from kvconnect.vllm.groups import FULL_ONLY
@@ -652,6 +652,8 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
         return original(self, op, work)
 
     monkeypatch.setattr(Copier, "copy", copy)
+    # Gated copies are a transport thread's: none runs inline in the caller.
+    monkeypatch.setattr(CopyWorkers, "inline", lambda _workers, _group: False)
     try:
         yield gate
     finally:

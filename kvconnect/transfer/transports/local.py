@@ -58,8 +58,14 @@ class LocalTransport:
         self._counters = Counters(TransportStats)
 
     def submit(self, peer: SegmentDescriptor, op: TransferOp, slices: Sequence[Slice]) -> None:
+        registry = _lookup(peer.engine_id)
         for group in self._workers.split(slices):
-            self._workers.run(functools.partial(self._run, peer, op, group), group)
+            # Copied here when small and in memory on both sides (a FILE region's source may
+            # wait on a disk).
+            if registry is not None and self._workers.inline(group) and _in_memory(registry, group):
+                self._run(peer, op, group)
+            else:
+                self._workers.run(functools.partial(self._run, peer, op, group), group)
 
     def forget(self, engine_id: str) -> None:
         """Nothing is cached per peer."""
@@ -130,6 +136,16 @@ class LocalTransport:
             )
             work.append((piece, view, region.address + start))
         return work, filled
+
+
+def _in_memory(registry: MemoryRegistry, pieces: Sequence[Slice]) -> bool:
+    """Whether every region the pieces name is host memory (a region withdrawn meanwhile is
+    refused by the copy's acquire)."""
+    for region_id in {piece.remote_region for piece in pieces}:
+        region = registry.get(region_id)
+        if region is None or region.kind is not MemoryKind.HOST:
+            return False
+    return True
 
 
 def _read_source(source: FileSource, piece: Slice) -> memoryview | None:

@@ -114,7 +114,11 @@ class ShmTransport:
                 )
                 self._watch.start()
         for group in self._workers.split(slices):
-            self._workers.run(functools.partial(self._run, state, op, group), group)
+            maps = state.mapped_now(group) if self._workers.inline(group) else None
+            if maps is not None:
+                self._run(state, op, group, maps)
+            else:
+                self._workers.run(functools.partial(self._run, state, op, group), group)
 
     def forget(self, engine_id: str) -> None:
         with self._lock:
@@ -162,25 +166,54 @@ class ShmTransport:
                     except PeerUnreachable:
                         self._lost(state)
 
-    def _run(self, state: _ShmPeer, op: TransferOp, group: list[Slice]) -> None:
+    def _run(
+        self,
+        state: _ShmPeer,
+        op: TransferOp,
+        group: list[Slice],
+        maps: dict[int, _Mapping] | None = None,
+    ) -> None:
+        """Copy ``group``, check the owner kept it, complete it. ``maps``: the submitting
+        thread's own copy of a small group whose regions are all mapped; nothing here waits
+        then, and a check of the owner that would (a reconnection) is left to a worker."""
+        inline = maps is not None
         pinned = pin_slices(group)
         try:
-            copied = self._copy_group(state, op, pinned)
-        except PeerUnreachable as exc:
-            self._lost(state)  # first, so a caller retrying after the failure starts afresh
-            self._fail(pinned, exc)
-            return
-        except KVConnectError as exc:
-            self._fail(pinned, exc)
-            return
-        except OSError as exc:
-            self._fail(pinned, BrokenError(f"shared-memory copy from {state.peer.name}: {exc}"))
+            whole, maps = self._copy_group(state, op, pinned, maps or {})
+            copied = self._kept(state, whole, maps, wait=not inline)
+        except (KVConnectError, OSError) as exc:
+            self._failed(state, pinned, exc)
             return
         finally:
             unpin_slices(pinned)
+        if copied is None:
+            self._workers.run(functools.partial(self._settle, state, op, whole, maps), whole)
+        else:
+            self._complete(op, copied)
+
+    def _settle(
+        self, state: _ShmPeer, op: TransferOp, whole: list[Slice], maps: dict[int, _Mapping]
+    ) -> None:
+        """Complete slices copied inline once the owner's check (which may wait) is done."""
+        try:
+            copied = self._kept(state, whole, maps, wait=True)
+        except (KVConnectError, OSError) as exc:
+            self._failed(state, whole, exc)
+            return
+        assert copied is not None  # a check that may wait always decides
+        self._complete(op, copied)
+
+    def _complete(self, op: TransferOp, copied: list[Slice]) -> None:
         complete_slices(copied)
         key = "bytes_read" if op is TransferOp.READ else "bytes_written"
         self._counters.add(ops=len(copied), **{key: sum(p.length for p in copied)})
+
+    def _failed(self, state: _ShmPeer, pieces: list[Slice], exc: KVConnectError | OSError) -> None:
+        if isinstance(exc, PeerUnreachable):
+            self._lost(state)  # first, so a caller retrying after the failure starts afresh
+        if isinstance(exc, OSError):
+            exc = BrokenError(f"shared-memory copy from {state.peer.name}: {exc}")
+        self._fail(pieces, exc)
 
     def _fail(self, pieces: list[Slice], error: KVConnectError) -> None:
         complete_slices(pieces, error)
@@ -194,9 +227,11 @@ class ShmTransport:
         state.close()
         self._on_lost(state.peer)
 
-    def _copy_group(self, state: _ShmPeer, op: TransferOp, pieces: list[Slice]) -> list[Slice]:
-        """Copy what can be copied; refuse single pieces; raise for the whole peer."""
-        maps: dict[int, _Mapping] = {}
+    def _copy_group(
+        self, state: _ShmPeer, op: TransferOp, pieces: list[Slice], maps: dict[int, _Mapping]
+    ) -> tuple[list[Slice], dict[int, _Mapping]]:
+        """Copy what can be copied (``maps``: the regions mapped so far, added to); refuse
+        single pieces; raise for the whole peer. Returns the pieces copied whole."""
         work: list[tuple[Slice, memoryview | None, int]] = []
         for piece in pieces:
             try:
@@ -206,10 +241,16 @@ class ShmTransport:
                 continue
             start = piece.remote_offset
             work.append((piece, mapped.data[start : start + piece.length], 0))
-        whole = self._copier.copy(op, work)
-        # The owner may have unregistered a region or died during the copies: then the bytes
-        # are not trustworthy (READ) or not kept (WRITE).
-        state.check_alive()
+        return self._copier.copy(op, work), maps
+
+    def _kept(
+        self, state: _ShmPeer, whole: list[Slice], maps: dict[int, _Mapping], *, wait: bool
+    ) -> list[Slice] | None:
+        """The pieces copied whole whose bytes count; None if that cannot be told without
+        waiting (and not ``wait``). The owner may have unregistered a region or died during the
+        copies: then the bytes are not trustworthy (READ) or not kept (WRITE)."""
+        if not state.check_alive(wait=wait):
+            return None
         withdrawn = {region for region, mapped in maps.items() if not mapped.live(region)}
         copied = []
         for piece in whole:
@@ -262,9 +303,10 @@ class _ShmPeer:
             return mapped
 
     def update(self, peer: SegmentDescriptor) -> None:
-        """Take the peer's newest descriptor (it lists the regions we may map)."""
-        with self._lock:
-            self.peer = peer
+        """Take the peer's newest descriptor (it lists the regions we may map). Without the
+        lock: a handshake may hold it for up to connect_timeout, and submit must not wait;
+        readers take the reference once."""
+        self.peer = peer
 
     def unmap(self, region_id: int) -> None:
         """Forget a region's mapping; it is unmapped with its last reference (a copy running
@@ -277,23 +319,47 @@ class _ShmPeer:
         with self._lock:
             return list(self._maps.values())
 
-    def check_alive(self) -> None:
-        """Raise PeerUnreachable if the owner closed its end and cannot be reached again."""
-        with self._lock:
+    def mapped_now(self, pieces: Sequence[Slice]) -> dict[int, _Mapping] | None:
+        """The mappings of every region ``pieces`` name, if all are mapped and that can be
+        told without waiting (another thread may hold the lock through a handshake)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self._dead is not None or self._sock is None:
+                return None
+            maps = {}
+            for piece in pieces:
+                mapped = self._maps.get(piece.remote_region)
+                if mapped is None:
+                    return None
+                maps[piece.remote_region] = mapped
+            return maps
+        finally:
+            self._lock.release()
+
+    def check_alive(self, *, wait: bool = True) -> bool:
+        """Raise PeerUnreachable if the owner closed its end and cannot be reached again.
+        True once the owner is known alive; False (only without ``wait``) when telling would
+        wait: for the lock, or for a fresh handshake after the owner closed the connection."""
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
             if self._dead is not None:
                 raise PeerUnreachable(self._dead)
             sock = self._sock
             if sock is None:
-                return
+                return True
             # The socket has a timeout, so recv would wait: ask poll whether anything is there.
             if not select.select([sock], [], [], 0)[0]:
-                return
+                return True
             try:
                 data = sock.recv(1, socket.MSG_PEEK)
             except OSError:
                 data = b""
             if data:
-                return
+                return True
+            if not wait:
+                return False
             # EOF: the owner died, or closed an idle connection. Only a fresh handshake tells.
             sock.close()
             self._sock = None
@@ -303,6 +369,9 @@ class _ShmPeer:
                 self._dead = str(exc)
                 self._maps.clear()
                 raise
+            return True
+        finally:
+            self._lock.release()
 
     def interrupt(self) -> None:
         """End a handshake or control call blocked on an unresponsive peer (e.g. a stopped
