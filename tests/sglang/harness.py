@@ -41,7 +41,7 @@ from kvconnect.bench.tiny_llama import write_tiny_llama
 from kvconnect.sglang.plugin import DYNAMIC_ROUTE
 from kvconnect.transfer import TransferOp
 from kvconnect.transfer.batch import Slice
-from kvconnect.transfer.datapath.copying import Copier
+from kvconnect.transfer.datapath.copying import Copier, CopyWorkers
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 4, 2, 8, 16
 MLA_WIDTH = 24  # kv_lora_rank 16 + rope 8
@@ -364,6 +364,8 @@ class HeldCopies:
                 original(copier, op, held)
 
         monkeypatch.setattr(Copier, "_copy_chunk", copy_chunk)
+        # Held copies are a transport thread's: none runs inline in the caller.
+        monkeypatch.setattr(CopyWorkers, "inline", lambda _workers, _group: False)
 
     def hold_pages(self, pool: Any, slots: torch.Tensor) -> None:
         """Hold every copy into or out of the pages at ``slots``."""
