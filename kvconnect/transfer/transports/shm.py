@@ -177,9 +177,10 @@ class ShmTransport:
         thread's own copy of a small group whose regions are all mapped; nothing here waits
         then, and a check of the owner that would (a reconnection) is left to a worker."""
         inline = maps is not None
+        maps = {} if maps is None else maps
         pinned = pin_slices(group)
         try:
-            whole, maps = self._copy_group(state, op, pinned, maps or {})
+            whole = self._copy_group(state, op, pinned, maps)
             copied = self._kept(state, whole, maps, wait=not inline)
         except (KVConnectError, OSError) as exc:
             self._failed(state, pinned, exc)
@@ -229,7 +230,7 @@ class ShmTransport:
 
     def _copy_group(
         self, state: _ShmPeer, op: TransferOp, pieces: list[Slice], maps: dict[int, _Mapping]
-    ) -> tuple[list[Slice], dict[int, _Mapping]]:
+    ) -> list[Slice]:
         """Copy what can be copied (``maps``: the regions mapped so far, added to); refuse
         single pieces; raise for the whole peer. Returns the pieces copied whole."""
         work: list[tuple[Slice, memoryview | None, int]] = []
@@ -241,7 +242,7 @@ class ShmTransport:
                 continue
             start = piece.remote_offset
             work.append((piece, mapped.data[start : start + piece.length], 0))
-        return self._copier.copy(op, work), maps
+        return self._copier.copy(op, work)
 
     def _kept(
         self, state: _ShmPeer, whole: list[Slice], maps: dict[int, _Mapping], *, wait: bool
