@@ -11,6 +11,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
 from kvconnect._config import cluster_token
 from kvconnect.store import messages as m
@@ -63,28 +64,38 @@ def fill(
     low: int,
     high: int,
     key_format: str = "object-{:012d}",
-) -> list[str]:
-    """Create ``count`` complete objects (sizes in [low, high]); returns their keys."""
-    keys = []
+) -> None:
+    """Create ``count`` complete objects (sizes in [low, high]), keys ``key_format`` of
+    ``start`` … ``start + count - 1``."""
     for base in range(start, start + count, FILL_BATCH):
         batch = [key_format.format(i) for i in range(base, min(base + FILL_BATCH, start + count))]
         _put(rpc, "bench", [m.PutItem(k, rng.randint(low, high)) for k in batch])
         drain_journal(rpc)
-        keys += batch
-    return keys
 
 
 def lookup_latencies(
-    rpc: RpcClient, keys: list[str], batch: int, calls: int, seed: int = 0
-) -> list[float]:
-    """Seconds per ``Exists`` of ``batch`` random keys, ``calls`` times."""
+    targets: Sequence[tuple[RpcClient, range]],
+    key_format: str,
+    batch: int,
+    calls: int,
+    seed: int = 0,
+) -> list[list[float]]:
+    """Seconds per ``Exists`` of ``batch`` random keys (``key_format`` of an index in the
+    target's range), ``calls`` times per target. The targets take turns, the order flipping
+    every call, so that each call of one has a neighbour of the other in the same moment of
+    the machine. Keys are formatted just before their call: fresh strings, as a client that
+    has just hashed its tokens holds them (picked out of a list of millions, they would time
+    this process's cache misses, not the master)."""
     rng = random.Random(seed)
-    seconds = []
+    seconds: list[list[float]] = [[] for _ in targets]
+    order = list(enumerate(targets))
     for _ in range(calls):
-        sample = [keys[rng.randrange(len(keys))] for _ in range(batch)]
-        start = time.perf_counter()
-        rpc.call(m.Exists(sample))
-        seconds.append(time.perf_counter() - start)
+        for n, (rpc, indexes) in order:
+            keys = [key_format.format(rng.choice(indexes)) for _ in range(batch)]
+            start = time.perf_counter()
+            rpc.call(m.Exists(keys))
+            seconds[n].append(time.perf_counter() - start)
+        order.reverse()
     return seconds
 
 

@@ -22,14 +22,16 @@ Four phases:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -361,59 +363,84 @@ def _scale_phase(
 
 
 def _scale_kvconnect(counts: list[int], native: str) -> list[dict[str, float]]:
-    """Fill one master (key index ``native``) to each count in turn; measure at each."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    master = Process(
-        [
-            "master",
-            *("--master-listen", endpoint, "--master-heartbeat-ttl", "1e9"),
-            *("--master-native", native),
-        ],
-        "listening",
-    )
-    rpc = RpcClient(endpoint, 30.0, token=cluster_token(None, "", False))
+    """Fill one master (key index ``native``) to each count in turn and time its lookups
+    beside a second master that stays at the first count, call by call in the same moments:
+    their ratio is the growth with the object count, not the machine's drift between sizes
+    (filling to 10M takes minutes)."""
     results = []
-    try:
-        master_load.mount_virtual(rpc, 1 << 50)
-        base = master_load.rss_bytes(master.pid)
+    with contextlib.ExitStack() as stack:
+        grows = stack.enter_context(_virtual_master(1 << 50, native))
+        stays = stack.enter_context(_virtual_master(1 << 50, native))
+        rpc, pid = grows.rpc, grows.pid
+        master_load.fill(stays.rpc, 0, counts[0], random.Random(1), 64, 64 * KiB, SCALE_KEY)
+        base = master_load.rss_bytes(pid)
         rng = random.Random(0)
-        keys: list[str] = []
+        filled = 0
         for count in counts:
             print(f"[scale] kvconnect ({native=}) filling to {count}", file=sys.stderr, flush=True)
             start = time.monotonic()
-            keys += master_load.fill(
-                rpc, len(keys), count - len(keys), rng, 64, 64 * KiB, SCALE_KEY
-            )
+            master_load.fill(rpc, filled, count - filled, rng, 64, 64 * KiB, SCALE_KEY)
+            filled = count
             fill_seconds = time.monotonic() - start
-            rss = master_load.rss_bytes(master.pid)
-            latency = master_load.summary(master_load.lookup_latencies(rpc, keys, 128, 2000))
+            rss = master_load.rss_bytes(pid)
+            grown, same = master_load.lookup_latencies(
+                [(rpc, range(count)), (stays.rpc, range(counts[0]))], SCALE_KEY, 128, 2000
+            )
+            latency = master_load.summary(grown)
+            beside = master_load.summary(same)["p50_us"]
             results.append(
                 {
-                    "bytes_per_object": (rss - base) / len(keys),
+                    "bytes_per_object": (rss - base) / count,
                     "rss": rss,
                     "fill_seconds": fill_seconds,
                     **latency,
+                    "reference_p50_us": beside,
+                    "growth": latency["p50_us"] / beside,
                 }
             )
-    finally:
-        rpc.close()
-        master.stop()
     return results
 
 
+class _Master(NamedTuple):
+    rpc: RpcClient
+    pid: int
+    endpoint: str
+
+
+@contextlib.contextmanager
+def _virtual_master(capacity: int, native: str | None = None) -> Iterator[_Master]:
+    """A master process with a virtual segment of ``capacity`` bytes (key index ``native``,
+    default the master's)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    flags = ["--master-listen", endpoint, "--master-heartbeat-ttl", "1e9"]
+    if native is not None:
+        flags += ["--master-native", native]
+    process = Process(["master", *flags], "listening")
+    rpc = RpcClient(endpoint, 30.0, token=cluster_token(None, "", False))
+    try:
+        master_load.mount_virtual(rpc, capacity)
+        yield _Master(rpc, process.pid, endpoint)
+    finally:
+        rpc.close()
+        process.stop()
+
+
 def _print_scale(rows: list[dict[str, Any]], indexes: list[str]) -> None:
-    names = [SCALE_INDEXES[index][0] for index in indexes] + ["mooncake"]
-    print(f"\n{'objects':>10}" + "".join(f"{name + ' B/obj':>24}{'p50 us':>9}" for name in names))
+    """Per count and system: bytes per object and ``batch_exists(128)`` p50; for kvconnect
+    also the p50 of the master kept at the first count, timed beside it, and their ratio."""
+    ours = [SCALE_INDEXES[index][0] for index in indexes]
+    header = "".join(f"{n + ' B/obj':>24}{'p50 us':>9}{'beside':>9}{'growth':>8}" for n in ours)
+    print(f"\n{'objects':>10}{header}{'mooncake B/obj':>24}{'p50 us':>9}")
     nan = float("nan")
     for row in rows:
-        cells = [row.get(name, {}) for name in names]
-        print(
-            f"{row['objects']:>10}"
-            + "".join(
-                f"{cell.get('bytes_per_object', nan):>24.0f}{cell.get('p50_us', nan):>9.0f}"
-                for cell in cells
-            )
-        )
+        line = f"{row['objects']:>10}"
+        for name in ours:
+            cell = row.get(name, {})
+            line += f"{cell.get('bytes_per_object', nan):>24.0f}{cell.get('p50_us', nan):>9.0f}"
+            line += f"{cell.get('reference_p50_us', nan):>9.0f}{cell.get('growth', nan):>7.2f}x"
+        cell = row.get("mooncake", {})
+        line += f"{cell.get('bytes_per_object', nan):>24.0f}{cell.get('p50_us', nan):>9.0f}"
+        print(line)
 
 
 # ------------------------------------------------------------------------ eviction phase
@@ -423,21 +450,16 @@ def _eviction_phase(*, quick: bool) -> dict[str, Any]:
     seconds = 3.0 if quick else 10.0
     result: dict[str, Any] = {}
     for label, capacity in (("no_eviction", 1 << 50), ("evicting", 64 * MiB)):
-        endpoint = f"tcp://127.0.0.1:{free_port()}"
-        master = Process(
-            ["master", "--master-listen", endpoint, "--master-heartbeat-ttl", "1e9"], "listening"
-        )
-        rpc = RpcClient(endpoint, 10.0, token=cluster_token(None, "", False))
-        try:
-            master_load.mount_virtual(rpc, capacity)
-            keys = master_load.fill(rpc, 0, 14_000, random.Random(1), 4 * KiB, 4 * KiB, SCALE_KEY)
-            idle = master_load.lookup_latencies(rpc, keys[-1000:], 1, 2000)
+        with _virtual_master(capacity) as master:
+            master_load.fill(master.rpc, 0, 14_000, random.Random(1), 4 * KiB, 4 * KiB, SCALE_KEY)
+            recent = [(master.rpc, range(13_000, 14_000))]
+            (idle,) = master_load.lookup_latencies(recent, SCALE_KEY, 1, 2000)
             writer = subprocess.Popen(
                 [
                     sys.executable,
                     "-m",
                     "kvconnect.bench.master_load",
-                    endpoint,
+                    master.endpoint,
                     "--seconds",
                     str(seconds),
                 ]
@@ -446,17 +468,14 @@ def _eviction_phase(*, quick: bool) -> dict[str, Any]:
             busy: list[float] = []
             end = time.monotonic() + seconds - 1
             while time.monotonic() < end:
-                busy += master_load.lookup_latencies(rpc, keys[-1000:], 1, 100, seed=len(busy))
+                busy += master_load.lookup_latencies(recent, SCALE_KEY, 1, 100, seed=len(busy))[0]
             writer.wait(timeout=60)
-            stats = rpc.call(m.Stats())
+            stats = master.rpc.call(m.Stats())
             result[label] = {
                 "idle": master_load.summary(idle),
                 "with_writer": master_load.summary(busy),
                 "evictions": getattr(stats, "evictions", 0),
             }
-        finally:
-            rpc.close()
-            master.stop()
     return result
 
 
