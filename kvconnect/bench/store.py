@@ -7,9 +7,10 @@ Four phases:
   ``put``/``get`` and zero-copy ``batch_put_from``/``batch_get_into`` for 4 KiB, 1 MiB and
   16 MiB values, and ``exists`` / ``batch_exists(128)`` latency. kvconnect and Mooncake Store
   (when an interpreter with ``mooncake`` is given) alternate round by round; ratios printed.
-* **scale** — a master alone holding 10k → 10M objects (64-character keys, values 64 B to
-  64 KiB): resident bytes per object and ``batch_exists(128)`` p50 at each size, per key index
-  (``--scale-index``: the C table, the Python dict), beside Mooncake's master (up to
+* **scale** — a master holding 10k → 10M objects (64-character keys, values 64 B to 64 KiB):
+  resident bytes per object and ``batch_exists(128)`` p50 at each size, timed call by call
+  beside a master kept at the first size (their ratio: the growth), per key index
+  (``--scale-index``: the C table, the Python dict), and Mooncake's master (up to
   ``--scale-mooncake-max`` objects).
 * **eviction** — ``exists`` latency while a writer fills a full store (eviction running all the
   time) against the same writer on a store with room (no eviction).
