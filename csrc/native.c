@@ -17,9 +17,11 @@
 #include <errno.h>
 #include <limits.h>
 #include <poll.h>
+#include <sched.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 
 #include "keytable.h"
 
@@ -224,6 +226,72 @@ static PyObject *native_copy_many(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+
+static double monotonic_now(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
+}
+
+/* 1: fd is readable (or hung up, or in error: the caller's read reports which); 0: not by
+ * `timeout` seconds; -1: poll failed (errno). For the first `spin` seconds it only asks (poll
+ * with no wait), yielding the CPU between asks, so an answer that comes soon finds this thread
+ * running: a sleeping thread's wake-up costs tens of microseconds on a VM's idle vCPU. */
+static int spin_then_wait(int fd, double spin, double timeout) {
+    struct pollfd pfd = {.fd = fd, .events = POLLIN, .revents = 0};
+    double start = monotonic_now();
+    double spin_end = start + (spin < timeout ? spin : timeout);
+    for (;;) {
+        int rc = poll(&pfd, 1, 0);
+        if (rc > 0) {
+            return 1;
+        }
+        if (rc < 0 && errno != EINTR) {
+            return -1;
+        }
+        if (monotonic_now() >= spin_end) {
+            break;
+        }
+        sched_yield();
+    }
+    for (;;) {
+        double left = start + timeout - monotonic_now();
+        if (left <= 0) {
+            return 0;
+        }
+        /* rounded up: poll's milliseconds must not end the wait before `timeout` */
+        int ms = timeout_to_ms(left);
+        int rc = poll(&pfd, 1, ms < INT_MAX ? ms + 1 : ms);
+        if (rc > 0) {
+            return 1;
+        }
+        if (rc < 0 && errno != EINTR) {
+            return -1;
+        }
+    }
+}
+
+static PyObject *native_wait_readable(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    double spin, timeout;
+    if (!PyArg_ParseTuple(args, "idd", &fd, &spin, &timeout)) {
+        return NULL;
+    }
+    if (!(spin >= 0 && timeout >= 0)) { /* also refuses NaN */
+        PyErr_SetString(PyExc_ValueError, "wait_readable: spin and timeout must be >= 0");
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = spin_then_wait(fd, spin, timeout);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyBool_FromLong(rc);
+}
+
 static PyMethodDef native_methods[] = {
     {"sendv", native_sendv, METH_VARARGS,
      "sendv(fd, buffers, timeout) -> None\n\nSend every byte of every buffer; GIL released."},
@@ -232,6 +300,9 @@ static PyMethodDef native_methods[] = {
     {"copy_many", native_copy_many, METH_VARARGS,
      "copy_many(dsts, srcs) -> None\n\nmemmove each pair of equal-length buffers; GIL released "
      "once for all."},
+    {"wait_readable", native_wait_readable, METH_VARARGS,
+     "wait_readable(fd, spin, timeout) -> bool\n\nWhether fd became readable within timeout "
+     "seconds; polls without sleeping for the first spin seconds. GIL released."},
     {NULL, NULL, 0, NULL},
 };
 

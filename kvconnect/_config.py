@@ -331,6 +331,15 @@ def check_positive(obj: object, *names: str) -> None:
             raise ConfigError(f"{name} must be > 0, got {value!r}")
 
 
+def check_nonnegative(obj: object, *names: str) -> None:
+    """ConfigError naming the first of the attributes ``names`` of ``obj`` that is not >= 0
+    (NaN included)."""
+    for name in names:
+        value = getattr(obj, name)
+        if not value >= 0:
+            raise ConfigError(f"{name} must be >= 0, got {value!r}")
+
+
 def check_choice(obj: object, name: str, kind: type[enum.Enum]) -> None:
     """Store attribute ``name`` of the frozen ``obj`` as a member of ``kind`` (a value given as
     its string becomes the member); ConfigError listing the choices otherwise."""

@@ -29,6 +29,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvconnect.errors import AuthenticationError, ProtocolError
+from kvconnect.transfer.datapath import polling
 from kvconnect.transfer.protocol import wire
 
 MAGIC: Final = b"KVCM"
@@ -203,19 +204,33 @@ class ClientChannel:
     Every call takes a ``deadline`` (``time.monotonic()``); TimeoutError after it, OSError
     when the connection ends, ProtocolError on a frame that does not open (after any of them
     the channel is unusable: close it). :meth:`close` from another thread wakes a blocked call.
+    A receive polls for the master's reply for ``poll_window`` seconds before it sleeps
+    (:mod:`kvconnect.transfer.datapath.polling`).
     """
 
-    def __init__(self, sock: socket.socket, seals: tuple[_Seal, _Seal], max_frame: int) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        seals: tuple[_Seal, _Seal],
+        max_frame: int,
+        poll_window: float = 0.0,
+    ) -> None:
         self._sock = sock
         self._send_seal, self._receive_seal = seals
         self._max_frame = max_frame
+        self._poll_window = poll_window
         self._buffer = bytearray()
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
 
     @classmethod
     def connect(
-        cls, endpoint: str, token: str | None, deadline: float, max_frame: int
+        cls,
+        endpoint: str,
+        token: str | None,
+        deadline: float,
+        max_frame: int,
+        poll_window: float = 0.0,
     ) -> ClientChannel:
         """Connect and handshake by ``deadline``. OSError when nothing accepts,
         AuthenticationError/ProtocolError when the server is not one this client can talk to."""
@@ -230,7 +245,8 @@ class ClientChannel:
         except BaseException:
             sock.close()
             raise
-        return cls(sock, _seals(token, done.client_nonce, done.server_nonce), max_frame)
+        seals = _seals(token, done.client_nonce, done.server_nonce)
+        return cls(sock, seals, max_frame, poll_window)
 
     def send(self, message: bytes, deadline: float) -> None:
         """Send one message."""
@@ -257,6 +273,9 @@ class ClientChannel:
     def _read(self, size: int, deadline: float) -> bytes:
         buffer = self._buffer
         while len(buffer) < size:
+            left = deadline - time.monotonic()
+            if not polling.wait_readable(self._sock.fileno(), self._poll_window, left):
+                raise TimeoutError("deadline passed")
             wire.until(self._sock, deadline)
             chunk = self._sock.recv(min(max(size - len(buffer), 1 << 16), 1 << 22))
             if not chunk:

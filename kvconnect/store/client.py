@@ -105,7 +105,12 @@ class StoreClient(Lifecycle):
         self._own_engine = engine is None
         self.engine = engine or TransferEngine(transfer or TransferConfig())
         self.client_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._rpc = RpcClient(config.master, config.rpc_timeout, token=self.engine.config.token)
+        self._rpc = RpcClient(
+            config.master,
+            config.rpc_timeout,
+            token=self.engine.config.token,
+            poll_window=config.poll_window,
+        )
         self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown)
         self._negative = NegativeCache(config.negative_ttl, config.negative_entries)
         self._clock = clock

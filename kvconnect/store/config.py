@@ -12,6 +12,7 @@ from kvconnect._config import (
     MiB,
     Section,
     check_choice,
+    check_nonnegative,
     check_positive,
     check_token,
     cluster_token,
@@ -72,6 +73,11 @@ class MasterConfig(Section):
     of its server (0: never promote)."""
     max_message_bytes: int = 128 * MiB
     """Largest request the master accepts; a peer sending more is disconnected."""
+    poll_window: float = 200e-6
+    """Seconds the master polls for the next request after answering one before it sleeps
+    (0: sleep at once): a request that follows soon (a put's second half, a busy client's
+    next call) is answered without a wake-up, for up to this much CPU per idle gap
+    (docs/store.md, "Polling")."""
     kv_events: str = ""
     """zmq endpoint to bind a PUB socket at, publishing what the store holds as vLLM KV
     events (``BlockStored``/``BlockRemoved``; docs/store.md); empty: no events."""
@@ -109,6 +115,7 @@ class MasterConfig(Section):
         if self.quarantine < 0:
             raise ConfigError(f"quarantine must be >= 0, got {self.quarantine}")
         check_positive(self, "max_message_bytes")
+        check_nonnegative(self, "poll_window")
         if self.demotion_inflight < 0 or self.promote_window < 0:
             raise ConfigError("demotion_inflight and promote_window must be >= 0")
         check_token(self.token)
@@ -188,12 +195,14 @@ class StoreClientConfig(Section):
     """Seconds a key whose read failed is reported as absent."""
     negative_entries: int = 100_000
     """Most keys remembered by the negative cache."""
+    poll_window: float = 200e-6
+    """Seconds a call polls for the master's reply before it sleeps (0: sleep at once); the
+    polling thread yields its CPU between polls and holds no GIL (docs/store.md, "Polling")."""
 
     def __post_init__(self) -> None:
         check_positive(self, "rpc_timeout", "io_timeout", "replicas", "breaker_failures")
         check_positive(self, "breaker_cooldown", "negative_entries")
-        if self.negative_ttl < 0:
-            raise ConfigError(f"negative_ttl must be >= 0, got {self.negative_ttl}")
+        check_nonnegative(self, "negative_ttl", "poll_window")
 
 
 __all__ = ["MasterConfig", "StoreClientConfig", "StoreServerConfig", "Strategy"]

@@ -44,6 +44,7 @@ from kvconnect.store.channel import (
     parse_endpoint,
     sealed_frame_limit,
 )
+from kvconnect.transfer.datapath import polling
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +87,11 @@ class RpcServer:
         *,
         token: str | None,
         max_message_bytes: int,
+        poll_window: float = 0.0,
     ) -> None:
         """``tick`` returns how long (s) the loop may sleep before it wants to run again;
-        ``token`` None serves unauthenticated clients."""
+        ``token`` None serves unauthenticated clients; for ``poll_window`` seconds after its
+        last answer the loop polls for the next request before it sleeps."""
         self._address = parse_endpoint(endpoint)
         self._handler = handler
         self._tick = tick
@@ -101,6 +104,8 @@ class RpcServer:
         self._handshaking: dict[socket.socket, _Connection] = {}  # oldest first
         self._ready: deque[_Connection] = deque()  # connections with requests to answer
         self._paused_until = 0.0
+        self._poll_window = poll_window
+        self._answered = 0.0  # when the loop last answered a request (time.monotonic())
         self._stop = threading.Event()
         self.endpoint = ""
         self.malformed = 0
@@ -134,7 +139,7 @@ class RpcServer:
         try:
             while not self._stop.is_set():
                 wait = self._tick()
-                timeout = 0.0 if self._ready else max(0.0, min(wait, 0.05))
+                timeout = 0.0 if self._ready else self._poll(max(0.0, min(wait, 0.05)))
                 for key, events in self._selector.select(timeout):
                     if key.fileobj is self._listener:
                         self._accept()
@@ -159,6 +164,18 @@ class RpcServer:
     def stop(self) -> None:
         """Make :meth:`serve` return (within ~50 ms)."""
         self._stop.set()
+
+    def _poll(self, timeout: float) -> float:
+        """Within ``poll_window`` of the last answer, poll for the next event (the GIL
+        released) instead of sleeping at once: a client's next request, often due within
+        microseconds (a put's ``put_end`` follows its ``put_start``), then finds this thread
+        awake. Returns how long the select may still sleep."""
+        spin = min(timeout, self._answered + self._poll_window - time.monotonic())
+        if spin <= 0:
+            return timeout
+        if polling.wait_readable(self._selector.fileno(), spin, spin):
+            return 0.0
+        return timeout - spin
 
     # ------------------------------------------------------------------ connections
 
@@ -292,6 +309,8 @@ class RpcServer:
             self._flush(conn)
             if conn.inbox and conn.sock in self._connections:
                 self._ready.append(conn)
+        if budget < ROUND_ANSWERS:
+            self._answered = time.monotonic()
 
     def _reply(self, payload: bytes) -> bytes | None:
         try:
@@ -354,11 +373,16 @@ class RpcClient:
     it reached is gone or answers that it is not the leader.
     """
 
-    def __init__(self, target: str, timeout: float, *, token: str | None) -> None:
-        """``token``: the cluster token (None: plain, for an insecure master)."""
+    def __init__(
+        self, target: str, timeout: float, *, token: str | None, poll_window: float = 0.0
+    ) -> None:
+        """``token``: the cluster token (None: plain, for an insecure master);
+        ``poll_window``: seconds a call polls for the reply before it sleeps
+        (:mod:`kvconnect.transfer.datapath.polling`)."""
         self._target = target
         self._timeout = timeout
         self._token = token
+        self._poll_window = poll_window
         self._etcd = (
             Etcd(target, timeout=min(timeout, 2.0)) if target.startswith("etcd://") else None
         )
@@ -477,7 +501,9 @@ class RpcClient:
         while True:
             self._ensure_open()
             try:
-                channel = ClientChannel.connect(endpoint, self._token, deadline, _REPLY_LIMIT)
+                channel = ClientChannel.connect(
+                    endpoint, self._token, deadline, _REPLY_LIMIT, self._poll_window
+                )
                 break
             except AuthenticationError as exc:
                 raise MasterUnavailable(

@@ -12,6 +12,7 @@ from kvconnect._config import (
     MiB,
     Section,
     check_choice,
+    check_nonnegative,
     check_positive,
     check_token,
     cluster_token,
@@ -96,6 +97,16 @@ class TransferConfig(Section):
     """Largest payload of one frame the listener accepts; larger frames close the connection."""
     max_retries: int = 2
     """Times a frame is retried on another stream after a stream broke."""
+    poll_window: float = 200e-6
+    """Seconds a thread polls for an answer due within microseconds before it sleeps (0:
+    sleep at once). The submitting thread of a small TCP request sent on an idle connection
+    waits this long for the response and completes the request itself (no hand-off to the
+    receiver thread); a listener thread polls this long for its connection's next frame
+    after answering one. Polling yields the CPU between polls and holds no GIL
+    (docs/transfer.md, "Polling")."""
+    poll_threads: int = 1
+    """Listener threads that may poll at once (the others sleep at once): bounds the CPU a
+    listener spends polling however many peers it serves."""
     token: str | None = field(default=None, repr=False)
     """Cluster token: peers must prove it (HMAC challenge) before any data moves. Prefer
     ``token_file``; unset, :func:`cluster_token` finds or generates one."""
@@ -138,7 +149,9 @@ class TransferConfig(Section):
             "metadata_ttl",
             "rdma_qps_per_peer",
             "rdma_slice_bytes",
+            "poll_threads",
         )
+        check_nonnegative(self, "poll_window")
         _check_metadata(self.metadata)
         if self.rdma_inline_bytes < 0:
             raise ConfigError(f"rdma_inline_bytes must be >= 0, got {self.rdma_inline_bytes}")

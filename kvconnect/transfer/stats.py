@@ -18,6 +18,9 @@ class TransportStats:
     ops: int = 0
     errors: int = 0
     retries: int = 0
+    inline: int = 0
+    """Frames whose response their submitting thread read itself (TCP: it came within
+    ``poll_window``); the others were completed by the transport's own threads."""
     peers: int = 0
     """Peer engines the transport holds connections or mappings for now (a gauge)."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +16,7 @@ from kvconnect.store import channel as ch
 from kvconnect.store import messages as m
 from kvconnect.store.rpc import RpcClient, RpcServer
 from kvconnect.transfer.protocol import wire
+from tests.support.cpu import thread_cpu
 from tests.support.master_wire import hostile_hello, read_until_closed
 from tests.support.waiting import wait_for
 
@@ -133,7 +135,7 @@ def test_altered_replayed_and_reordered_frames_fail_to_open() -> None:
 class _Master:
     """An RpcServer on a thread whose handler echoes Exists and sleeps on Remove."""
 
-    def __init__(self, token: str | None, port: int = 0) -> None:
+    def __init__(self, token: str | None, port: int = 0, poll_window: float = 0.0) -> None:
         self.release = threading.Event()
         self.entered = threading.Event()
         self.server = RpcServer(
@@ -142,6 +144,7 @@ class _Master:
             lambda: 0.05,
             token=token,
             max_message_bytes=1 << 16,
+            poll_window=poll_window,
         )
         self.endpoint = self.server.bind()
         self.thread = threading.Thread(target=self.server.serve)
@@ -274,3 +277,30 @@ def test_idle_and_dripping_handshakes_cannot_crowd_out_clients(master: _Master) 
     finally:
         for sock in idle:
             sock.close()
+
+
+def test_polling_answers_every_call_and_stops_once_the_master_is_idle() -> None:
+    master = _Master(TOKEN, poll_window=0.1)
+    rpc = RpcClient(master.endpoint, 5.0, token=TOKEN, poll_window=30.0)
+    try:
+        for i in range(50):
+            keys = [f"yes-{i}", f"no-{i}"]
+            assert rpc.call(m.Exists(keys)) == m.ExistsReply([True, False])
+        before = thread_cpu([master.thread])
+        time.sleep(1.0)  # the span measured: the master polls for 0.1 s of it at most
+        assert thread_cpu([master.thread]) - before < 0.3
+    finally:
+        rpc.close()
+        master.close()
+
+
+def test_a_polling_call_still_ends_at_its_timeout(master: _Master) -> None:
+    """A poll window longer than the call's timeout never extends the call."""
+    rpc = RpcClient(master.endpoint, 5.0, token=TOKEN, poll_window=30.0)
+    start = time.monotonic()
+    with pytest.raises(MasterUnavailable, match="did not answer Remove in time"):
+        rpc.call(m.Remove(["k"], False), timeout=0.3)
+    assert time.monotonic() - start < 5.0
+    master.release.set()
+    assert rpc.call(m.Exists(["yes"])) == m.ExistsReply([True])
+    rpc.close()

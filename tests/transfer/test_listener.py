@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import struct
+import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -18,6 +22,7 @@ from kvconnect.transfer.protocol import wire
 from kvconnect.transfer.protocol.listener import Listener
 from kvconnect.transfer.protocol.wire import FrameKind, Status
 from kvconnect.transfer.segment import SegmentDescriptor
+from tests.support.cpu import thread_cpu
 
 ENGINE_ID = b"\x01" * 16
 SIZE = 64 << 10
@@ -29,7 +34,12 @@ def no_staging() -> StagingPool:
 
 @pytest.fixture
 def served() -> Iterator[tuple[Listener, MemoryRegion, str]]:
-    config = TransferConfig()
+    with _serving(TransferConfig()) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def _serving(config: TransferConfig) -> Iterator[tuple[Listener, MemoryRegion, str]]:
     config = config.replace(token=config.cluster_token())
     registry = MemoryRegistry()
     region = registry.register(np.zeros(SIZE, dtype=np.uint8))
@@ -118,3 +128,50 @@ def test_a_wrong_token_is_refused_and_counted(served: tuple[Listener, MemoryRegi
         wire.open_connection(listener.endpoints["tcp"], token + "-wrong", 5)
     listener.close()  # joins the serving thread: it counts after answering the client
     assert listener.stats().auth_failures == 1
+
+
+def _served_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kvconnect-serve"]
+
+
+def _answered_reads(
+    listener: Listener, region: MemoryRegion, token: str, count: int
+) -> list[socket.socket]:
+    """``count`` connections that each had one READ frame answered (byte-exact)."""
+    socks = []
+    for n in range(count):
+        sock, _ = wire.open_connection(listener.endpoints["tcp"], token, 5)
+        socks.append(sock)
+        sock.sendall(_read_frame(region.id, n, 100, n))
+        assert wire.HEADER.unpack(wire.recv_exact(sock, wire.HEADER.size))[1] == Status.OK
+        assert wire.recv_exact(sock, 100) == pattern(4, SIZE).data[n : n + 100]
+    return socks
+
+
+def test_a_connection_thread_stops_polling_once_its_window_passes() -> None:
+    with _serving(TransferConfig(poll_window=0.1)) as (listener, region, token):
+        socks = _answered_reads(listener, region, token, 1)
+        threads = _served_threads()
+        before = thread_cpu(threads)
+        time.sleep(1.0)  # the span measured: polling for 0.1 s of it at most
+        assert thread_cpu(threads) - before < 0.3
+        for sock in socks:
+            sock.close()
+
+
+def test_at_most_poll_threads_connection_threads_poll_at_once() -> None:
+    """Three idle connections inside a long window: one polls (a CPU), two sleep. Three
+    polling threads would take both CPUs of the machine for the whole span."""
+    config = TransferConfig(poll_window=30.0, poll_threads=1)
+    with _serving(config) as (listener, region, token):
+        socks = _answered_reads(listener, region, token, 3)
+        threads = _served_threads()
+        assert len(threads) == 3
+        before = thread_cpu(threads)
+        time.sleep(1.0)
+        assert thread_cpu(threads) - before < 1.5
+        for n, sock in enumerate(socks):  # each still answers at once: polling or asleep
+            sock.sendall(_read_frame(region.id, 10 + n, 10, 100 + n))
+            assert wire.HEADER.unpack(wire.recv_exact(sock, wire.HEADER.size))[1] == Status.OK
+            assert wire.recv_exact(sock, 10) == pattern(4, SIZE).data[10 + n : 20 + n]
+            sock.close()

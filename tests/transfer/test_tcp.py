@@ -21,6 +21,7 @@ from kvconnect.transfer import (
     TransferOp,
     TransferStatus,
 )
+from kvconnect.transfer.batch import TransferBatch
 from kvconnect.transfer.datapath.iov import select_datapath
 from kvconnect.transfer.datapath.staging import StagingPool
 from kvconnect.transfer.memory import MemoryRegistry
@@ -178,3 +179,109 @@ def test_small_requests_from_many_threads_are_byte_exact() -> None:
         stats = engine.stats().transports["tcp"]
         assert (stats.ops, stats.errors) == (2 * threads * rounds, 0)
         assert stats.bytes_read == stats.bytes_written == threads * rounds * size
+
+
+class _GatedSource:
+    """A FileSource whose reads wait until the test opens the gate: a peer slow to answer."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.asked = threading.Event()
+        self.gate = threading.Event()
+
+    def read_into(self, offset: int, view: memoryview) -> None:
+        self.asked.set()
+        if not self.gate.wait(30):
+            raise OSError("the test never opened the gate")
+        view[:] = self.data[offset : offset + view.nbytes]
+
+
+def test_small_requests_on_an_idle_connection_complete_on_the_submitting_thread(
+    target: tuple[TransferEngine, MemoryRegion], local: MemoryRegion
+) -> None:
+    """With a poll window, the thread that sends a small frame reads its response itself:
+    the batch is complete when submit returns, and the bytes are right."""
+    engine, remote = target
+    config = engine.config.replace(poll_window=30.0, tcp_streams=1)
+    transport = TcpTransport(config, select_datapath("auto"), no_staging, [].append)
+    try:
+        warm = submit_request(transport, engine.segment, TransferOp.READ, local, remote.id)
+        assert warm.wait(10) == (TransferStatus.COMPLETED,)
+        expected = pattern(5, MiB).data
+        for i in range(20):
+            at = 4096 * (i + 1)
+            if i % 2:
+                local.view[:4096] = pattern(i, 4096).data
+                op = TransferOp.WRITE
+            else:
+                op = TransferOp.READ
+            batch = submit_request(transport, engine.segment, op, local, remote.id, at, 4096)
+            assert batch.wait(10) == (TransferStatus.COMPLETED,)
+            if op is TransferOp.READ:
+                assert local.view[:4096] == expected[at : at + 4096]
+            else:
+                assert remote.view[at : at + 4096] == pattern(i, 4096).data
+        # The first one may race the sender thread that sent the warm-up for the socket.
+        assert transport.stats().inline >= 19
+    finally:
+        transport.close()
+
+
+def test_a_response_slower_than_the_poll_window_is_left_to_the_receiver_thread(
+    local: MemoryRegion,
+) -> None:
+    data = pattern(11, MiB).data
+    source = _GatedSource(data)
+    with TransferEngine() as engine:
+        remote = engine.register_source(source, MiB)
+        config = engine.config.replace(poll_window=0.05, tcp_streams=1)
+        transport = TcpTransport(config, select_datapath("auto"), no_staging, [].append)
+        try:
+            source.gate.set()
+            warm = submit_request(transport, engine.segment, TransferOp.READ, local, remote.id)
+            assert warm.wait(10) == (TransferStatus.COMPLETED,)
+            source.gate.clear()
+            source.asked.clear()
+            batch = submit_request(
+                transport, engine.segment, TransferOp.READ, local, remote.id, 8192, 4096
+            )
+            assert not batch.done()  # submit returned after its window, the read still due
+            assert source.asked.wait(10)  # the peer has it, and holds its answer
+            source.gate.set()
+            assert batch.wait(10) == (TransferStatus.COMPLETED,)
+            assert local.view[:4096] == data[8192 : 8192 + 4096]
+            assert transport.stats().inline == 0
+        finally:
+            transport.close()
+
+
+def test_closing_the_transport_ends_a_submitting_thread_waiting_for_its_response(
+    local: MemoryRegion,
+) -> None:
+    """However long the poll window, a thread waiting for its own response is released (and
+    its request failed) as soon as the transport closes."""
+    source = _GatedSource(bytes(MiB))
+    with TransferEngine() as engine:
+        remote = engine.register_source(source, MiB)
+        config = engine.config.replace(poll_window=600.0, request_timeout=600.0, tcp_streams=1)
+        transport = TcpTransport(config, select_datapath("auto"), no_staging, [].append)
+        source.gate.set()
+        warm = submit_request(transport, engine.segment, TransferOp.READ, local, remote.id)
+        assert warm.wait(10) == (TransferStatus.COMPLETED,)
+        source.gate.clear()
+        source.asked.clear()
+        batches: list[TransferBatch] = []
+        submitter = threading.Thread(
+            target=lambda: batches.append(
+                submit_request(
+                    transport, engine.segment, TransferOp.READ, local, remote.id, 0, 4096
+                )
+            )
+        )
+        submitter.start()
+        assert source.asked.wait(10)
+        transport.close()
+        submitter.join(5)  # the batch's deadline (10 s) would end the wait only later
+        source.gate.set()
+        assert not submitter.is_alive()
+        assert batches[0].wait(10) == (TransferStatus.FAILED,)

@@ -44,6 +44,7 @@ class MasterService:
             self._tick,
             token=config.cluster_token(),
             max_message_bytes=config.max_message_bytes,
+            poll_window=config.poll_window,
         )
         self._thread: threading.Thread | None = None
         self._http: Any = None

@@ -1,7 +1,9 @@
 """The engine's listener: serves peers' READs and WRITEs into registered memory, and control calls.
 
 One TCP socket (the configured interface only) and, for same-host peers, one abstract Unix socket
-(which can also hand over shared-memory fds). One thread per connection; each request frame is
+(which can also hand over shared-memory fds). One thread per connection, which after answering a
+frame polls for the next one for ``poll_window`` before it sleeps (at most ``poll_threads``
+threads poll at once); each request frame is
 validated against the registry before a byte moves, and a malformed frame closes only its own
 connection. READs of FILE regions are filled from their source before the answer; a source that
 fails gets the frame answered UNAVAILABLE, and the connection goes on. Every blocking call has a
@@ -25,6 +27,7 @@ from collections.abc import Callable
 
 from kvconnect.errors import AuthenticationError, KVConnectError, ProtocolError, SourceUnavailable
 from kvconnect.transfer.config import TransferConfig
+from kvconnect.transfer.datapath import polling
 from kvconnect.transfer.datapath.iov import DataPath
 from kvconnect.transfer.datapath.staging import StagingPool, Window, close_all, host_views
 from kvconnect.transfer.memory import MemoryRegion, MemoryRegistry
@@ -67,6 +70,7 @@ class Listener:
         self._handshaking: dict[socket.socket, None] = {}  # oldest first
         self._authenticated = 0
         self._threads: set[threading.Thread] = set()
+        self._pollers = threading.Semaphore(config.poll_threads)  # threads that may poll now
         self._closed = False
         self.endpoints: dict[str, str] = {}
 
@@ -228,6 +232,7 @@ class _Session:
     def run(self) -> None:
         header = bytearray(wire.HEADER.size)
         while True:
+            self._poll()
             deadline = _recv_header(self.conn, header, self.config)
             if deadline is None:
                 return
@@ -242,6 +247,17 @@ class _Session:
             else:
                 raise ProtocolError(f"unknown frame kind {kind}")
             self.listener.counters.add(frames=1)
+
+    def _poll(self) -> None:
+        """Poll for the peer's next frame for ``poll_window`` (if no more than
+        ``poll_threads`` other threads poll now): one that comes soon then finds this thread
+        awake, which saves the peer's ``send`` and this thread a wake-up."""
+        window = self.config.poll_window
+        if window and self.listener._pollers.acquire(blocking=False):
+            try:
+                polling.wait_readable(self.conn.fileno(), window, window)
+            finally:
+                self.listener._pollers.release()
 
     def _recv_bounded(self, size: int) -> bytes:
         """``size`` bytes of the current frame's metadata, by its deadline; then the socket is

@@ -7,7 +7,10 @@ payload straight into registered memory with ``recv_into``). Up to ``stream_wind
 in flight per stream. A small frame submitted while a stream's connection is idle is sent by the
 submitting thread itself, which saves the hand-off to the sender thread (most of a small
 request's latency): an idle connection's send buffer is empty (the peer answered everything it
-was sent), so a send of at most ``_DIRECT_BYTES`` fits in it and cannot block.
+was sent), so a send of at most ``_DIRECT_BYTES`` fits in it and cannot block. That thread then
+polls for the response for ``poll_window`` and, if it arrives, reads it and completes the frame
+itself, so a small request costs no thread wake-up on this side; a response that takes longer
+is left to the receiver thread.
 
 Failures: a broken connection requeues its in-flight frames for the other streams (at most
 ``max_retries`` times per frame) and reconnects; a peer that refuses connections or turned out
@@ -47,6 +50,7 @@ from kvconnect.transfer.batch import (
     unpin_slices,
 )
 from kvconnect.transfer.config import TransferConfig
+from kvconnect.transfer.datapath import polling
 from kvconnect.transfer.datapath.iov import DataPath
 from kvconnect.transfer.datapath.staging import StagingPool, Window, close_all, host_views
 from kvconnect.transfer.memory import MemoryKind
@@ -172,6 +176,17 @@ def _direct(frame: Frame) -> bool:
     if any(piece.local.kind is not MemoryKind.HOST for piece in frame.slices):
         return False
     return frame.op is TransferOp.READ or sum(p.length for p in frame.slices) <= _DIRECT_BYTES
+
+
+def _inline_window(frame: Frame, poll_window: float) -> float:
+    """How long the submitting thread of a directly sent ``frame`` waits for its response
+    itself: ``poll_window`` (never past the frame's deadline) for a WRITE (its response is a
+    header) or a READ of at most ``_DIRECT_BYTES``; 0 for a larger READ (its payload is the
+    receiver thread's work)."""
+    if frame.op is TransferOp.READ and sum(p.length for p in frame.slices) > _DIRECT_BYTES:
+        return 0.0
+    deadline = min(piece.state.deadline for piece in frame.slices)
+    return max(0.0, min(poll_window, deadline - time.monotonic()))
 
 
 def fail_frames(frames: Sequence[Frame], error: KVConnectError) -> None:
@@ -437,6 +452,9 @@ class _Connection:
         # must not interleave bytes, and responses are matched in send order.
         self._sending = threading.Lock()
         self._inflight: deque[Frame] = deque()
+        # The frame whose response its submitting thread reads itself (see try_send): the
+        # receiver thread leaves the socket alone meanwhile.
+        self._inline: Frame | None = None
         self._receiver = threading.Thread(
             target=self._receive_loop, name="kvconnect-tcp-recv", daemon=True
         )
@@ -477,17 +495,50 @@ class _Connection:
 
     def try_send(self, frame: Frame) -> bool:
         """Send ``frame`` now if no other thread is sending and nothing is in flight; False
-        (frame untouched) otherwise. Failures requeue, as in :meth:`send`."""
+        (frame untouched) otherwise. Failures requeue, as in :meth:`send`. A small frame's
+        response is then awaited here for up to ``poll_window`` (see
+        :meth:`_complete_inline`); nothing else is sent on this connection meanwhile."""
         if not self._sending.acquire(blocking=False):
             return False
         try:
+            window = _inline_window(frame, self.channel.config.poll_window)
             with self._cond:
                 if self.broken or self._inflight:
                     return False
+                if window:
+                    self._inline = frame
             self._send(frame)
+            if window:
+                self._complete_inline(frame, window)
             return True
         finally:
             self._sending.release()
+
+    def _complete_inline(self, frame: Frame, window: float) -> None:
+        """Read the response to ``frame`` (just sent by this thread) here if it arrives within
+        ``window`` seconds; otherwise hand the frame to the receiver thread."""
+        with self._cond:
+            sent = not self.broken and bool(self._inflight) and self._inflight[0] is frame
+        if not sent or not polling.wait_readable(self.sock.fileno(), window, window):
+            with self._cond:
+                self._inline = None
+                self._cond.notify_all()  # the receiver thread takes it from here
+            return
+        try:
+            status = self._receive(frame, bytearray(wire.HEADER.size))
+        except (OSError, KVConnectError) as exc:
+            self._fail(exc)  # requeues the frame, still in flight
+            with self._cond:
+                self._inline = None
+            return
+        with self._cond:  # in one step: the receiver thread must never see it half retired
+            self._inline = None
+            mine = not self.broken and bool(self._inflight) and self._inflight[0] is frame
+            if mine:
+                self._inflight.popleft()
+        if mine:
+            self.transport.counters.add(inline=1)
+            self._complete(frame, status)
 
     def _send(self, frame: Frame) -> None:
         if frame.op is TransferOp.WRITE:
@@ -513,9 +564,7 @@ class _Connection:
         if not frame.sent:
             return
         header = self._header(frame)
-        with self._cond:
-            self._inflight.append(frame)
-            self._cond.notify_all()
+        self._register(frame)
         try:
             self.transport.datapath.sendv(self.sock, [header], self.channel.config.io_timeout)
         except OSError as exc:
@@ -532,9 +581,7 @@ class _Connection:
             for window in staged:
                 window.load()
             header = self._header(frame)
-            with self._cond:
-                self._inflight.append(frame)
-                self._cond.notify_all()
+            self._register(frame)
             self.transport.datapath.sendv(
                 self.sock, [header, *views], self.channel.config.io_timeout
             )
@@ -546,6 +593,14 @@ class _Connection:
         finally:
             close_all(staged)
             unpin_slices(pinned, self.abort)
+
+    def _register(self, frame: Frame) -> None:
+        """Put ``frame`` in flight (before its first byte goes out); the receiver thread is
+        woken for it unless the sending thread reads its response itself."""
+        with self._cond:
+            self._inflight.append(frame)
+            if self._inline is not frame:
+                self._cond.notify_all()
 
     def _views(self, pieces: list[Slice]) -> tuple[list[memoryview], list[Window]]:
         entries = ((p.local, p.local_offset, p.length) for p in pieces)
@@ -575,7 +630,7 @@ class _Connection:
         header = bytearray(wire.HEADER.size)
         while True:
             with self._cond:
-                while not self._inflight and not self.broken:
+                while (not self._inflight or self._inline is not None) and not self.broken:
                     self._cond.wait()
                 if self.broken:
                     return
