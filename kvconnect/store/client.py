@@ -33,7 +33,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvconnect.errors import (
     CircuitOpen,
@@ -70,13 +70,70 @@ Cancel = Callable[[], bool]
 the read."""
 
 
+_COALESCE_BYTES = 1 << 20
+"""Adjacent ranges are merged into one request up to this size: a batch the master placed in
+one run (``local_first``) from one contiguous buffer then costs the transfer engine one request
+instead of one per key, while a request stays small enough that a deadline still finds most
+of a large batch's keys either done or not started."""
+
+
+@dataclass(slots=True)
+class _Range:
+    """One request of a batch being built (see :class:`_Batch`); ``keys``: whose bytes it
+    moves (one, or several whose ranges were adjacent on both sides)."""
+
+    local: MemoryRegion
+    local_offset: int
+    segment: str
+    region: int
+    remote_offset: int
+    length: int
+    keys: list[int]
+
+
 @dataclass(frozen=True, slots=True)
 class _Batch:
-    """Requests to submit as one transfer batch; ``owners[i]``: the key of ``requests[i]``."""
+    """Requests to submit as one transfer batch."""
 
-    requests: list[TransferRequest]
-    owners: list[int]
     deadline: float
+    ranges: list[_Range] = field(default_factory=list)
+
+    def add(
+        self, key: int, spans: Sequence[Span], loc: m.Location, within: int, length: int
+    ) -> None:
+        """Key ``key``'s transfers between ``spans`` (in order) and ``length`` bytes of the
+        replica at ``loc`` from object offset ``within`` (the spans' first ``length`` bytes),
+        each merged into the previous request when it continues that one on both sides."""
+        ranges = self.ranges
+        at = loc.offset + within
+        for span in spans:
+            if length <= 0:
+                break
+            size = min(span.size, length)
+            last = ranges[-1] if ranges else None
+            if (
+                last is not None
+                and last.local is span.region
+                and last.local_offset + last.length == span.offset
+                and last.remote_offset + last.length == at
+                and last.region == loc.region
+                and last.segment == loc.segment
+                and last.length + size <= _COALESCE_BYTES
+            ):
+                last.length += size
+                if last.keys[-1] != key:
+                    last.keys.append(key)
+            else:
+                ranges.append(
+                    _Range(span.region, span.offset, loc.segment, loc.region, at, size, [key])
+                )
+            at, length = at + size, length - size
+
+    def requests(self) -> list[TransferRequest]:
+        return [
+            TransferRequest(r.local, r.local_offset, r.segment, r.region, r.remote_offset, r.length)
+            for r in self.ranges
+        ]
 
 
 class _Refused(StoreError):
@@ -546,13 +603,11 @@ class StoreClient(Lifecycle):
             left = len(replicas.locations) - replica
             batch = by_left.get(left)
             if batch is None:
-                batch = by_left[left] = _Batch([], [], now + (deadline - now) / left)
+                batch = by_left[left] = _Batch(now + (deadline - now) / left)
             loc = replicas.locations[replica]
             within = ranges.within[i] if ranges.within is not None else 0
             length = _length(replicas.size, ranges, i)
-            requests = _requests(ranges.spans[i], loc, within, length)
-            batch.requests.extend(requests)
-            batch.owners.extend([i] * len(requests))
+            batch.add(i, ranges.spans[i], loc, within, length)
         return list(by_left.values())
 
     # ------------------------------------------------------------------------------ helpers
@@ -605,23 +660,26 @@ class StoreClient(Lifecycle):
         or UNSETTLED (a transport still holds its memory: the batches holding such keys are
         returned too)."""
         outcome = [Code.OK] * count
-        running: list[tuple[list[int], TransferBatch]] = []
+        running: list[tuple[list[_Range], TransferBatch]] = []
         for batch in batches:
-            if not batch.requests:
+            if not batch.ranges:
                 continue
             remaining = max(0.0, batch.deadline - self._clock())
             try:
                 running.append(
-                    (batch.owners, self.engine.submit(op, batch.requests, timeout=remaining))
+                    (batch.ranges, self.engine.submit(op, batch.requests(), timeout=remaining))
                 )
             except KVConnectError:
-                for i in batch.owners:
-                    outcome[i] = Code.FAILED
+                for piece in batch.ranges:
+                    for i in piece.keys:
+                        outcome[i] = Code.FAILED
         unsettled = []
-        for owners, handle in running:
+        for pieces, handle in running:
             statuses = _wait(handle, cancel)
-            for i, status in zip(owners, statuses, strict=True):
-                outcome[i] = _worst(outcome[i], _STATUS_CODE[status])
+            for piece, status in zip(pieces, statuses, strict=True):
+                code = _STATUS_CODE[status]
+                for i in piece.keys:
+                    outcome[i] = _worst(outcome[i], code)
             if TransferStatus.PENDING in statuses:
                 unsettled.append(handle)
         return outcome, unsettled
@@ -650,35 +708,16 @@ def _wait(handle: TransferBatch, cancel: Cancel | None) -> tuple[TransferStatus,
 def _writes(
     reply: m.PutStartReply, ranges: b.Ranges, part: b.Part | None, deadline: float
 ) -> _Batch:
-    """The writes of the placed keys: each to every replica."""
-    writes = _Batch([], [], deadline)
-    for i, placement in enumerate(reply.results):
-        if placement.code is not Code.OK:
-            continue
-        within = part.object_offsets[i] if part else 0
-        for loc in placement.locations:
-            requests = _requests(ranges.spans[i], loc, within, ranges.sizes[i])
-            writes.requests.extend(requests)
-            writes.owners.extend([i] * len(requests))
+    """The writes of the placed keys: each to every replica (replica by replica, so that the
+    keys' copies on one segment can merge)."""
+    writes = _Batch(deadline)
+    placed = [(i, p.locations) for i, p in enumerate(reply.results) if p.code is Code.OK]
+    for replica in range(max((len(where) for _i, where in placed), default=0)):
+        for i, where in placed:
+            if replica < len(where):
+                within = part.object_offsets[i] if part else 0
+                writes.add(i, ranges.spans[i], where[replica], within, ranges.sizes[i])
     return writes
-
-
-def _requests(
-    spans: Sequence[Span], loc: m.Location, within: int, length: int
-) -> list[TransferRequest]:
-    """The transfers between ``spans`` (in order) and ``length`` bytes of the replica at
-    ``loc`` from object offset ``within``: the spans' first ``length`` bytes."""
-    requests: list[TransferRequest] = []
-    at = loc.offset + within
-    for span in spans:
-        if length <= 0:
-            break
-        size = min(span.size, length)
-        requests.append(
-            TransferRequest(span.region, span.offset, loc.segment, loc.region, at, size)
-        )
-        at, length = at + size, length - size
-    return requests
 
 
 def _fits(size: int, ranges: b.Ranges, i: int) -> Code:

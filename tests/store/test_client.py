@@ -159,6 +159,46 @@ def test_a_batch_larger_than_one_master_run_keeps_every_keys_result_in_place(
     assert client.stats().pending == 0
 
 
+def test_keys_adjacent_on_both_sides_move_as_one_request_and_keep_their_own_results(
+    client: StoreClient,
+) -> None:
+    """The master places a batch in one run; keys contiguous in the caller's buffer too are
+    one transfer request, yet each key's code, size and bytes are its own."""
+    count, size = 64, 4 * KiB
+    source = _filled(client, 9, count * size)
+    keys = [f"adjacent-{n}" for n in range(count)]
+    offsets = [n * size for n in range(count)]
+    assert client.put(keys[10], bytes(source.view[10 * size : 11 * size])) == Code.OK
+
+    def ops() -> int:
+        return client.engine.stats().transports["shm"].ops
+
+    before = ops()
+    put = client.batch_put_from(keys, source, offsets, [size] * count)
+    assert put.codes == tuple(Code.EXISTS if n == 10 else Code.OK for n in range(count))
+    assert put.sizes == tuple(0 if n == 10 else size for n in range(count))
+    assert ops() - before == 2  # the keys before the stored one, and those after it
+    target = client.register(np.zeros(count * size, dtype=np.uint8))
+    asked = [*keys[:32], "adjacent-absent", *keys[33:]]
+    before = ops()
+    got = client.batch_get_into(asked, target, offsets, [size] * count)
+    assert got.codes == tuple(Code.NOT_FOUND if n == 32 else Code.OK for n in range(count))
+    assert ops() - before == 4  # 0-9, 10 (stored on its own), 11-31, 33-63
+    for n in range(count):
+        want = bytes(size) if n == 32 else bytes(source.view[n * size : (n + 1) * size])
+        assert bytes(target.view[n * size : (n + 1) * size]) == want, n
+    strided = client.register(np.zeros(2 * count * size, dtype=np.uint8))
+    before = ops()
+    spread = client.batch_get_into(
+        keys, strided, [2 * n * size for n in range(count)], [size] * count
+    )
+    assert spread.leading() == count
+    assert ops() - before == count  # gaps in the caller's buffer: one request per key
+    for n in range(count):
+        at = 2 * n * size
+        assert bytes(strided.view[at : at + size]) == bytes(source.view[n * size : (n + 1) * size])
+
+
 # ----------------------------------------------------------------------- C12: the contract
 
 
