@@ -382,6 +382,8 @@ def check_key(key: object) -> bool:
     consumers of keys end them there). A string with a lone surrogate cannot be encoded."""
     if not isinstance(key, str) or not key or "\0" in key:
         return False
+    if key.isascii():  # the common case, told without encoding: a byte per character
+        return len(key) <= MAX_KEY_BYTES
     try:
         return len(key.encode()) <= MAX_KEY_BYTES
     except UnicodeEncodeError:
