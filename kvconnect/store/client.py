@@ -53,7 +53,7 @@ from kvconnect.store.rpc import RpcClient
 from kvconnect.transfer import TransferConfig, TransferOp, TransferRequest, TransferStatus
 from kvconnect.transfer.batch import TransferBatch
 from kvconnect.transfer.engine import TransferEngine
-from kvconnect.transfer.memory import MemoryRegion
+from kvconnect.transfer.memory import MemoryKind, MemoryRegion
 
 __all__ = ["BatchResult", "Regions", "Span", "StoreClient"]
 
@@ -74,7 +74,8 @@ _COALESCE_BYTES = 1 << 20
 """Adjacent ranges are merged into one request up to this size: a batch the master placed in
 one run (``local_first``) from one contiguous buffer then costs the transfer engine one request
 instead of one per key, while a request stays small enough that a deadline still finds most
-of a large batch's keys either done or not started."""
+of a large batch's keys either done or not started. Ranges in a FILE region (a disk tier) never
+merge: its source serves one object per read, verified."""
 
 
 @dataclass(slots=True)
@@ -93,9 +94,11 @@ class _Range:
 
 @dataclass(frozen=True, slots=True)
 class _Batch:
-    """Requests to submit as one transfer batch."""
+    """Requests to submit as one transfer batch; ``memory(segment, region)``: whether a remote
+    region is memory (ranges in it may merge)."""
 
     deadline: float
+    memory: Callable[[str, int], bool]
     ranges: list[_Range] = field(default_factory=list)
 
     def add(
@@ -119,6 +122,7 @@ class _Batch:
                 and last.region == loc.region
                 and last.segment == loc.segment
                 and last.length + size <= _COALESCE_BYTES
+                and self.memory(loc.segment, loc.region)
             ):
                 last.length += size
                 if last.keys[-1] != key:
@@ -379,7 +383,7 @@ class StoreClient(Lifecycle):
         if not isinstance(reply, m.PutStartReply) or len(reply.results) != len(keys):
             return b.all_codes(Code.INTERNAL, len(keys))
         codes = [p.code for p in reply.results]
-        writes = _writes(reply, ranges, part, deadline)
+        writes = _writes(reply, ranges, part, _Batch(deadline, self._memory))
         outcome, unsettled = self._transfer(TransferOp.WRITE, [writes], len(keys), None)
         started = [i for i in range(len(keys)) if codes[i] is Code.OK]
         for i in started:
@@ -603,7 +607,7 @@ class StoreClient(Lifecycle):
             left = len(replicas.locations) - replica
             batch = by_left.get(left)
             if batch is None:
-                batch = by_left[left] = _Batch(now + (deadline - now) / left)
+                batch = by_left[left] = _Batch(now + (deadline - now) / left, self._memory)
             loc = replicas.locations[replica]
             within = ranges.within[i] if ranges.within is not None else 0
             length = _length(replicas.size, ranges, i)
@@ -684,6 +688,12 @@ class StoreClient(Lifecycle):
                 unsettled.append(handle)
         return outcome, unsettled
 
+    def _memory(self, segment: str, region: int) -> bool:
+        """Whether a replica's region is memory as far as the engine knows (a region not
+        known yet counts as not)."""
+        info = self.engine.peer_region(segment, region)
+        return info is not None and info.kind != MemoryKind.FILE.value
+
     def _judge(self, codes: list[Code]) -> None:
         """The data path failed if no key of a call got through (its master call succeeded,
         so this is what the breaker must learn)."""
@@ -706,11 +716,10 @@ def _wait(handle: TransferBatch, cancel: Cancel | None) -> tuple[TransferStatus,
 
 
 def _writes(
-    reply: m.PutStartReply, ranges: b.Ranges, part: b.Part | None, deadline: float
+    reply: m.PutStartReply, ranges: b.Ranges, part: b.Part | None, writes: _Batch
 ) -> _Batch:
-    """The writes of the placed keys: each to every replica (replica by replica, so that the
-    keys' copies on one segment can merge)."""
-    writes = _Batch(deadline)
+    """``writes`` (empty) with the writes of the placed keys: each to every replica (replica by
+    replica, so that the keys' copies on one segment can merge)."""
     placed = [(i, p.locations) for i, p in enumerate(reply.results) if p.code is Code.OK]
     for replica in range(max((len(where) for _i, where in placed), default=0)):
         for i, where in placed:

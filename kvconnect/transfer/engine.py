@@ -546,6 +546,13 @@ class TransferEngine(Lifecycle):
         except KVConnectError as exc:
             return exc
 
+    def peer_region(self, segment: str, region_id: int) -> RegionInfo | None:
+        """Region ``region_id`` of peer ``segment`` as this engine last learned it (its cached
+        descriptor), without I/O: None if the segment was not looked up yet or has no such
+        region."""
+        descriptor = self._directory.cached(segment)
+        return None if descriptor is None else descriptor.region(region_id)
+
     def forget_segment(self, name: str) -> None:
         """Drop what this engine keeps for peer segment ``name``: its descriptor and the
         connections and mappings of the engine that served it. For a peer known to be gone

@@ -154,6 +154,34 @@ def test_evicted_objects_move_to_disk_and_read_back(tmp_path: Path) -> None:
         assert disk.lost == 0
 
 
+def test_adjacent_objects_on_disk_read_back_in_batches_byte_for_byte(tmp_path: Path) -> None:
+    """Small objects written in runs lie side by side in memory and, once demoted, on the
+    disk; a batch reading them into one contiguous buffer gets each one whole (the disk serves
+    one verified object per read, so such reads are never merged across objects)."""
+    size, count, run = 64 << 10, 256, 32  # twice the memory
+    source = pattern(77, size * count)
+    with _store(tmp_path / "disk.data") as (cluster, _server), _client(cluster) as client:
+        region = client.register(source.copy())
+        for first in range(0, count, run):
+            keys = [f"small-{n}" for n in range(first, first + run)]
+            offsets = [n * size for n in range(first, first + run)]
+            wait_for(
+                lambda keys=keys, offsets=offsets: (
+                    client.batch_put_from(keys, region, offsets, [size] * run).leading() == run
+                ),
+                "a run never found room",
+                timeout=30,
+            )
+        wait_for(lambda: _disk_objects(cluster) >= count // 2, "no objects reached the disk")
+        target = client.register(bytearray(size * count))
+        keys = [f"small-{n}" for n in range(count)]
+        got = client.batch_get_into(keys, target, [n * size for n in range(count)], [size] * count)
+        missing = [n for n, code in enumerate(got.codes) if code is not Code.OK]
+        assert missing == [], f"not read: {missing[:10]}"
+        assert bytes(target.view) == source.tobytes()
+        assert _tier(cluster, m.Tier.DISK).hits > 0
+
+
 def test_disk_objects_survive_a_killed_store_server(tmp_path: Path) -> None:
     with _store(tmp_path / "disk.data") as (cluster, server), _client(cluster) as client:
         _fill_disk(cluster, client)
