@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-from kvconnect.transfer import MemoryRegion, SegmentDescriptor, TransferOp, TransferRequest
+from kvconnect.transfer import (
+    MemoryRegion,
+    SegmentDescriptor,
+    TransferOp,
+    TransferRequest,
+    TransferStatus,
+)
 from kvconnect.transfer.batch import BatchState, TransferBatch, make_slices
 from kvconnect.transfer.transports.base import Transport
 
@@ -28,3 +35,16 @@ def submit_request(
     state = BatchState(op, [request], time.monotonic() + 10, SLICE, lambda: None, settle_grace=1)
     transport.submit(peer, op, make_slices(state, 0, request, SLICE))
     return TransferBatch(state)
+
+
+def done_in_submit(submit: Callable[[], TransferBatch]) -> TransferBatch:
+    """A batch ``submit()`` returned done (a small same-host copy made by the submitting
+    thread). That path only tries the shared-memory peer's lock, which its liveness watch
+    takes now and then: a submit meeting it hands the copy to a worker, so a few tries are
+    allowed; every one must complete."""
+    for _ in range(20):
+        batch = submit()
+        if batch.done():
+            return batch
+        assert batch.wait(10) == (TransferStatus.COMPLETED,)
+    raise AssertionError("no copy completed in submit in 20 tries")

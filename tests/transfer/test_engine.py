@@ -35,6 +35,7 @@ from kvconnect.transfer.batch import TransferBatch
 from kvconnect.transfer.memory import MemoryRegion
 from kvconnect.transfer.protocol import wire
 from tests.support.leaks import kvconnect_threads, wait_no_kvconnect_threads
+from tests.support.slices import done_in_submit
 
 MiB = 1 << 20
 
@@ -108,17 +109,13 @@ def test_a_small_copy_in_memory_is_done_when_submit_returns(transport: str) -> N
         served.view[:] = pattern(5, 1 << 20).data
         local = engine.register(bytearray(1 << 20), private=True)
         engine.read(local, 0, owner.name, served.id, 0, 1 << 20)  # first contact, mapping
-        read = engine.submit(
-            TransferOp.READ, [TransferRequest(local, 0, owner.name, served.id, 4096, 4096)]
-        )
-        assert read.done(), "the READ completed in submit"
+        reading = TransferRequest(local, 0, owner.name, served.id, 4096, 4096)
+        read = done_in_submit(lambda: engine.submit(TransferOp.READ, [reading]))
         assert read.statuses == (TransferStatus.COMPLETED,)
         assert local.view[:4096] == pattern(5, 1 << 20).data[4096:8192]
         local.view[:4096] = pattern(6, 4096).data
-        write = engine.submit(
-            TransferOp.WRITE, [TransferRequest(local, 0, owner.name, served.id, 65536, 4096)]
-        )
-        assert write.done(), "the WRITE completed in submit"
+        writing = TransferRequest(local, 0, owner.name, served.id, 65536, 4096)
+        write = done_in_submit(lambda: engine.submit(TransferOp.WRITE, [writing]))
         assert write.statuses == (TransferStatus.COMPLETED,)
         assert served.view[65536 : 65536 + 4096] == pattern(6, 4096).data
 

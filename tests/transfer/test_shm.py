@@ -27,7 +27,7 @@ from kvconnect.transfer.datapath.iov import select_datapath
 from kvconnect.transfer.memory import MemoryRegistry
 from kvconnect.transfer.transports import shm
 from kvconnect.transfer.transports.shm import ShmTransport
-from tests.support.slices import SLICE, MiB, submit_request
+from tests.support.slices import SLICE, MiB, done_in_submit, submit_request
 
 
 def no_device() -> DeviceCopier:
@@ -151,13 +151,15 @@ def test_a_small_copy_of_a_mapped_region_is_done_when_submit_returns() -> None:
             TransferStatus.COMPLETED,
         )  # maps the region
         local.view[:] = bytes(MiB)
-        batch = submit_request(transport, peer, TransferOp.READ, local, remote.id, 4096, 4096)
-        assert batch.done(), "completed in submit"
+        batch = done_in_submit(
+            lambda: submit_request(transport, peer, TransferOp.READ, local, remote.id, 4096, 4096)
+        )
         assert batch.statuses == (TransferStatus.COMPLETED,)
         assert local.view[:4096] == pattern(7, MiB).data[4096:8192]
         local.view[:4096] = pattern(9, 4096).data
-        batch = submit_request(transport, peer, TransferOp.WRITE, local, remote.id, 0, 4096)
-        assert batch.done(), "completed in submit"
+        batch = done_in_submit(
+            lambda: submit_request(transport, peer, TransferOp.WRITE, local, remote.id, 0, 4096)
+        )
         assert batch.statuses == (TransferStatus.COMPLETED,)
         assert remote.view[:4096] == pattern(9, 4096).data
 
