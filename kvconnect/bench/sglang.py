@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvconnect.bench import usage
 from kvconnect.bench.baselines import mooncake_store
 from kvconnect.sglang.plugin import DYNAMIC_ROUTE
 from kvconnect.store.launch import Cluster
@@ -398,16 +399,6 @@ def _read_digests(system: System, host_indices: torch.Tensor, count: int) -> lis
     return [_digest(system.pool.get_data_page(i).view(torch.uint8)) for i in starts]
 
 
-def _cpu_seconds(pids: tuple[int, ...]) -> float:
-    """CPU time so far of this process (every thread) and of ``pids``."""
-    times = os.times()
-    total = times.user + times.system
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-    return total
-
-
 @dataclass
 class Timed:
     seconds: float
@@ -419,10 +410,10 @@ def _backup(system: System, pages: Pages) -> Timed:
     source = system.pool.alloc(len(pages.tokens))
     for index, row in zip(_page_starts(system, source), pages.data, strict=True):
         system.pool.set_from_flat_data_page(index, row.view(DTYPE))
-    start, cpu = time.perf_counter(), _cpu_seconds(system.server_pids)
+    start, cpu = time.perf_counter(), usage.cpu_seconds(system.server_pids)
     system.cc.write_storage(source, pages.tokens, hash_value=pages.hashes)
     ack = system.cc.ack_backup_queue.get(timeout=ACK_TIMEOUT)
-    timed = Timed(time.perf_counter() - start, _cpu_seconds(system.server_pids) - cpu)
+    timed = Timed(time.perf_counter() - start, usage.cpu_seconds(system.server_pids) - cpu)
     system.pool.free(source)  # L1/L2 dropped: only L3 has the pages now
     if int(ack.completed_tokens) != len(pages.tokens):
         raise RuntimeError(f"{system.name}: backup stored {ack.completed_tokens} tokens")
@@ -454,7 +445,7 @@ def _prefetch(system: System, pages: Pages, rid: str, *, stall: bool = False) ->
     operation.host_indices = host_indices
     operation.hash_value = operation.hash_value[: len(host_indices) // page]
     budget = TIMEOUT_BASE + TIMEOUT_PER_KI_TOKEN * hit / 1024
-    start, cpu = time.perf_counter(), _cpu_seconds(system.server_pids)
+    start, cpu = time.perf_counter(), usage.cpu_seconds(system.server_pids)
     system.stall_after_batch = stall
     cc.prefetch_buffer.put(operation)
     taken: int | None = None
@@ -474,7 +465,7 @@ def _prefetch(system: System, pages: Pages, rid: str, *, stall: bool = False) ->
     finally:
         system.stall_after_batch = False
         _resume(system)
-    timed = Timed(time.perf_counter() - start, _cpu_seconds(system.server_pids) - cpu)
+    timed = Timed(time.perf_counter() - start, usage.cpu_seconds(system.server_pids) - cpu)
     reused = (taken if taken is not None else int(operation.completed_tokens)) // page
     intact = _read_digests(system, host_indices, reused) == pages.digests[:reused]
     system.verified_pages += reused if intact else 0

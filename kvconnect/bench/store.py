@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvconnect._config import cluster_token
-from kvconnect.bench import disk_report, master_load
+from kvconnect.bench import disk_report, master_load, usage
 from kvconnect.bench.baselines.mooncake_engine import find_mooncake_python
 from kvconnect.bench.baselines.mooncake_store import MooncakeStoreBaseline
 from kvconnect.bench.store_throughput import print_throughput, throughput_phase
@@ -50,6 +50,7 @@ from kvconnect.store.rpc import RpcClient
 from kvconnect.transfer import TransferConfig
 
 KiB, MiB = 1 << 10, 1 << 20
+SLEEPING = "kvconnect-sleeping"  # --poll-ab: every poll window 0
 # value size → (batch size, bytes-API ops per round, batch calls per round)
 CASES = {4 * KiB: (128, 400, 40), 1 * MiB: (16, 100, 30), 16 * MiB: (4, 16, 8)}
 BUFFER = 256 * MiB
@@ -72,6 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--throughput-seconds", type=float, default=3.0)
     parser.add_argument("--segment", default="4G", help="store memory (Mooncake; kvconnect 2x)")
     parser.add_argument("--mooncake-python", help="interpreter with the mooncake package")
+    parser.add_argument(
+        "--poll-ab",
+        action="store_true",
+        help="data phase: also kvconnect with every poll window 0 (sleeping waits), same run",
+    )
     parser.add_argument("--quick", action="store_true", help="a fraction of the work: a smoke run")
     parser.add_argument("--out", default="bench-store.json")
     disk_report.add_arguments(parser)
@@ -114,23 +120,53 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _Kvconnect:
-    """The kvconnect side of the data phase: a store server process, a client here."""
+    """The kvconnect side of the data phase: a store server process, a client here.
+    ``poll_window``: every process's poll window (None: the defaults). ``cpu_us`` collects,
+    per round, the CPU time per timed call of this process and the store's."""
 
-    def __init__(self, mode: str, segment: int) -> None:
+    def __init__(self, mode: str, segment: int, poll_window: float | None = None) -> None:
         # Twice Mooncake's segment and a short lease: the forced removals between rounds free
         # space only once leases lapse (correct for a cache, slow for back-to-back rounds).
+        window = [] if poll_window is None else [str(poll_window)]
+        master_window = ["--master-poll-window", *window] if window else []
         self.cluster = Cluster(
-            servers=1, server_size=2 * segment, master_args=["--master-lease-ttl", "0.5"]
+            servers=1,
+            server_size=2 * segment,
+            master_args=["--master-lease-ttl", "0.5", *master_window],
+            server_args=["--transfer-poll-window", *window] if window else [],
         )
         transport = "tcp" if mode == "tcp" else "auto"
         config = StoreClientConfig(
             master=self.cluster.master_endpoint, io_timeout=60, rpc_timeout=10
         )
-        self.client = StoreClient(config, TransferConfig.from_mapping({"transport": transport}))
+        transfer = TransferConfig.from_mapping({"transport": transport})
+        if poll_window is not None:
+            config = config.replace(poll_window=poll_window)
+            transfer = transfer.replace(poll_window=poll_window)
+        self.client = StoreClient(config, transfer)
         self.client.start()
         self.buffer = self.client.register(np.ones(BUFFER, dtype=np.uint8))
+        self.cpu_us: list[float] = []
+        self._pids = (self.cluster.master.pid, *(server.pid for server in self.cluster.servers))
         self._round = 0
         self._warm(2 * segment * 0.9)
+
+    def _settle(self) -> None:
+        """Wait until the space the last round force-removed is allocatable again (its
+        readers' leases lapsed, its store server acknowledged the removals), as Mooncake's is
+        at once: a round then never finds its puts answered BUSY."""
+        deadline = time.monotonic() + 30
+        while any(segment.in_transit for segment in self.client.stats().segments):
+            if time.monotonic() > deadline:
+                raise RuntimeError("kvconnect's removed space did not come back in 30 s")
+            time.sleep(0.01)
+
+    @contextlib.contextmanager
+    def _metered(self, calls: int) -> Iterator[None]:
+        """Add the CPU per call of the block (``calls`` timed calls) to ``cpu_us``."""
+        start = usage.cpu_seconds(self._pids)
+        yield
+        self.cpu_us.append((usage.cpu_seconds(self._pids) - start) / calls * 1e6)
 
     def _warm(self, nbytes: float) -> None:
         """Write most of the store once and remove it, as the Mooncake runner's ``warm`` does:
@@ -148,6 +184,7 @@ class _Kvconnect:
     def run(self, command: dict[str, Any]) -> list[float]:
         op = command["op"]
         self._round += 1
+        self._settle()
         prefix = f"r{self._round}-"
         if op in ("put", "get"):
             return self._bytes_api(op, command["size"], command["count"], prefix)
@@ -162,18 +199,19 @@ class _Kvconnect:
         if op == "get":
             for key in keys:
                 self.client.put(key, value)
-        for key in keys:
-            start = time.perf_counter()
-            if op == "put":
-                stored = self.client.put(key, value)
+        with self._metered(count):
+            for key in keys:
+                start = time.perf_counter()
+                if op == "put":
+                    stored = self.client.put(key, value)
+                    seconds.append(time.perf_counter() - start)
+                    if stored not in (Code.OK, Code.EXISTS):
+                        raise RuntimeError(f"kvconnect put of {size} bytes failed: {stored.name}")
+                    continue
+                read = self.client.get(key)
                 seconds.append(time.perf_counter() - start)
-                if stored not in (Code.OK, Code.EXISTS):
-                    raise RuntimeError(f"kvconnect put of {size} bytes failed: {stored.name}")
-                continue
-            read = self.client.get(key)
-            seconds.append(time.perf_counter() - start)
-            if read is None or bytes(read) != value:
-                raise RuntimeError(f"kvconnect get of {size} bytes returned wrong data")
+                if read is None or bytes(read) != value:
+                    raise RuntimeError(f"kvconnect get of {size} bytes returned wrong data")
         self.client.batch_remove(keys, force=True)
         return seconds
 
@@ -185,15 +223,16 @@ class _Kvconnect:
             for keys in calls:
                 self.client.batch_put_from(keys, self.buffer, offsets, sizes)
         seconds = []
-        for keys in calls:
-            start = time.perf_counter()
-            if op == "batch_put_from":
-                result = self.client.batch_put_from(keys, self.buffer, offsets, sizes)
-            else:
-                result = self.client.batch_get_into(keys, self.buffer, offsets, sizes)
-            seconds.append(time.perf_counter() - start)
-            if result.leading() != batch:
-                raise RuntimeError(f"kvconnect {op} failed: {set(result.codes)}")
+        with self._metered(count):
+            for keys in calls:
+                start = time.perf_counter()
+                if op == "batch_put_from":
+                    result = self.client.batch_put_from(keys, self.buffer, offsets, sizes)
+                else:
+                    result = self.client.batch_get_into(keys, self.buffer, offsets, sizes)
+                seconds.append(time.perf_counter() - start)
+                if result.leading() != batch:
+                    raise RuntimeError(f"kvconnect {op} failed: {set(result.codes)}")
         for keys in calls:
             self.client.batch_remove(keys, force=True)
         return seconds
@@ -202,16 +241,17 @@ class _Kvconnect:
         keys = [f"{prefix}{i}" for i in range(batch)]
         self.client.batch_put_from(keys, self.buffer, [0] * batch, [4 * KiB] * batch)
         seconds = []
-        for n in range(count):
-            start = time.perf_counter()
-            found = (
-                self.client.batch_exists(keys)
-                if op == "batch_exists"
-                else [self.client.exists(keys[n % batch])]
-            )
-            seconds.append(time.perf_counter() - start)
-            if not all(found):
-                raise RuntimeError("kvconnect exists returned False for a stored key")
+        with self._metered(count):
+            for n in range(count):
+                start = time.perf_counter()
+                found = (
+                    self.client.batch_exists(keys)
+                    if op == "batch_exists"
+                    else [self.client.exists(keys[n % batch])]
+                )
+                seconds.append(time.perf_counter() - start)
+                if not all(found):
+                    raise RuntimeError("kvconnect exists returned False for a stored key")
         self.client.batch_remove(keys, force=True)
         return seconds
 
@@ -237,6 +277,8 @@ def _data_phase(mode: str, mooncake: str | None, args: argparse.Namespace) -> li
     segment = _parse_size(args.segment)
     systems: dict[str, Any] = {"kvconnect": _Kvconnect(mode, segment)}
     try:
+        if args.poll_ab:
+            systems[SLEEPING] = _Kvconnect(mode, segment, poll_window=0.0)
         if mooncake is not None:
             systems["mooncake"] = MooncakeStoreBaseline(mooncake, mode, segment, BUFFER)
             systems["mooncake"].call({"op": "warm", "fraction": 0.9})
@@ -253,9 +295,12 @@ def _data_phase(mode: str, mooncake: str | None, args: argparse.Namespace) -> li
                         flush=True,
                     )
                     samples[name].append(system.run(command))
-            results.append(
-                {**command, **{name: _summary(command, runs) for name, runs in samples.items()}}
-            )
+            row = {**command, **{name: _summary(command, runs) for name, runs in samples.items()}}
+            for name, system in systems.items():
+                if isinstance(system, _Kvconnect):
+                    row[name]["cpu_us"] = statistics.median(system.cpu_us)
+                    system.cpu_us.clear()
+            results.append(row)
         return results
     finally:
         for system in systems.values():
@@ -290,20 +335,33 @@ def _size(nbytes: int) -> str:
 
 def _print_data(data: dict[str, list[dict[str, Any]]]) -> None:
     for mode, rows in data.items():
+        sleeping = any(SLEEPING in row for row in rows)
         print(f"\nmode {mode}")
-        print(f"{'op':<24}{'kvconnect':>22}{'mooncake':>22}{'ratio':>8}")
+        head = f"{'op':<24}{'kvconnect':>22}{'cpu/call':>10}{'mooncake':>22}{'ratio':>8}"
+        print(head + (f"{'no polling':>22}{'cpu/call':>10}{'gain':>8}" if sleeping else ""))
         for row in rows:
-            ours, theirs = row["kvconnect"], row.get("mooncake")
-            metric = "gbps" if "gbps" in ours else "p50_ms"
-            ratio = ""
-            if theirs:
-                value = (
-                    ours[metric] / theirs[metric]
-                    if metric == "gbps"
-                    else theirs[metric] / ours[metric]
-                )
-                ratio = f"{value:.2f}x"
-            print(f"{_label(row):<24}{_cell(ours):>22}{_cell(theirs):>22}{ratio:>8}")
+            ours = row["kvconnect"]
+            line = f"{_label(row):<24}{_cell(ours):>22}{_cpu(ours):>10}"
+            line += f"{_cell(row.get('mooncake')):>22}{_speedup(ours, row.get('mooncake')):>8}"
+            if sleeping:
+                asleep = row.get(SLEEPING)
+                line += f"{_cell(asleep):>22}{_cpu(asleep):>10}{_speedup(ours, asleep):>8}"
+            print(line)
+
+
+def _speedup(ours: dict[str, float], theirs: dict[str, float] | None) -> str:
+    """How many times faster ``ours`` is (throughput, or latency for single calls)."""
+    if not theirs:
+        return ""
+    if "gbps" in ours:
+        return f"{ours['gbps'] / theirs['gbps']:.2f}x"
+    return f"{theirs['p50_ms'] / ours['p50_ms']:.2f}x"
+
+
+def _cpu(summary: dict[str, float] | None) -> str:
+    if summary is None or "cpu_us" not in summary:
+        return "-"
+    return f"{summary['cpu_us']:.0f}us"
 
 
 def _cell(summary: dict[str, float] | None) -> str:

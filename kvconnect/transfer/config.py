@@ -102,7 +102,7 @@ class TransferConfig(Section):
     sleep at once). The submitting thread of a small TCP request sent on an idle connection
     waits this long for the response and completes the request itself (no hand-off to the
     receiver thread); a listener thread polls this long for its connection's next frame
-    after answering one. Polling yields the CPU between polls and holds no GIL
+    after answering a small one. Polling yields the CPU between polls and holds no GIL
     (docs/transfer.md, "Polling")."""
     poll_threads: int = 1
     """Listener threads that may poll at once (the others sleep at once): bounds the CPU a

@@ -2,8 +2,8 @@
 
 One TCP socket (the configured interface only) and, for same-host peers, one abstract Unix socket
 (which can also hand over shared-memory fds). One thread per connection, which after answering a
-frame polls for the next one for ``poll_window`` before it sleeps (at most ``poll_threads``
-threads poll at once); each request frame is
+small frame polls for the next one for ``poll_window`` before it sleeps (at most
+``poll_threads`` threads poll at once); each request frame is
 validated against the registry before a byte moves, and a malformed frame closes only its own
 connection. READs of FILE regions are filled from their source before the answer; a source that
 fails gets the frame answered UNAVAILABLE, and the connection goes on. Every blocking call has a
@@ -231,16 +231,19 @@ class _Session:
 
     def run(self) -> None:
         header = bytearray(wire.HEADER.size)
+        carried = 0  # bytes the last frame carried
         while True:
-            self._poll()
+            if carried <= wire.SMALL_FRAME_BYTES:
+                self._poll()
             deadline = _recv_header(self.conn, header, self.config)
             if deadline is None:
                 return
             self.deadline = deadline
             kind, _status, count, aux, frame_id = wire.HEADER.unpack(header)
+            carried = 0
             if kind in (FrameKind.READ, FrameKind.WRITE):
                 start = time.perf_counter()
-                self._data_frame(FrameKind(kind), count, frame_id)
+                carried = self._data_frame(FrameKind(kind), count, frame_id)
                 self.listener.latency.observe(time.perf_counter() - start)
             elif kind == FrameKind.CONTROL:
                 self._control(aux, frame_id)
@@ -249,9 +252,9 @@ class _Session:
             self.listener.counters.add(frames=1)
 
     def _poll(self) -> None:
-        """Poll for the peer's next frame for ``poll_window`` (if no more than
-        ``poll_threads`` other threads poll now): one that comes soon then finds this thread
-        awake, which saves the peer's ``send`` and this thread a wake-up."""
+        """After a small frame, poll for the peer's next frame for ``poll_window`` (if no
+        more than ``poll_threads`` other threads poll now): one that comes soon then finds
+        this thread awake, which saves the peer's ``send`` and this thread a wake-up."""
         window = self.config.poll_window
         if window and self.listener._pollers.acquire(blocking=False):
             try:
@@ -266,7 +269,8 @@ class _Session:
         self.conn.settimeout(self.config.io_timeout)
         return data
 
-    def _data_frame(self, kind: FrameKind, count: int, frame_id: int) -> None:
+    def _data_frame(self, kind: FrameKind, count: int, frame_id: int) -> int:
+        """Serve one READ or WRITE frame; returns the bytes it asked to move."""
         if not 0 < count <= wire.MAX_ENTRIES:
             raise ProtocolError(f"frame with {count} entries")
         flat = wire.unpack_entries(self._recv_bounded(wire.ENTRY.size * count), count)
@@ -286,6 +290,7 @@ class _Session:
                 self._serve_read(Status(access), regions, flat, total, frame_id)
         finally:
             registry.release_many(regions)
+        return total
 
     def _views(
         self, regions: list[MemoryRegion], flat: tuple[int, ...]

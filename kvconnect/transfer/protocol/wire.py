@@ -41,6 +41,10 @@ NONCE_LEN: Final = 16
 MAC_LEN: Final = 32
 MAX_ENTRIES: Final = 1024
 MAX_CONTROL_BYTES: Final = 1 << 20
+SMALL_FRAME_BYTES: Final = 64 << 10
+"""A frame carrying at most this many bytes is small: its answer is due within microseconds,
+so the threads on both ends poll for what comes next instead of sleeping (a bulk frame's
+milliseconds of payload make a wake-up negligible)."""
 
 HELLO: Final = struct.Struct("<4sHH16s")
 SERVER_HELLO: Final = struct.Struct("<4sHH16s16s")

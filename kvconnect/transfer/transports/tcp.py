@@ -4,13 +4,13 @@ Per peer engine a *channel* holds a queue of frames and ``tcp_streams`` streams.
 a sender thread (takes the next frame, sends header + payload with one vectored send from the
 registered memory) and, per connection, a receiver thread (reads responses in order, a READ's
 payload straight into registered memory with ``recv_into``). Up to ``stream_window`` frames are
-in flight per stream. A small frame submitted while a stream's connection is idle is sent by the
-submitting thread itself, which saves the hand-off to the sender thread (most of a small
-request's latency): an idle connection's send buffer is empty (the peer answered everything it
-was sent), so a send of at most ``_DIRECT_BYTES`` fits in it and cannot block. That thread then
-polls for the response for ``poll_window`` and, if it arrives, reads it and completes the frame
-itself, so a small request costs no thread wake-up on this side; a response that takes longer
-is left to the receiver thread.
+in flight per stream. A small frame (``wire.SMALL_FRAME_BYTES``) submitted while a stream's
+connection is idle is sent by the submitting thread itself, which saves the hand-off to the
+sender thread (most of a small request's latency): an idle connection's send buffer is empty
+(the peer answered everything it was sent), so that send fits in it and cannot block. That
+thread then polls for the response for ``poll_window`` and, if it arrives, reads it and
+completes the frame itself, so a small request costs no thread wake-up on this side; a response
+that takes longer is left to the receiver thread.
 
 Failures: a broken connection requeues its in-flight frames for the other streams (at most
 ``max_retries`` times per frame) and reconnects; a peer that refuses connections or turned out
@@ -65,7 +65,6 @@ log = logging.getLogger(__name__)
 
 _ACCESS_STATUSES = {Status.UNKNOWN_REGION, Status.OUT_OF_BOUNDS, Status.READ_ONLY}
 _SCRATCH = memoryview(bytearray(1 << 20))  # sink for bytes of requests that already ended
-_DIRECT_BYTES = 64 << 10  # WRITE payloads the submitting thread may send itself (see above)
 
 
 @dataclass(slots=True, eq=False)
@@ -175,15 +174,16 @@ def _direct(frame: Frame) -> bool:
     entries) or a small WRITE, of host memory only (device memory would need staging)."""
     if any(piece.local.kind is not MemoryKind.HOST for piece in frame.slices):
         return False
-    return frame.op is TransferOp.READ or sum(p.length for p in frame.slices) <= _DIRECT_BYTES
+    small = sum(p.length for p in frame.slices) <= wire.SMALL_FRAME_BYTES
+    return frame.op is TransferOp.READ or small
 
 
 def _inline_window(frame: Frame, poll_window: float) -> float:
     """How long the submitting thread of a directly sent ``frame`` waits for its response
     itself: ``poll_window`` (never past the frame's deadline) for a WRITE (its response is a
-    header) or a READ of at most ``_DIRECT_BYTES``; 0 for a larger READ (its payload is the
+    header) or a READ of at most ``wire.SMALL_FRAME_BYTES``; 0 for a larger READ (its payload is the
     receiver thread's work)."""
-    if frame.op is TransferOp.READ and sum(p.length for p in frame.slices) > _DIRECT_BYTES:
+    if frame.op is TransferOp.READ and sum(p.length for p in frame.slices) > wire.SMALL_FRAME_BYTES:
         return 0.0
     deadline = min(piece.state.deadline for piece in frame.slices)
     return max(0.0, min(poll_window, deadline - time.monotonic()))
