@@ -25,10 +25,12 @@ log = logging.getLogger(__name__)
 
 
 _MIN_JOB = 1 << 20  # below this, handing work to a second thread costs more than it saves
-# A group up to this size of host memory is copied by the submitting thread: microseconds of
-# memcpy, where a hand-off to a worker and back costs two thread wake-ups (~100 µs each on
-# small VMs). Small enough that ``submit`` still returns at once.
-_INLINE_BYTES = 64 << 10
+# A group of at most this much host memory in at most this many pieces is copied by the
+# submitting thread: up to ~100 µs of memcpy and little Python, where a hand-off to a worker
+# and back costs two thread wake-ups (tens of µs each on small VMs) and, on a 2-core host, a
+# second core the store's other processes need. Small enough that ``submit`` returns at once.
+_INLINE_BYTES = 1 << 20
+_INLINE_PIECES = 16
 _COPY_CHUNK = 4 << 20  # bytes copied between two looks at the requests' state (~0.5-4 ms)
 
 
@@ -50,10 +52,11 @@ class CopyWorkers:
 
     def inline(self, group: Sequence[Slice]) -> bool:
         """Whether a transport should copy ``group`` (a job of :meth:`split`) in the
-        submitting thread rather than :meth:`run` it: a few KiB of host memory (a transport
-        also makes sure that nothing on its way waits)."""
+        submitting thread rather than :meth:`run` it: a few pieces of host memory, a MiB at
+        most (a transport also makes sure that nothing on its way waits)."""
         return (
             not self._closed
+            and len(group) <= _INLINE_PIECES
             and sum(piece.length for piece in group) <= _INLINE_BYTES
             and all(piece.local.kind is MemoryKind.HOST for piece in group)
         )
