@@ -76,8 +76,9 @@ class MasterConfig(Section):
     poll_window: float = 200e-6
     """Seconds the master polls for the next request after answering one before it sleeps
     (0: sleep at once): a request that follows soon (a put's second half, a busy client's
-    next call) is answered without a wake-up, for up to this much CPU per idle gap
-    (docs/store.md, "Polling")."""
+    next call) is answered without a wake-up, for up to this much CPU per idle gap. Not after
+    an answer that starts a transfer of more than 1 MiB (docs/architecture.md, "Polling
+    windows")."""
     kv_events: str = ""
     """zmq endpoint to bind a PUB socket at, publishing what the store holds as vLLM KV
     events (``BlockStored``/``BlockRemoved``; docs/store.md); empty: no events."""
@@ -197,7 +198,8 @@ class StoreClientConfig(Section):
     """Most keys remembered by the negative cache."""
     poll_window: float = 200e-6
     """Seconds a call polls for the master's reply before it sleeps (0: sleep at once); the
-    polling thread yields its CPU between polls and holds no GIL (docs/store.md, "Polling")."""
+    polling thread yields its CPU between polls and holds no GIL (docs/architecture.md,
+    "Polling windows")."""
 
     def __post_init__(self) -> None:
         check_positive(self, "rpc_timeout", "io_timeout", "replicas", "breaker_failures")

@@ -88,10 +88,12 @@ class RpcServer:
         token: str | None,
         max_message_bytes: int,
         poll_window: float = 0.0,
+        soon: Callable[[], bool] = lambda: True,
     ) -> None:
         """``tick`` returns how long (s) the loop may sleep before it wants to run again;
         ``token`` None serves unauthenticated clients; for ``poll_window`` seconds after its
-        last answer the loop polls for the next request before it sleeps."""
+        last answer the loop polls for the next request before it sleeps, unless ``soon()``
+        says after that answer that no request is due that soon."""
         self._address = parse_endpoint(endpoint)
         self._handler = handler
         self._tick = tick
@@ -105,6 +107,7 @@ class RpcServer:
         self._ready: deque[_Connection] = deque()  # connections with requests to answer
         self._paused_until = 0.0
         self._poll_window = poll_window
+        self._soon = soon
         self._answered = 0.0  # when the loop last answered a request (time.monotonic())
         self._stop = threading.Event()
         self.endpoint = ""
@@ -310,7 +313,7 @@ class RpcServer:
             if conn.inbox and conn.sock in self._connections:
                 self._ready.append(conn)
         if budget < ROUND_ANSWERS:
-            self._answered = time.monotonic()
+            self._answered = time.monotonic() if self._soon() else 0.0
 
     def _reply(self, payload: bytes) -> bytes | None:
         try:

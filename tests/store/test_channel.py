@@ -11,9 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvconnect.bench.master_load import mount_virtual
 from kvconnect.errors import AuthenticationError, ClosedError, MasterUnavailable, ProtocolError
 from kvconnect.store import channel as ch
 from kvconnect.store import messages as m
+from kvconnect.store.config import MasterConfig
+from kvconnect.store.master.service import MasterService
 from kvconnect.store.rpc import RpcClient, RpcServer
 from kvconnect.transfer.protocol import wire
 from tests.support.cpu import thread_cpu
@@ -304,3 +307,28 @@ def test_a_polling_call_still_ends_at_its_timeout(master: _Master) -> None:
     master.release.set()
     assert rpc.call(m.Exists(["yes"])) == m.ExistsReply([True])
     rpc.close()
+
+
+def test_the_master_polls_after_small_answers_only() -> None:
+    """An answer that starts a transfer of more than a MiB brings its client back only
+    milliseconds later: the master sleeps instead of polling (however long its window),
+    leaving the CPU to the transfer; after a small answer it polls."""
+    config = MasterConfig(listen="tcp://127.0.0.1:0", token=TOKEN, poll_window=30.0)
+    service = MasterService(config)
+    rpc = RpcClient(service.start(), 5.0, token=TOKEN)
+    try:
+        mount_virtual(rpc, 1 << 30)
+        (thread,) = [t for t in threading.enumerate() if t.name == "kvconnect-master"]
+        big = rpc.call(m.PutStart("writer", [m.PutItem("big", 2 << 20)]))
+        assert isinstance(big, m.PutStartReply)
+        assert big.results[0].code is m.Code.OK
+        before = thread_cpu([thread])
+        time.sleep(1.0)  # the span measured
+        assert thread_cpu([thread]) - before < 0.3  # asleep
+        assert rpc.call(m.Exists(["big"])) == m.ExistsReply([False])  # pending: not there yet
+        before = thread_cpu([thread])
+        time.sleep(1.0)
+        assert thread_cpu([thread]) - before > 0.3  # polling for the next request
+    finally:
+        rpc.close()
+        service.close()

@@ -26,6 +26,10 @@ from kvconnect.store.rpc import RpcServer
 log = logging.getLogger(__name__)
 
 _SNAPSHOT_EVERY = 1.0
+_BULK_BYTES = 1 << 20
+"""An answer that starts a transfer of more than this (a put's placements, a read's replicas)
+brings its client back only after the transfer's milliseconds: the master does not poll for
+it, and leaves the CPU to the transfer where they share a host."""
 
 
 class MasterService:
@@ -38,6 +42,7 @@ class MasterService:
         self._term = 0  # the term the current state belongs to
         self._elected = 0  # the term Leadership reported last (applied by the service thread)
         self._t0 = time.monotonic()
+        self._moving = 0  # bytes the last answer sends its client to move
         self._server = RpcServer(
             config.listen,
             self._handle,
@@ -45,6 +50,7 @@ class MasterService:
             token=config.cluster_token(),
             max_message_bytes=config.max_message_bytes,
             poll_window=config.poll_window,
+            soon=lambda: self._moving <= _BULK_BYTES,
         )
         self._thread: threading.Thread | None = None
         self._http: Any = None
@@ -167,6 +173,7 @@ class MasterService:
             return m.Error(m.Code.INVALID, f"batch of {len(keys)} exceeds {m.MAX_BATCH}")
         events = self._events
         watch = events.watch(self.state, request) if events is not None else None
+        self._moving = 0
         reply = self._handlers[type(request)](request)
         if events is not None:
             events.changed(self.state, watch)
@@ -192,6 +199,8 @@ class MasterService:
             request.pin,
             self.now(),
         )
+        placed = zip(request.items, results, strict=True)
+        self._moving = request.replicas * sum(i.size for i, p in placed if p.code is m.Code.OK)
         return m.PutStartReply(results)
 
     def _put_end(self, request: m.PutEnd) -> m.Reply:
@@ -207,6 +216,7 @@ class MasterService:
 
     def _get_replicas(self, request: m.GetReplicas) -> m.Reply:
         results = self.state.get_replicas(request.keys, self.now(), request.host_id)
+        self._moving = sum(replicas.size for replicas in results)
         return m.ReplicasReply(results, int(self.config.lease_ttl * 1000))
 
     def _remove(self, request: m.Remove) -> m.Reply:
