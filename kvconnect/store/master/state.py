@@ -54,6 +54,11 @@ objects go when nothing else is eligible), so it is tied to the put timeout rath
 setting of its own: a store tuned for slow writers keeps what they pinned longer too."""
 
 
+def _new(item: PutItem) -> bool:
+    """Whether an item may be stored (its key absent): a valid key, size and part count."""
+    return check_key(item.key) and item.size > 0 and 1 <= item.parts <= MAX_PARTS
+
+
 class MasterState:
     """All master metadata; see the module docstring."""
 
@@ -232,11 +237,14 @@ class MasterState:
         seen: set[str] = set()
         index = self.objects.index
         for item, slot in zip(items, index.get_many([item.key for item in items]), strict=True):
-            # A key seen before in the batch may have lost its slot since the batched lookup.
-            result = self._admit(item, replicas, index.get(item.key) if item.key in seen else slot)
-            if result is None and item.key in seen:  # twice in one batch: the second one waits
-                result = Placement(Code.BUSY, [])
-            seen.add(item.key)
+            key = item.key
+            if key in seen:  # its slot may have gone since the batched lookup; the second waits
+                result = self._admit(item, replicas, index.get(key)) or Placement(Code.BUSY, [])
+            elif slot < 0 and _new(item) and replicas >= 1:  # the common case: a new object
+                result = None
+            else:
+                result = self._admit(item, replicas, slot)
+            seen.add(key)
             results.append(result)
         fresh = [n for n, result in enumerate(results) if result is None]
         placed = self._place_batch(client, host_id, [items[n].size for n in fresh], replicas)
@@ -252,12 +260,17 @@ class MasterState:
             pin_until,
         )
         deadline = now + self.config.put_timeout
+        pending, put_ids, segments = self.objects.pending, self._put_ids, self.segments.all
         for n, slot, where in zip(stored, slots, where_of, strict=True):
+            put = next(put_ids)
+            pending[slot] = Pending(client, items[n].parts, 0, deadline, put)
             if len(where) > 1:
                 self.objects.extra[slot] = where[1:]
-            put = next(self._put_ids)
-            self.objects.pending[slot] = Pending(client, items[n].parts, 0, deadline, put)
-            results[n] = Placement(Code.OK, self._locations(where), put)
+                results[n] = Placement(Code.OK, self._locations(where), put)
+                continue
+            spec = segments[where[0].segment].spec  # one replica, the common case
+            location = Location(spec.engine_segment, spec.region, where[0].offset)
+            results[n] = Placement(Code.OK, [location], put)
         return [r for r in results if r is not None]
 
     def _place_batch(
@@ -282,9 +295,7 @@ class MasterState:
     def _admit(self, item: PutItem, replicas: int, slot: int) -> Placement | None:
         """The answer for an item (its key at ``slot``, -1: absent) that needs no new
         allocation, or None to allocate."""
-        if not check_key(item.key) or item.size <= 0 or not 1 <= item.parts <= MAX_PARTS:
-            return Placement(Code.INVALID, [])
-        if replicas < 1:
+        if not _new(item) or replicas < 1:
             return Placement(Code.INVALID, [])
         if slot < 0:
             return None
@@ -325,13 +336,15 @@ class MasterState:
         end of a put that is no longer pending (it timed out and the key was put again) is
         DISCARDED."""
         objects = self.objects
+        index, state, primary = objects.index, objects.state, objects.segment
+        alive, segments = self.segments.alive, self.segments.all
         codes = []
         for key, part, put in zip(keys, parts, puts, strict=True):
-            slot = objects.index.get(key)  # one by one: a part may free its key's slot
+            slot = index.get(key)  # one by one: a part may free its key's slot
             if slot < 0:
                 codes.append(Code.DISCARDED)
                 continue
-            if objects.state[slot] == State.COMPLETE:
+            if state[slot] == _COMPLETE:
                 codes.append(Code.OK)  # a repeated put_end: idempotent
                 continue
             pending = objects.pending[slot]
@@ -341,19 +354,20 @@ class MasterState:
             if not 0 <= part < pending.parts:
                 codes.append(Code.INVALID)
                 continue
-            if not self._readable(slot):
+            if not alive[primary[slot]] and not self._readable(slot):
                 self._free(slot, now, None)  # pending: never stored
                 codes.append(Code.DISCARDED)
                 continue
             pending.done_mask |= 1 << part
             if pending.done_mask == (1 << pending.parts) - 1:
-                objects.state[slot] = _COMPLETE
+                state[slot] = _COMPLETE
                 objects.access[slot] = now
                 del objects.pending[slot]
                 size = objects.size[slot]
                 self.bytes_stored += size
-                for index, offset in objects.replicas(slot):
-                    self.segments.all[index].commit(key, offset, size)
+                segments[primary[slot]].commit(key, objects.offset[slot], size)
+                for replica in objects.extra.get(slot, ()):  # the others (one: the usual case)
+                    segments[replica.segment].commit(key, replica.offset, size)
             codes.append(Code.OK)
         return codes
 
