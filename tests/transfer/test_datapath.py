@@ -79,6 +79,31 @@ def test_copy_many_moves_bytes_and_checks_lengths(datapath: DataPath) -> None:
         datapath.copy_many([dsts[2][:10]], [srcs[2][:11]])
 
 
+@pytest.mark.parametrize("shift", [0, 1, 7, 15, 16])
+def test_copy_many_moves_large_pieces_at_any_alignment_byte_for_byte(
+    datapath: DataPath, shift: int
+) -> None:
+    """Large pieces take the streaming copy (head bytes to an aligned address, 64-byte
+    blocks, a tail): every byte lands, none beside the range."""
+    size = (1 << 20) + 37
+    source = bytearray(os.urandom(size + 64))
+    target = bytearray(size + 64)
+    datapath.copy_many(
+        [memoryview(target)[shift : shift + size]], [memoryview(source)[3 : 3 + size]]
+    )
+    assert target[shift : shift + size] == source[3 : 3 + size]
+    assert target[:shift] == bytes(shift)
+    assert target[shift + size :] == bytes(len(target) - shift - size)
+
+
+def test_copy_many_within_one_buffer_is_a_memmove(datapath: DataPath) -> None:
+    buffer = bytearray(os.urandom(3 << 20))
+    want = bytes(buffer[: 2 << 20])
+    view = memoryview(buffer)
+    datapath.copy_many([view[1 << 20 : 3 << 20]], [view[: 2 << 20]])  # overlapping ranges
+    assert bytes(buffer[1 << 20 :]) == want
+
+
 def test_native_io_releases_the_gil() -> None:
     """While a native receive blocks, Python threads keep running."""
     path = select_datapath(native_mode("native"))  # type: ignore[arg-type]
