@@ -2,7 +2,7 @@
 
 A thread that sleeps until its answer arrives pays a wake-up when the answer comes: on a
 virtual machine whose idle vCPUs halt, that is tens of microseconds on the receiving side and
-as much again inside the sender's ``send`` (docs/benchmarks.md, "Polling windows"), most of a
+as much again inside the sender's ``send`` (docs/benchmarks.md, "Store"), most of a
 small request's round trip. A thread that expects an answer within microseconds therefore
 first *polls* (asks without sleeping, yielding the CPU between asks) for up to a configured
 window, and sleeps only after it. The window bounds the CPU one wait can burn; 0 turns polling
