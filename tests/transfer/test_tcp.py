@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 
 import msgspec
 import numpy as np
@@ -27,6 +28,7 @@ from kvconnect.transfer.datapath.staging import StagingPool
 from kvconnect.transfer.memory import MemoryRegistry
 from kvconnect.transfer.transports.tcp import TcpTransport
 from tests.support.slices import MiB, submit_request
+from tests.support.waiting import wait_for
 
 
 def no_staging() -> StagingPool:
@@ -285,3 +287,75 @@ def test_closing_the_transport_ends_a_submitting_thread_waiting_for_its_response
         source.gate.set()
         assert not submitter.is_alive()
         assert batches[0].wait(10) == (TransferStatus.FAILED,)
+
+
+class _HeldSend:
+    """A data path whose next ``sendv`` from a chosen thread stops once it has the socket's
+    descriptor, as a thread descheduled right before its send syscall would."""
+
+    def __init__(self) -> None:
+        self._real = select_datapath("auto")
+        self.name = self._real.name
+        self.thread: threading.Thread | None = None
+        self.inside = threading.Event()
+        self.release = threading.Event()
+        self.sock: socket.socket | None = None
+
+    def sendv(self, sock: socket.socket, buffers: Sequence[memoryview], timeout: float) -> None:
+        if threading.current_thread() is self.thread and not self.inside.is_set():
+            self.sock = sock
+            self.inside.set()
+            assert self.release.wait(30)
+        self._real.sendv(sock, buffers, timeout)
+
+    def recvv(self, sock: socket.socket, buffers: Sequence[memoryview], timeout: float) -> None:
+        self._real.recvv(sock, buffers, timeout)
+
+    def copy_many(self, dsts: Sequence[memoryview], srcs: Sequence[memoryview]) -> None:
+        self._real.copy_many(dsts, srcs)
+
+
+def test_a_broken_connection_is_closed_only_once_a_submitting_thread_let_go_of_it(
+    local: MemoryRegion,
+) -> None:
+    """The native loops send on the bare descriptor: a connection closed while a submitting
+    thread is about to send would hand its number to the next connection, whose handshake
+    would then carry the old frame's bytes. Its socket stays open until that thread is done."""
+    datapath = _HeldSend()
+    owner = TransferEngine()
+    owner.start()
+    remote = owner.register(np.zeros(MiB, dtype=np.uint8))
+    peer = owner.segment
+    # No poll window: the receiver thread, not the submitting one, reads the response.
+    config = owner.config.replace(tcp_streams=1, io_timeout=30.0, poll_window=0.0)
+    transport = TcpTransport(config, datapath, no_staging, [].append)
+    try:
+        first = submit_request(transport, peer, TransferOp.READ, local, remote.id, 0, 4096)
+        assert first.wait(10) == (TransferStatus.COMPLETED,)
+        owner.close()  # the peer goes: its end of the connection is closed
+        batches: list[TransferBatch] = []
+        datapath.thread = threading.Thread(
+            target=lambda: batches.append(
+                submit_request(transport, peer, TransferOp.READ, local, remote.id, 0, 4096)
+            )
+        )
+        datapath.thread.start()
+        assert datapath.inside.wait(10)
+        sock = datapath.sock
+        assert sock is not None
+        # The receiver thread meets the end of the stream and requeues the frame; the sender
+        # thread takes it up and reaps the connection, but must not close it under the held
+        # send (a peer gone for good is then reported).
+        wait_for(lambda: transport.stats().retries >= 1, "the frame was not requeued")
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            assert sock.fileno() != -1, "closed while a submitting thread still sends on it"
+            time.sleep(0.01)
+        datapath.release.set()
+        datapath.thread.join(10)
+        assert batches[0].wait(10) == (TransferStatus.FAILED,)
+        wait_for(lambda: sock.fileno() == -1, "the broken connection was never closed")
+    finally:
+        datapath.release.set()
+        transport.close()
+        owner.close()

@@ -469,12 +469,20 @@ class _Connection:
             return not self._inflight
 
     def dispose(self) -> None:
-        """Called by the sender thread once the connection is broken: reap it.
+        """Called by the sender thread once the connection is broken (its socket shut down):
+        reap it.
 
-        Only then is the socket closed, so no thread can use a recycled file descriptor.
+        Only then is the socket closed, so no thread can use a recycled file descriptor: the
+        native loops send and receive on the bare descriptor, and one still running after
+        the close would move a frame's bytes through the next connection that gets the same
+        number (its handshake then fails). So the receiver thread is joined, and a submitting
+        thread that sends or reads on this connection (it holds the send lock) is waited for.
         """
+        timeout = self.channel.config.io_timeout
         if self._receiver.is_alive() and self._receiver is not threading.current_thread():
-            self._receiver.join(timeout=self.channel.config.io_timeout)
+            self._receiver.join(timeout=timeout)
+        if self._sending.acquire(timeout=timeout):
+            self._sending.release()
         self.sock.close()
 
     def abort(self) -> None:
