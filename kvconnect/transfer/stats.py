@@ -27,7 +27,8 @@ class TransportStats:
 
 @dataclass(frozen=True, slots=True)
 class ListenerStats:
-    """Target-side counters: what peers asked of this engine."""
+    """Target-side counters: what peers asked of this engine. They move before the answer
+    that completes them goes out, so a peer that saw an answer sees it counted."""
 
     connections: int = 0
     frames: int = 0

@@ -241,15 +241,16 @@ class _Session:
             self.deadline = deadline
             kind, _status, count, aux, frame_id = wire.HEADER.unpack(header)
             carried = 0
-            if kind in (FrameKind.READ, FrameKind.WRITE):
+            if kind not in (FrameKind.READ, FrameKind.WRITE, FrameKind.CONTROL):
+                raise ProtocolError(f"unknown frame kind {kind}")
+            # Counters move before the answer goes out: a peer that saw the answer sees them.
+            self.listener.counters.add(frames=1)
+            if kind == FrameKind.CONTROL:
+                self._control(aux, frame_id)
+            else:
                 start = time.perf_counter()
                 carried = self._data_frame(FrameKind(kind), count, frame_id)
                 self.listener.latency.observe(time.perf_counter() - start)
-            elif kind == FrameKind.CONTROL:
-                self._control(aux, frame_id)
-            else:
-                raise ProtocolError(f"unknown frame kind {kind}")
-            self.listener.counters.add(frames=1)
 
     def _poll(self) -> None:
         """After a small frame, poll for the peer's next frame for ``poll_window`` (if no
@@ -337,10 +338,10 @@ class _Session:
             if status is not Status.OK:
                 self.conn.sendall(header)
                 return
+            self.listener.counters.add(bytes_served=total)
             self.datapath.sendv(self.conn, [header, *views], self.config.io_timeout)
         finally:
             close_all(staged)
-        self.listener.counters.add(bytes_served=total)
 
     def _load(self, windows: list[Window]) -> Status:
         """Fill a READ frame's windows before its header goes out: OK, or UNAVAILABLE when a
