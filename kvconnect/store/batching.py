@@ -261,7 +261,10 @@ def integer(value: object, name: str) -> int:
 
 def integers(values: Sequence[object], name: str) -> list[int]:
     """Each of ``values`` as an int (see :func:`integer`)."""
-    return [integer(value, name) for value in values]
+    try:
+        return list(map(operator.index, values))  # type: ignore[arg-type]
+    except TypeError:
+        return [integer(value, name) for value in values]  # raises, naming the culprit
 
 
 def same_length(keys: Sequence[object], **others: Sequence[object]) -> None:

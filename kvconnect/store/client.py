@@ -81,7 +81,8 @@ merge: its source serves one object per read, verified."""
 @dataclass(slots=True)
 class _Range:
     """One request of a batch being built (see :class:`_Batch`); ``keys``: whose bytes it
-    moves (one, or several whose ranges were adjacent on both sides)."""
+    moves (one, or several whose ranges were adjacent on both sides); ``merges``: whether
+    adjacent ranges may join it (its remote region is memory)."""
 
     local: MemoryRegion
     local_offset: int
@@ -90,6 +91,7 @@ class _Range:
     remote_offset: int
     length: int
     keys: list[int]
+    merges: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,8 @@ class _Batch:
     deadline: float
     memory: Callable[[str, int], bool]
     ranges: list[_Range] = field(default_factory=list)
+    kinds: dict[tuple[str, int], bool] = field(default_factory=dict)
+    """``memory``'s answers so far (asked once per remote region, not once per key)."""
 
     def add(
         self, key: int, spans: Sequence[Span], loc: m.Location, within: int, length: int
@@ -112,26 +116,36 @@ class _Batch:
         for span in spans:
             if length <= 0:
                 break
-            size = min(span.size, length)
+            size = span.size if span.size < length else length
             last = ranges[-1] if ranges else None
             if (
                 last is not None
-                and last.local is span.region
-                and last.local_offset + last.length == span.offset
                 and last.remote_offset + last.length == at
+                and last.local_offset + last.length == span.offset
+                and last.local is span.region
                 and last.region == loc.region
                 and last.segment == loc.segment
+                and last.merges
                 and last.length + size <= _COALESCE_BYTES
-                and self.memory(loc.segment, loc.region)
             ):
                 last.length += size
                 if last.keys[-1] != key:
                     last.keys.append(key)
             else:
+                merges = self._memory(loc)
                 ranges.append(
-                    _Range(span.region, span.offset, loc.segment, loc.region, at, size, [key])
+                    _Range(
+                        span.region, span.offset, loc.segment, loc.region, at, size, [key], merges
+                    )
                 )
             at, length = at + size, length - size
+
+    def _memory(self, loc: m.Location) -> bool:
+        where = (loc.segment, loc.region)
+        memory = self.kinds.get(where)
+        if memory is None:
+            memory = self.kinds[where] = self.memory(loc.segment, loc.region)
+        return memory
 
     def requests(self) -> list[TransferRequest]:
         return [
@@ -564,10 +578,10 @@ class StoreClient(Lifecycle):
         replicas, the deadline has not passed and ``cancel`` has not fired.
         """
         results = reply.results
-        codes = [r.code for r in results]
-        for i, replicas in enumerate(results):
-            if replicas.code is Code.OK:
-                codes[i] = _fits(replicas.size, ranges, i)
+        codes = [
+            r.code if r.code is not Code.OK else _fits(r.size, ranges, i)
+            for i, r in enumerate(results)
+        ]
         attempted = [i for i, code in enumerate(codes) if code is Code.OK]
         todo, replica, unsettled = attempted, 0, []
         while todo:
@@ -602,16 +616,18 @@ class StoreClient(Lifecycle):
         """The batches of one round of :meth:`_read`."""
         now = self._clock()
         by_left: dict[int, _Batch] = {}
+        results, spans, within = reply.results, ranges.spans, ranges.within
         for i in todo:
-            replicas = reply.results[i]
-            left = len(replicas.locations) - replica
+            replicas = results[i]
+            locations = replicas.locations
+            left = len(locations) - replica
             batch = by_left.get(left)
             if batch is None:
                 batch = by_left[left] = _Batch(now + (deadline - now) / left, self._memory)
-            loc = replicas.locations[replica]
-            within = ranges.within[i] if ranges.within is not None else 0
-            length = _length(replicas.size, ranges, i)
-            batch.add(i, ranges.spans[i], loc, within, length)
+            if within is None:  # whole objects
+                batch.add(i, spans[i], locations[replica], 0, replicas.size)
+            else:
+                batch.add(i, spans[i], locations[replica], within[i], ranges.sizes[i])
         return list(by_left.values())
 
     # ------------------------------------------------------------------------------ helpers
