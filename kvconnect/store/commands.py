@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -28,11 +29,21 @@ def wait_for_signal(failed: Callable[[], bool] = lambda: False) -> None:
         pass
 
 
+def _freeze_startup_heap() -> None:
+    """Move everything alive after start-up (modules, the recovered state) out of the cyclic
+    collector's reach: its full collections then walk only later objects, where every module's
+    objects made each one a pause of 15-35 ms for every caller of this process."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_master(config: MasterConfig) -> int:
     """``kvconnect master``; exits EXIT_CRASHED if its serving loop fails."""
     config = _with_token(config)
     service = MasterService(config)
-    print(f"kvconnect master listening on {service.start()}", flush=True)
+    endpoint = service.start()
+    _freeze_startup_heap()
+    print(f"kvconnect master listening on {endpoint}", flush=True)
     try:
         wait_for_signal(lambda: service.crashed is not None)
     finally:
@@ -54,6 +65,7 @@ def _with_token(config: MasterConfig) -> MasterConfig:
 def run_store(config: StoreServerConfig, transfer: TransferConfig) -> int:
     """``kvconnect store``."""
     with StoreServer(config, transfer) as server:
+        _freeze_startup_heap()
         print(f"kvconnect store server {server.spec.name}: {config.size} bytes", flush=True)
         wait_for_signal()
     return 0
@@ -68,6 +80,7 @@ def run_serve(master: MasterConfig, store: StoreServerConfig, transfer: Transfer
     endpoint = service.start()
     try:
         with StoreServer(store.replace(master=endpoint), transfer) as server:
+            _freeze_startup_heap()
             print(f"kvconnect serving: master {endpoint}, store {server.spec.name}", flush=True)
             wait_for_signal(lambda: service.crashed is not None)
     finally:
