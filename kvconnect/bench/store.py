@@ -127,23 +127,18 @@ class _Kvconnect:
     def __init__(self, mode: str, segment: int, poll_window: float | None = None) -> None:
         # Twice Mooncake's segment and a short lease: the forced removals between rounds free
         # space only once leases lapse (correct for a cache, slow for back-to-back rounds).
-        window = [] if poll_window is None else [str(poll_window)]
-        master_window = ["--master-poll-window", *window] if window else []
-        self.cluster = Cluster(
-            servers=1,
-            server_size=2 * segment,
-            master_args=["--master-lease-ttl", "0.5", *master_window],
-            server_args=["--transfer-poll-window", *window] if window else [],
-        )
-        transport = "tcp" if mode == "tcp" else "auto"
-        config = StoreClientConfig(
-            master=self.cluster.master_endpoint, io_timeout=60, rpc_timeout=10
-        )
-        transfer = TransferConfig.from_mapping({"transport": transport})
+        master_args, server_args = ["--master-lease-ttl", "0.5"], []
+        client: dict[str, Any] = {"io_timeout": 60, "rpc_timeout": 10}
+        transfer: dict[str, Any] = {"transport": "tcp" if mode == "tcp" else "auto"}
         if poll_window is not None:
-            config = config.replace(poll_window=poll_window)
-            transfer = transfer.replace(poll_window=poll_window)
-        self.client = StoreClient(config, transfer)
+            master_args += ["--master-poll-window", str(poll_window)]
+            server_args += ["--transfer-poll-window", str(poll_window)]
+            client["poll_window"] = transfer["poll_window"] = poll_window
+        self.cluster = Cluster(
+            servers=1, server_size=2 * segment, master_args=master_args, server_args=server_args
+        )
+        config = StoreClientConfig(master=self.cluster.master_endpoint, **client)
+        self.client = StoreClient(config, TransferConfig.from_mapping(transfer))
         self.client.start()
         self.buffer = self.client.register(np.ones(BUFFER, dtype=np.uint8))
         self.cpu_us: list[float] = []

@@ -624,10 +624,9 @@ class StoreClient(Lifecycle):
             batch = by_left.get(left)
             if batch is None:
                 batch = by_left[left] = _Batch(now + (deadline - now) / left, self._memory)
-            if within is None:  # whole objects
-                batch.add(i, spans[i], locations[replica], 0, replicas.size)
-            else:
-                batch.add(i, spans[i], locations[replica], within[i], ranges.sizes[i])
+            offset = within[i] if within is not None else 0
+            length = _length(replicas.size, ranges, i)
+            batch.add(i, spans[i], locations[replica], offset, length)
         return list(by_left.values())
 
     # ------------------------------------------------------------------------------ helpers

@@ -169,21 +169,24 @@ class TcpTransport:
                 del self._channels[channel.peer.engine_id]
 
 
+def _small(frame: Frame) -> bool:
+    """Whether ``frame`` moves at most ``wire.SMALL_FRAME_BYTES``."""
+    return sum(piece.length for piece in frame.slices) <= wire.SMALL_FRAME_BYTES
+
+
 def _direct(frame: Frame) -> bool:
     """Whether the submitting thread may send ``frame`` itself: a READ (its request is only
     entries) or a small WRITE, of host memory only (device memory would need staging)."""
     if any(piece.local.kind is not MemoryKind.HOST for piece in frame.slices):
         return False
-    small = sum(p.length for p in frame.slices) <= wire.SMALL_FRAME_BYTES
-    return frame.op is TransferOp.READ or small
+    return frame.op is TransferOp.READ or _small(frame)
 
 
 def _inline_window(frame: Frame, poll_window: float) -> float:
     """How long the submitting thread of a directly sent ``frame`` waits for its response
     itself: ``poll_window`` (never past the frame's deadline) for a WRITE (its response is a
-    header) or a READ of at most ``wire.SMALL_FRAME_BYTES``; 0 for a larger READ (its payload is the
-    receiver thread's work)."""
-    if frame.op is TransferOp.READ and sum(p.length for p in frame.slices) > wire.SMALL_FRAME_BYTES:
+    header) or a small READ; 0 for a larger READ (its payload is the receiver thread's work)."""
+    if frame.op is TransferOp.READ and not _small(frame):
         return 0.0
     deadline = min(piece.state.deadline for piece in frame.slices)
     return max(0.0, min(poll_window, deadline - time.monotonic()))
