@@ -402,6 +402,8 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(name, value, inner[0])
+    if origin is tuple and args and isinstance(args[0], type) and issubclass(args[0], Section):
+        return _sections(name, value, args[0])
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return _choice(name, value, hint)
     if hint is bool:
@@ -413,6 +415,30 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
             raise ConfigError(f"{name} must be a string, got {value!r}")
         return value
     return value
+
+
+def _sections(name: str, value: Any, section: type[Section]) -> tuple[Section, ...]:
+    """A field holding several sections: a list of mappings (or of sections), or its JSON
+    text (the environment's and a flag's form)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else []
+        except ValueError as exc:
+            raise ConfigError(f"{name} must be a JSON list of mappings: {exc}") from exc
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{name} must be a list of mappings, got {value!r}")
+    out = []
+    for item in value:
+        if isinstance(item, section):
+            out.append(item)
+        elif isinstance(item, Mapping):
+            try:
+                out.append(section.from_mapping(item))
+            except ConfigError as exc:
+                raise ConfigError(f"{name}: {exc}") from exc
+        else:
+            raise ConfigError(f"{name} must be a list of mappings, got an item {item!r}")
+    return tuple(out)
 
 
 def _coerce_bool(name: str, value: Any) -> bool:

@@ -175,6 +175,7 @@ def section_config(args: argparse.Namespace, section: str, cls: type[_C]) -> _C:
     if cls in (TransferConfig, MasterConfig):
         if getattr(args, "token_file", None):
             flags["token_file"] = args.token_file
+            flags.setdefault("token", None)  # the flag wins over KVCONNECT_TOKEN
         if getattr(args, "insecure", False):
             flags["insecure"] = True
     return cls.from_env(defaults=values, **flags)

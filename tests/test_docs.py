@@ -9,7 +9,7 @@ import pytest
 
 from kvconnect._config import embedded_sections
 from kvconnect.sglang.config import HiCacheConfig
-from kvconnect.store.config import MasterConfig, StoreClientConfig, StoreServerConfig
+from kvconnect.store.config import MasterConfig, PeerConfig, StoreClientConfig, StoreServerConfig
 from kvconnect.transfer import TransferConfig
 from kvconnect.vllm.config import VllmConnectorConfig
 
@@ -46,3 +46,19 @@ def test_configuration_reference_lists_every_field_with_its_default(cls: type) -
         assert f"{cls._ENV_PREFIX}{name.upper()}" in section
         shown = str(default).lower() if isinstance(default, bool) else str(default)
         assert rows[name] == shown, f"{name}: docs say {rows[name]}, code {shown}"
+
+
+def test_configuration_reference_lists_every_peer_key_with_its_default() -> None:
+    text = (DOCS / "configuration.md").read_text()
+    section = text.split("## `PeerConfig`", 1)[1].split("\n## ", 1)[0]
+    rows = {
+        line.split("|")[1].strip().strip("`"): line.split("|")[2].strip().strip("`")
+        for line in section.splitlines()
+        if line.startswith("| `")
+    }
+    for field in dataclasses.fields(PeerConfig):
+        assert field.name in rows, f"PeerConfig.{field.name} is missing from the docs"
+        if field.name not in ("name", "master"):
+            default = field.default
+            shown = str(default).lower() if isinstance(default, bool) else str(default)
+            assert rows[field.name] == shown, f"{field.name}: docs {rows[field.name]}, code {shown}"

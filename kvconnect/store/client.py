@@ -47,6 +47,7 @@ from kvconnect.store import batching as b
 from kvconnect.store import messages as m
 from kvconnect.store.batching import BatchResult, Regions, Span
 from kvconnect.store.config import StoreClientConfig
+from kvconnect.store.federation import Federation, PeerStatus
 from kvconnect.store.messages import Code, check_key
 from kvconnect.store.resilience import CircuitBreaker, NegativeCache
 from kvconnect.store.rpc import RpcClient
@@ -190,6 +191,16 @@ class StoreClient(Lifecycle):
         self._negative = NegativeCache(config.negative_ttl, config.negative_entries)
         self._clock = clock
         self._host_id = ""
+        self._federation: Federation | None = None
+        if config.peers:
+            self._federation = Federation(
+                config,
+                self.engine.config,
+                make_client=lambda peer, engine: StoreClient(peer, engine, clock=clock),
+                home_owns=self.engine.owns,
+                put_home=self.put,
+                clock=clock,
+            )
 
     # ---------------------------------------------------------------------------- lifecycle
 
@@ -198,9 +209,13 @@ class StoreClient(Lifecycle):
         if self._own_engine:
             self.engine.start()
         self._host_id = self.engine.segment.host_id
+        if self._federation is not None:
+            self._federation.start()
 
     def close(self) -> None:
-        """Close the RPC sockets and the engine (if owned). Idempotent."""
+        """Close the RPC sockets, the peers' clients and the engine (if owned). Idempotent."""
+        if self._federation is not None:
+            self._federation.close()
         self._rpc.close()
         if self._own_engine:
             self.engine.close()
@@ -209,6 +224,10 @@ class StoreClient(Lifecycle):
     def breaker(self) -> CircuitBreaker:
         """The client's circuit breaker (its state tells whether the store is considered up)."""
         return self._breaker
+
+    def peers(self) -> list[PeerStatus]:
+        """The peer clusters (federation), in the configured order: breaker and counters."""
+        return self._federation.status() if self._federation is not None else []
 
     def register(self, buffer: object) -> MemoryRegion:
         """Register memory for zero-copy ``batch_put_from``/``batch_get_into`` (host or GPU);
@@ -224,7 +243,8 @@ class StoreClient(Lifecycle):
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         """Per key, whether it is stored (invalid keys, and keys that failed to read recently,
-        count as absent). Raises like :meth:`exists`."""
+        count as absent) at home or, for keys home lacks, in a peer cluster that is up.
+        Raises like :meth:`exists` (for home's failures only: a peer's never raise)."""
         keys = b.plain_keys(keys)
         picked = b.valid_keys(keys)
         found = [False] * len(keys)
@@ -238,6 +258,10 @@ class StoreClient(Lifecycle):
             failing = self._negative.failing(asked, self._clock())
             for i, there, bad in zip(run, reply.found, failing, strict=True):
                 found[i] = there and not bad
+        if self._federation is not None:
+            missing = [i for i in picked if not found[i]]
+            for i in self._federation.exists(keys, missing) if missing else ():
+                found[i] = True
         return found
 
     def remove(self, key: str, *, force: bool = False) -> Code:
@@ -461,6 +485,9 @@ class StoreClient(Lifecycle):
         deadline = start + (self.config.io_timeout if timeout is None else timeout)
         reply = self._lookup([key], deadline)
         if isinstance(reply, Code) or reply.results[0].code is not Code.OK:
+            home_lacks = not isinstance(reply, Code) and reply.results[0].code is Code.NOT_FOUND
+            if home_lacks and self._federation is not None:
+                return self._federation.get(key, deadline)
             return None
         found = reply
         buffer = bytearray(found.results[0].size)
@@ -547,7 +574,10 @@ class StoreClient(Lifecycle):
         reply = self._lookup(keys, deadline)
         if isinstance(reply, Code):
             return b.all_codes(reply, len(keys))
-        return self._read(keys, ranges, reply, start, deadline, cancel)
+        result = self._read(keys, ranges, reply, start, deadline, cancel)
+        if self._federation is not None and Code.NOT_FOUND in result.codes:
+            result = self._federation.read(keys, ranges, result, deadline, cancel)
+        return result
 
     def _lookup(self, keys: list[str], deadline: float) -> m.ReplicasReply | Code:
         """Replicas of ``keys`` (with a lease), or the code of every key when the master

@@ -175,6 +175,61 @@ class StoreServerConfig(Section):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PeerConfig(Section):
+    """A peer cluster a store client reads the keys its home cluster misses from
+    (an item of ``StoreClientConfig.peers``, never set from variables of its own;
+    docs/store.md, "Federation")."""
+
+    name: str = ""
+    """Short name (status, metrics, logs); unique among a client's peers."""
+    master: str = ""
+    """``tcp://host:port`` of the peer's master, or ``etcd://…`` to follow its HA leader."""
+    token: str | None = field(default=None, repr=False)
+    """The peer cluster's token (its master's RPCs and its store servers' data). Prefer
+    ``token_file``; with neither, the default token file (the home cluster's default)."""
+    token_file: str = ""
+    """File holding the peer's token (first line)."""
+    insecure: bool = False
+    """The peer runs without a token (see ``StoreClientConfig``'s engine)."""
+    metadata: str = "p2p"
+    """Where the peer's store servers publish their segments (``TransferConfig.metadata``)."""
+    share: float = 0.5
+    """Fraction of a call's remaining deadline the peer's lookup and read may take."""
+    rpc_timeout: float = 0.2
+    """Timeout of one call to the peer's master: the bounded attempt a dead, stopped or
+    partitioned peer costs before it is skipped."""
+    probe_interval: float = 1.0
+    """Seconds between two probes of a peer that failed (probes run on a background
+    thread: callers skip a failed peer until a probe finds it back)."""
+    negative_ttl: float = 2.0
+    """Seconds a key the peer did not have is not asked for again (0: always ask)."""
+    negative_entries: int = 100_000
+    """Most keys the peer's negative cache remembers."""
+    copy_home: bool = False
+    """Copy each key read from this peer into the home cluster, in the background, so the
+    next reader finds it at home."""
+    copy_queue: int = 1024
+    """Keys waiting to be copied home at most; more are not copied."""
+
+    def cluster_token(self) -> str | None:
+        """The peer's token (see :func:`cluster_token`)."""
+        return cluster_token(self.token, self.token_file, self.insecure)
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"a peer needs a name of letters, digits, - and _, got {self.name!r}")
+        if not self.master.startswith(("tcp://", "etcd://")):
+            raise ConfigError(
+                f"peer {self.name}: master must be tcp:// or etcd://, got {self.master!r}"
+            )
+        check_token(self.token)
+        if not 0 < self.share <= 1:
+            raise ConfigError(f"peer {self.name}: share must be in (0, 1], got {self.share}")
+        check_positive(self, "rpc_timeout", "probe_interval", "negative_entries", "copy_queue")
+        check_nonnegative(self, "negative_ttl")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StoreClientConfig(Section):
     """Configuration of the embedded store client (``StoreClient``)."""
 
@@ -201,10 +256,20 @@ class StoreClientConfig(Section):
     polling thread yields its CPU between polls and holds no GIL (docs/architecture.md,
     "Polling windows")."""
 
+    peers: tuple[PeerConfig, ...] = ()
+    """Peer clusters (federation): keys the home cluster does not have are looked up in
+    them, in this order, and read straight from their store servers; writes stay home. A
+    list of :class:`PeerConfig` mappings (JSON text in the environment and on flags)."""
+
     def __post_init__(self) -> None:
         check_positive(self, "rpc_timeout", "io_timeout", "replicas", "breaker_failures")
         check_positive(self, "breaker_cooldown", "negative_entries")
         check_nonnegative(self, "negative_ttl", "poll_window")
+        names = [peer.name for peer in self.peers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"peer names must be unique, got {names}")
+        if any(peer.master == self.master for peer in self.peers):
+            raise ConfigError(f"a peer cannot be the home cluster ({self.master})")
 
 
-__all__ = ["MasterConfig", "StoreClientConfig", "StoreServerConfig", "Strategy"]
+__all__ = ["MasterConfig", "PeerConfig", "StoreClientConfig", "StoreServerConfig", "Strategy"]

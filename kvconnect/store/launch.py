@@ -136,11 +136,22 @@ class Cluster(Closing):
         server_size: int = 64 << 20,
         master_args: Sequence[str] = (),
         server_args: Sequence[str] = (),
+        token_file: str = "",
     ) -> None:
+        """``token_file``: the cluster's own token (default: the user's default token)."""
         self.master_endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self._master_args = ["master", "--master-listen", self.master_endpoint, *master_args]
+        self.token_file = token_file
+        auth = ["--token-file", token_file] if token_file else []
+        self._master_args = [
+            "master",
+            *auth,
+            "--master-listen",
+            self.master_endpoint,
+            *master_args,
+        ]
         self._server_args = [
             "store",
+            *auth,
             "--store-master",
             self.master_endpoint,
             "--store-size",
@@ -164,7 +175,8 @@ class Cluster(Closing):
 
     def stats(self, timeout: float = 2.0) -> m.StatsReply:
         """The master's stats (raises MasterUnavailable if it does not answer)."""
-        rpc = RpcClient(self.master_endpoint, timeout, token=cluster_token(None, "", False))
+        token = cluster_token(None, self.token_file, False)
+        rpc = RpcClient(self.master_endpoint, timeout, token=token)
         try:
             reply = rpc.call(m.Stats())
         finally:

@@ -324,6 +324,16 @@ class TransferEngine(Lifecycle):
         self._republish()
         return region
 
+    def register_alias(self, region: MemoryRegion) -> MemoryRegion:
+        """Register the memory of ``region``, a region of *another* engine, here as a private
+        region (the local side of this engine's requests; never published): two engines
+        that speak to different clusters (their own tokens) can then move bytes into and out
+        of the same buffer. The alias keeps ``region`` (and its buffer) alive until it is
+        unregistered; unregistering either leaves the other registered. Raises
+        RegistrationError for a FILE region."""
+        self._require_open()
+        return self._registry.alias(region)
+
     def owns(self, region: MemoryRegion) -> bool:
         """Whether ``region`` is registered with this engine (and not unregistered since)."""
         return self._registry.owns(region)

@@ -240,24 +240,24 @@ class MemoryRegistry:
         _withdraw(region)
         self._notify_withdrawn([region])
 
+    def alias(self, region: MemoryRegion) -> MemoryRegion:
+        """``region``'s memory (a region of another registry) as a private region here; it
+        keeps ``region`` alive. FILE regions have no memory to alias (RegistrationError)."""
+        if region.kind is MemoryKind.FILE:
+            raise RegistrationError(f"region {region.id} is a file source, not memory")
+        fresh = _same_memory(region, self._take_id(), keepalive=region, shared=None)
+        fresh.private = True
+        with self._lock:
+            self._regions[fresh.id] = fresh
+            self._users[fresh.id] = 0
+        return fresh
+
     def fence(self, region: MemoryRegion) -> MemoryRegion:
         """The same memory under a new id; the old id is refused from now on (shared regions
         say so in their header, so peers that mapped it fail too). Accesses that began before
         may still run: :meth:`users` of the old region tells when they are over."""
         region_id = self._take_id()
-        fresh = MemoryRegion(
-            region_id=region_id,
-            kind=region.kind,
-            address=region.address,
-            length=region.length,
-            writable=region.writable,
-            device=region.device,
-            view=region._view,
-            keepalive=region._keepalive,
-            shared=region._shared,
-            source=region._source,
-            private=region.private,
-        )
+        fresh = _same_memory(region, region_id, keepalive=region._keepalive, shared=region._shared)
         with self._lock:
             if self._regions.get(region.id) is not region:
                 raise RegistrationError(f"region {region.id} is not registered here")
@@ -371,6 +371,25 @@ class MemoryRegistry:
             region_id = self._next_id
             self._next_id += 1
             return region_id
+
+
+def _same_memory(
+    region: MemoryRegion, region_id: int, *, keepalive: object, shared: _SharedMemory | None
+) -> MemoryRegion:
+    """A region with ``region``'s memory and attributes under ``region_id``."""
+    return MemoryRegion(
+        region_id=region_id,
+        kind=region.kind,
+        address=region.address,
+        length=region.length,
+        writable=region.writable,
+        device=region.device,
+        view=region._view,
+        keepalive=keepalive,
+        shared=shared,
+        source=region._source,
+        private=region.private,
+    )
 
 
 def _withdraw(region: MemoryRegion) -> None:

@@ -98,6 +98,34 @@ def test_a_private_region_is_local_only(transport: str) -> None:
         engine.unregister(local)
 
 
+class _Zeros:
+    def read_into(self, offset: int, view: memoryview) -> None:
+        view[:] = bytes(len(view))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+def test_an_alias_moves_bytes_of_another_engines_region(transport: str) -> None:
+    """Federation's engines (one per cluster token) read into the home engine's buffers."""
+    config = TransferConfig(transport=transport, metadata="embedded")
+    with (
+        TransferEngine(config) as owner,
+        TransferEngine(config) as home,
+        TransferEngine(config) as other,
+    ):
+        served = owner.register(bytearray(pattern(8, 8192).tobytes()))
+        buffer = bytearray(8192)
+        mine = home.register(buffer, private=True)
+        alias = other.register_alias(mine)
+        assert alias.private and alias.length == 8192 and alias.address == mine.address
+        other.read(alias, 0, owner.name, served.id, 0, 8192)
+        assert buffer == pattern(8, 8192).tobytes()
+        other.unregister(alias)
+        assert home.owns(mine)  # the home engine's region is untouched
+        home.unregister(mine)
+        with pytest.raises(RegistrationError, match="file source"):
+            other.register_alias(owner.register_source(_Zeros(), 64))
+
+
 @pytest.mark.parametrize("transport", ["local", "shm"])
 def test_a_small_copy_in_memory_is_done_when_submit_returns(transport: str) -> None:
     """Same process or same host, a few KiB of host memory are copied by the submitting thread

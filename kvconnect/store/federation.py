@@ -1,0 +1,370 @@
+"""Federation: a store client reads the keys its home cluster misses from peer clusters.
+
+Each peer cluster stays independent (its own master, store servers and token); the client
+talks to it through a :class:`~kvconnect.store.client.StoreClient` of its own, whose transfer
+engine proves the peer's token, and reads straight into the caller's buffers, registered with
+that engine as aliases of the home engine's regions (:meth:`TransferEngine.register_alias`).
+
+Failure isolation, per peer: a call gets at most ``share`` of the caller's remaining deadline
+(and ``rpc_timeout`` for the lookup); one failed call opens the peer's breaker, and callers
+then skip the peer without trying it — a background thread probes it every
+``probe_interval`` and closes the breaker when it answers. Keys a peer did not have are not
+asked for again for ``negative_ttl``. Home calls never wait on a peer: peers are asked only
+about keys home did not have, after home answered. Writes stay home; with ``copy_home`` a key
+read from a peer is copied home in the background.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvconnect.errors import StoreError
+from kvconnect.lifecycle import Lifecycle
+from kvconnect.store.batching import BatchResult, Ranges, Span
+from kvconnect.store.config import PeerConfig, StoreClientConfig
+from kvconnect.store.messages import Code
+from kvconnect.store.resilience import BreakerState, NegativeCache
+from kvconnect.transfer import TransferConfig
+from kvconnect.transfer.memory import MemoryRegion
+
+if TYPE_CHECKING:  # the client builds its federation: no import at run time
+    from kvconnect.store.client import StoreClient
+
+log = logging.getLogger(__name__)
+
+PutHome = Callable[[str, bytearray], Code]
+"""Stores one value in the home cluster (the home client's ``put``)."""
+
+_SETTLED_FAILURES = (Code.FAILED, Code.TIMEOUT, Code.UNAVAILABLE, Code.STALE, Code.NOT_FOUND)
+"""A peer's codes after which the key may still be read from the next peer (its buffer is
+free again)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStatus:
+    """One peer as a client sees it (``StoreClient.peers()``)."""
+
+    name: str
+    master: str
+    breaker: BreakerState
+    """CLOSED: asked; otherwise skipped until a background probe finds it back."""
+    asked: int
+    """Keys looked up in this peer (exists and reads)."""
+    hits: int
+    """Keys read from this peer."""
+    bytes_read: int
+    failures: int
+    """Calls to this peer that failed (unreachable, refused, timed out)."""
+    skipped: int
+    """Keys not asked because the peer's breaker was open."""
+    copied_home: int
+    """Keys copied from this peer into the home cluster."""
+
+
+class _Peer:
+    """One peer cluster: its client (own engine, own token), negative cache and counters."""
+
+    def __init__(self, config: PeerConfig, client: StoreClient, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.client = client
+        self.negative = NegativeCache(config.negative_ttl, config.negative_entries)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._aliases: dict[int, tuple[MemoryRegion, MemoryRegion]] = {}
+        self.counts = collections.Counter[str]()
+
+    @property
+    def up(self) -> bool:
+        return self.client.breaker.state is BreakerState.CLOSED
+
+    def count(self, **amounts: int) -> None:
+        with self._lock:
+            self.counts.update(amounts)
+
+    def asking(self, keys: Sequence[str], indices: list[int]) -> list[int]:
+        """Of ``indices`` into ``keys``, those to ask this peer about (up, not known absent);
+        counts the others as skipped."""
+        if not self.up:
+            self.count(skipped=len(indices))
+            return []
+        absent = self.negative.failing([keys[i] for i in indices], self._clock())
+        return [i for i, known in zip(indices, absent, strict=True) if not known]
+
+    def alias(
+        self, region: MemoryRegion, home_owns: Callable[[MemoryRegion], bool]
+    ) -> MemoryRegion:
+        """``region`` (home engine's) as registered with this peer's engine; aliases of home
+        regions that were unregistered since are dropped (once no transfer uses them)."""
+        engine = self.client.engine
+        with self._lock:
+            for key, (home, mine) in list(self._aliases.items()):
+                if not home_owns(home) and engine.users(mine) == 0:
+                    del self._aliases[key]
+                    engine.unregister(mine)
+            entry = self._aliases.get(id(region))
+            if entry is None:
+                entry = self._aliases[id(region)] = (region, engine.register_alias(region))
+            return entry[1]
+
+    def status(self) -> PeerStatus:
+        with self._lock:
+            c = self.counts
+            return PeerStatus(
+                self.config.name,
+                self.config.master,
+                self.client.breaker.state,
+                c["asked"],
+                c["hits"],
+                c["bytes"],
+                c["failures"],
+                c["skipped"],
+                c["copied"],
+            )
+
+
+class Federation(Lifecycle):
+    """The peer clusters of one store client (built by it when ``peers`` are configured)."""
+
+    def __init__(
+        self,
+        config: StoreClientConfig,
+        transfer: TransferConfig,
+        *,
+        make_client: Callable[[StoreClientConfig, TransferConfig], StoreClient],
+        home_owns: Callable[[MemoryRegion], bool],
+        put_home: PutHome,
+        clock: Callable[[], float],
+    ) -> None:
+        """``transfer``: the home engine's configuration, which each peer's engine takes but
+        for the peer's token and metadata; ``make_client``: a client (owning its engine) from
+        those; ``home_owns``: whether a region is still registered with the home engine;
+        ``put_home``: how ``copy_home`` stores a value."""
+        self._home_owns = home_owns
+        self._put_home = put_home
+        self._clock = clock
+        self._peers = [
+            _Peer(peer, make_client(*_peer_configs(peer, config, transfer)), clock)
+            for peer in config.peers
+        ]
+        self._stop = threading.Event()
+        self._wake = threading.Condition()
+        self._copies: collections.deque[tuple[_Peer, str]] = collections.deque()
+        self._queued: set[tuple[str, str]] = set()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Start the peers' engines, the prober thread and (if a peer copies home) the copier."""
+        for peer in self._peers:
+            peer.client.start()
+        self._spawn(self._probe, "kvconnect-peer-probe")
+        if any(peer.config.copy_home for peer in self._peers):
+            self._spawn(self._copy, "kvconnect-peer-copy")
+
+    def close(self) -> None:
+        """Stop the threads and close the peers' clients. Idempotent."""
+        self._stop.set()
+        with self._wake:
+            self._wake.notify_all()
+        for thread in self._threads:
+            thread.join()
+        self._threads.clear()
+        for peer in self._peers:
+            peer.client.close()
+
+    def status(self) -> list[PeerStatus]:
+        """Every peer, in the configured order."""
+        return [peer.status() for peer in self._peers]
+
+    # ------------------------------------------------------------------------------ lookups
+
+    def exists(self, keys: Sequence[str], missing: list[int]) -> list[int]:
+        """Of ``missing`` (indices into ``keys`` home does not have), those a peer has."""
+        found: list[int] = []
+        for peer in self._peers:
+            asked = peer.asking(keys, missing)
+            if not asked:
+                continue
+            names = [keys[i] for i in asked]
+            peer.count(asked=len(asked))
+            try:
+                there = peer.client.batch_exists(names)
+            except StoreError as exc:
+                self._failed(peer, exc)
+                continue
+            peer.negative.add(
+                [k for k, hit in zip(names, there, strict=True) if not hit], self._clock()
+            )
+            hits = {i for i, hit in zip(asked, there, strict=True) if hit}
+            found += hits
+            missing = [i for i in missing if i not in hits]
+        return sorted(found)
+
+    def read(
+        self,
+        keys: Sequence[str],
+        ranges: Ranges,
+        result: BatchResult,
+        deadline: float,
+        cancel: Callable[[], bool] | None,
+    ) -> BatchResult:
+        """``result`` (home's, for ``keys`` into ``ranges``) with its NOT_FOUND keys read from
+        the peers, in order, each within its share of the time left. A key a peer left
+        UNSETTLED is not asked further (its buffer is still held)."""
+        codes, sizes, unsettled = list(result.codes), list(result.sizes), list(result.unsettled)
+        todo = [i for i, code in enumerate(codes) if code is Code.NOT_FOUND]
+        for peer in self._peers:
+            left = deadline - self._clock()
+            if not todo or left <= 0 or (cancel is not None and cancel()):
+                break
+            asked = peer.asking(keys, todo)
+            if not asked:
+                continue
+            got = self._read_peer(peer, keys, ranges, asked, left * peer.config.share, cancel)
+            unsettled += got.unsettled
+            for i, code, size in zip(asked, got.codes, got.sizes, strict=True):
+                if code is Code.OK or code not in _SETTLED_FAILURES or codes[i] is Code.NOT_FOUND:
+                    codes[i], sizes[i] = code, size
+            todo = [i for i in todo if codes[i] in _SETTLED_FAILURES]
+        return BatchResult(tuple(codes), tuple(sizes), tuple(unsettled))
+
+    def get(self, key: str, deadline: float) -> bytearray | None:
+        """``key``'s value from the first peer that has it (home did not), or None."""
+        for peer in self._peers:
+            left = deadline - self._clock()
+            if left <= 0:
+                break
+            if not peer.asking([key], [0]):
+                continue
+            peer.count(asked=1)
+            value = peer.client.get(key, timeout=left * peer.config.share)
+            if value is not None:
+                self._hit(peer, [key], len(value))
+                return value
+            if peer.up:
+                peer.negative.add([key], self._clock())
+            else:
+                peer.count(failures=1)
+        return None
+
+    def _read_peer(
+        self,
+        peer: _Peer,
+        keys: Sequence[str],
+        ranges: Ranges,
+        asked: list[int],
+        timeout: float,
+        cancel: Callable[[], bool] | None,
+    ) -> BatchResult:
+        names = [keys[i] for i in asked]
+        peer.count(asked=len(asked))
+        spans = [tuple(self._aliased(peer, span) for span in ranges.spans[i]) for i in asked]
+        client = peer.client
+        if ranges.within is None:  # whole objects, one span per key
+            got = client.batch_get_into(
+                names,
+                [one[0].region for one in spans],
+                [one[0].offset for one in spans],
+                [one[0].size for one in spans],
+                timeout=timeout,
+                cancel=cancel,
+            )
+        else:
+            within = [ranges.within[i] for i in asked]
+            got = client.batch_get_scattered(
+                names, spans, object_offsets=within, timeout=timeout, cancel=cancel
+            )
+        hits = [name for name, code in zip(names, got.codes, strict=True) if code is Code.OK]
+        self._hit(peer, hits, sum(got.sizes))
+        absent = [n for n, code in zip(names, got.codes, strict=True) if code is Code.NOT_FOUND]
+        peer.negative.add(absent, self._clock())
+        if not peer.up:
+            peer.count(failures=1)
+        return got
+
+    def _aliased(self, peer: _Peer, span: Span) -> Span:
+        return Span(peer.alias(span.region, self._home_owns), span.offset, span.size)
+
+    def _hit(self, peer: _Peer, keys: list[str], nbytes: int) -> None:
+        peer.count(hits=len(keys), bytes=nbytes)
+        if not peer.config.copy_home or not keys:
+            return
+        with self._wake:
+            for key in keys:
+                if len(self._copies) >= peer.config.copy_queue:
+                    break
+                if (peer.config.name, key) not in self._queued:
+                    self._queued.add((peer.config.name, key))
+                    self._copies.append((peer, key))
+            self._wake.notify()
+
+    def _failed(self, peer: _Peer, exc: StoreError) -> None:
+        peer.count(failures=1)
+        log.info(
+            "peer cluster %s failed (%s); skipped until it answers a probe", peer.config.name, exc
+        )
+
+    # ------------------------------------------------------------------ background threads
+
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _probe(self) -> None:
+        """Ask each peer whose breaker is open whether it answers again (its client lets
+        one call through once the cool-down, ``probe_interval``, has passed)."""
+        interval = min(peer.config.probe_interval for peer in self._peers) / 2
+        while not self._stop.wait(interval):
+            for peer in self._peers:
+                if peer.up:
+                    continue
+                try:
+                    peer.client.stats()
+                except StoreError as exc:
+                    log.debug("peer %s still down: %s", peer.config.name, exc)
+                else:
+                    log.info("peer cluster %s answers again", peer.config.name)
+
+    def _copy(self) -> None:
+        """Copy keys read from peers into the home cluster, one at a time."""
+        while True:
+            with self._wake:
+                while not self._copies and not self._stop.is_set():
+                    self._wake.wait()
+                if self._stop.is_set():
+                    return
+                peer, key = self._copies.popleft()
+                self._queued.discard((peer.config.name, key))
+            value = peer.client.get(key)
+            if value is not None and self._put_home(key, value) in (Code.OK, Code.EXISTS):
+                peer.count(copied=1)
+
+
+def _peer_configs(
+    peer: PeerConfig, home: StoreClientConfig, transfer: TransferConfig
+) -> tuple[StoreClientConfig, TransferConfig]:
+    """A peer's client settings: the home client's but for its master, a breaker that opens
+    on the first failure (cool-down: the probe interval) and no peers of its own; its
+    engine's: the home engine's but for the peer's token and metadata (and a listener on any
+    free port, named after it)."""
+    client = home.replace(
+        master=peer.master,
+        rpc_timeout=peer.rpc_timeout,
+        breaker_failures=1,
+        breaker_cooldown=peer.probe_interval,
+        peers=(),
+    )
+    engine = transfer.replace(
+        token=peer.cluster_token(),
+        token_file="",
+        insecure=peer.insecure,
+        name=None,
+        listen_port=0,
+        metadata=peer.metadata,
+    )
+    return client, engine

@@ -1,0 +1,257 @@
+"""Federation: two complete clusters on loopback (own masters, store servers and tokens); a
+client of the home cluster reads what home lacks from the peer, byte for byte, and a peer
+that is stopped, killed or refuses our token costs one bounded attempt, never home's reads."""
+
+from __future__ import annotations
+
+import secrets
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvconnect.errors import ConfigError
+from kvconnect.store.batching import Span
+from kvconnect.store.client import StoreClient
+from kvconnect.store.config import PeerConfig, StoreClientConfig
+from kvconnect.store.launch import Cluster
+from kvconnect.store.messages import Code
+from kvconnect.store.resilience import BreakerState
+from kvconnect.testing.peer import pattern
+from kvconnect.transfer import TransferConfig
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.integration
+MiB = 1 << 20
+FAST_SERVER = ["--store-heartbeat-interval", "0.3"]
+
+
+def _token(path: Path) -> str:
+    path.write_text(secrets.token_hex(16) + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    base = tmp_path_factory.mktemp("tokens")
+    return _token(base / "home"), _token(base / "peer")
+
+
+@pytest.fixture
+def clusters(tokens: tuple[str, str]) -> Iterator[tuple[Cluster, Cluster]]:
+    home_token, peer_token = tokens
+    with (
+        Cluster(1, 32 * MiB, server_args=FAST_SERVER, token_file=home_token) as home,
+        Cluster(1, 32 * MiB, server_args=FAST_SERVER, token_file=peer_token) as peer,
+    ):
+        yield home, peer
+
+
+def _client(cluster: Cluster, *peers: PeerConfig, transport: str = "auto") -> StoreClient:
+    """A client of ``cluster``; its peers' engines take its ``transport``."""
+    config = StoreClientConfig(master=cluster.master_endpoint, peers=peers)
+    transfer = TransferConfig.from_mapping(
+        {"token_file": cluster.token_file, "transport": transport}
+    )
+    client = StoreClient(config, transfer)
+    client.start()
+    return client
+
+
+def _peer(cluster: Cluster, **overrides: object) -> PeerConfig:
+    settings = {"name": "east", "master": cluster.master_endpoint, "token_file": cluster.token_file}
+    return PeerConfig.from_mapping({**settings, **overrides})
+
+
+def _values(prefix: str, count: int, seed: int) -> dict[str, bytes]:
+    return {f"{prefix}{i}": pattern(seed + i, 3000 + 17 * i).tobytes() for i in range(count)}
+
+
+def _fill(cluster: Cluster, values: dict[str, bytes]) -> None:
+    with _client(cluster) as writer:
+        for key, value in values.items():
+            assert writer.put(key, value) is Code.OK
+
+
+def _status(client: StoreClient) -> dict[str, object]:
+    (peer,) = client.peers()
+    return {
+        "breaker": peer.breaker,
+        "asked": peer.asked,
+        "hits": peer.hits,
+        "failures": peer.failures,
+        "skipped": peer.skipped,
+        "copied": peer.copied_home,
+    }
+
+
+def test_keys_home_lacks_are_read_from_the_peer_byte_for_byte(
+    clusters: tuple[Cluster, Cluster],
+) -> None:
+    home, peer = clusters
+    at_home, at_peer = _values("h", 4, 1), _values("p", 6, 100)
+    _fill(home, at_home)
+    _fill(peer, at_peer | {"h0": b"the peer's older value"})  # home's value wins
+    with _client(home, _peer(peer)) as client:
+        keys = [*at_home, *at_peer, "nowhere"]
+        assert client.batch_exists(keys) == [True] * 10 + [False]
+        buffer = bytearray(len(keys) * 4096)
+        region = client.register(buffer)
+        result = client.batch_get_into(keys, region, [i * 4096 for i in range(11)], [4096] * 11)
+        assert result.codes == (Code.OK,) * 10 + (Code.NOT_FOUND,)
+        wanted = [*at_home.values(), *at_peer.values()]
+        for i, value in enumerate(wanted):
+            assert bytes(buffer[i * 4096 : i * 4096 + len(value)]) == value
+        assert result.sizes[:10] == tuple(len(v) for v in wanted)
+        assert client.get("p3") == at_peer["p3"]
+        # a scattered read of a peer object: its bytes 1000..2999 into two spans
+        scattered = bytearray(2000)
+        spans = client.register(scattered)
+        got = client.batch_get_scattered(
+            ["p2"], [[Span(spans, 0, 500), Span(spans, 500, 1500)]], object_offsets=[1000]
+        )
+        assert got.codes == (Code.OK,)
+        assert bytes(scattered) == at_peer["p2"][1000:3000]
+        status = _status(client)
+        assert status["hits"] == 6 + 1 + 1
+        assert status["failures"] == 0
+    with _client(home) as isolated:  # without the peer, home has only its own keys
+        assert isolated.batch_exists(keys) == [True] * 4 + [False] * 7
+
+
+def test_a_key_the_peer_lacks_is_not_asked_again_within_the_negative_ttl(
+    clusters: tuple[Cluster, Cluster],
+) -> None:
+    home, peer = clusters
+    with _client(home, _peer(peer, negative_ttl=30.0)) as client:
+        assert client.batch_exists(["absent0", "absent1"]) == [False, False]
+        assert _status(client)["asked"] == 2
+        assert client.batch_exists(["absent0", "absent1", "absent2"]) == [False] * 3
+        assert _status(client)["asked"] == 3  # only absent2 went to the peer
+    with _client(home, _peer(peer, negative_ttl=0)) as client:
+        client.batch_exists(["absent0"])
+        client.batch_exists(["absent0"])
+        assert _status(client)["asked"] == 2
+
+
+def test_a_peer_hit_is_copied_home_in_the_background(clusters: tuple[Cluster, Cluster]) -> None:
+    home, peer = clusters
+    values = _values("c", 3, 7)
+    _fill(peer, values)
+    with _client(home, _peer(peer, copy_home=True)) as client, _client(home) as plain:
+        assert plain.batch_exists(list(values)) == [False] * 3
+        for key, value in values.items():
+            assert client.get(key) == value
+        wait_for(lambda: all(plain.batch_exists(list(values))), "peer hits copied home")
+        for key, value in values.items():
+            assert plain.get(key) == value
+        assert _status(client)["copied"] == 3
+
+
+def test_a_peer_that_refuses_our_token_is_skipped_and_home_still_serves(
+    clusters: tuple[Cluster, Cluster], tokens: tuple[str, str]
+) -> None:
+    home, peer = clusters
+    at_home = _values("h", 3, 50)
+    _fill(home, at_home)
+    _fill(peer, _values("p", 3, 60))
+    wrong = _peer(peer, token_file=tokens[0])  # home's token, not the peer's
+    with _client(home, wrong) as client:
+        assert client.batch_exists([*at_home, "p0"]) == [True, True, True, False]
+        assert _status(client)["breaker"] is not BreakerState.CLOSED
+        assert client.batch_exists(["p1"]) == [False]
+        status = _status(client)
+        assert status["failures"] == 1
+        assert status["skipped"] == 1
+        for key, value in at_home.items():
+            assert client.get(key) == value
+
+
+@pytest.mark.parametrize("fault", ["stopped", "killed"])
+def test_a_dead_or_stopped_peer_costs_one_bounded_attempt_then_comes_back(
+    clusters: tuple[Cluster, Cluster], fault: str
+) -> None:
+    home, peer = clusters
+    at_home, at_peer = _values("h", 4, 10), _values("p", 4, 20)
+    _fill(home, at_home)
+    _fill(peer, at_peer)
+    config = _peer(peer, rpc_timeout=0.3, probe_interval=0.3, negative_ttl=0)
+    with _client(home, config) as client:
+        assert client.get("p0") == at_peer["p0"]
+        if fault == "stopped":
+            peer.master.signal(signal.SIGSTOP)
+        else:
+            peer.master.kill()
+        buffer = bytearray(8 * 4096)
+        region = client.register(buffer)
+        keys = [*at_home, *at_peer]
+        first = client.batch_get_into(keys, region, [i * 4096 for i in range(8)], [4096] * 8)
+        assert first.codes[:4] == (Code.OK,) * 4  # home's keys unaffected
+        assert all(code is not Code.OK for code in first.codes[4:])
+        assert _status(client)["breaker"] is not BreakerState.CLOSED
+        for i, value in enumerate(at_home.values()):
+            assert bytes(buffer[i * 4096 : i * 4096 + len(value)]) == value
+        asked = _status(client)["asked"]
+        again = client.batch_get_into(keys, region, [i * 4096 for i in range(8)], [4096] * 8)
+        assert again.codes[:4] == (Code.OK,) * 4
+        status = _status(client)
+        assert status["asked"] == asked
+        assert status["skipped"] == 4
+        assert status["failures"] == 1
+        if fault == "stopped":
+            peer.master.signal(signal.SIGCONT)
+        else:
+            peer.restart_master()  # an empty master: the server mounts again, objects gone
+            wait_for(lambda: bool(peer.stats().segments), "the peer's server mounts again")
+            _fill(peer, at_peer)
+        wait_for(lambda: _status(client)["breaker"] is BreakerState.CLOSED, "probe finds the peer")
+        for key, value in at_peer.items():
+            assert client.get(key) == value
+
+
+def test_a_stopped_peer_store_server_times_out_within_the_peer_share(
+    clusters: tuple[Cluster, Cluster],
+) -> None:
+    home, peer = clusters
+    at_peer = _values("p", 2, 30)
+    _fill(peer, at_peer)
+    # over TCP: through shared memory a stopped server's memory is still read (one-sided)
+    with _client(home, _peer(peer, share=0.25), transport="tcp") as client:
+        assert client.get("p0") == at_peer["p0"]
+        peer.servers[0].signal(signal.SIGSTOP)
+        try:
+            buffer = bytearray(4096)
+            region = client.register(buffer)
+            result = client.batch_get_into(["p1"], region, [0], [4096], timeout=2.0)
+            assert result.codes[0] in (Code.TIMEOUT, Code.UNSETTLED)
+            assert _status(client)["breaker"] is not BreakerState.CLOSED
+            assert client.batch_exists(["p0"]) == [False]  # skipped until a probe
+        finally:
+            peer.servers[0].signal(signal.SIGCONT)
+
+
+def test_peers_are_configured_through_the_client_section() -> None:
+    env = {
+        "KVCONNECT_CLIENT_PEERS": '[{"name": "east", "master": "tcp://10.0.0.2:50051", '
+        '"token_file": "/etc/kvconnect/east.token", "share": 0.3}]'
+    }
+    config = StoreClientConfig.from_env(env)
+    (peer,) = config.peers
+    assert (peer.name, peer.master, peer.token_file, peer.share) == (
+        "east",
+        "tcp://10.0.0.2:50051",
+        "/etc/kvconnect/east.token",
+        0.3,
+    )
+    with pytest.raises(ConfigError, match="unique"):
+        StoreClientConfig.from_mapping({"peers": [{"name": "a", "master": "tcp://x:1"}] * 2})
+    with pytest.raises(ConfigError, match="home cluster"):
+        StoreClientConfig.from_mapping(
+            {"peers": [{"name": "a", "master": "tcp://127.0.0.1:50051"}]}
+        )
+    with pytest.raises(ConfigError, match="valid: "):
+        StoreClientConfig.from_mapping(
+            {"peers": [{"name": "a", "master": "tcp://x:1", "sahre": 1}]}
+        )
