@@ -15,11 +15,17 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from kvconnect._config import cluster_token
 from kvconnect.errors import ConfigError
-from kvconnect.store.config import MasterConfig, StoreClientConfig, StoreServerConfig
+from kvconnect.store.config import (
+    MasterConfig,
+    PeerConfig,
+    StoreClientConfig,
+    StoreServerConfig,
+)
 from kvconnect.transfer import TransferConfig
 
 log = logging.getLogger("kvconnect")
@@ -66,6 +72,11 @@ _BENCHES = (
     ("vllm-pool", "vLLM shared pool: TTFT of a second instance", "kvconnect.bench.vllm_pool"),
     ("sglang", "SGLang HiCache L3: kvconnect vs mooncake and file", "kvconnect.bench.sglang"),
     ("router", "kvconnect router: cache-aware vs round-robin vs random", "kvconnect.bench.router"),
+    (
+        "federation",
+        "two store clusters sharing prefixes: federated vs isolated, peer faults",
+        "kvconnect.bench.federation",
+    ),
 )
 
 
@@ -113,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="print the store cluster: segments, usage, keys")
     status.add_argument("--master", default=StoreClientConfig().master, help="master endpoint")
     status.add_argument("--timeout", type=float, default=2.0)
+    status.add_argument(
+        "--peers",
+        metavar="FILE",
+        help="JSON file with a client's peer clusters (a list, or a mapping with 'peers'): "
+        "also show whether each answers",
+    )
     _auth_flags(status)
     status.set_defaults(handler=_status)
 
@@ -210,7 +227,21 @@ def _status(args: argparse.Namespace) -> int:
     from kvconnect.store.commands import run_status
 
     token = cluster_token(None, args.token_file or "", args.insecure)
-    return run_status(args.master, args.timeout, token)
+    return run_status(args.master, args.timeout, token, _peers_file(args.peers, args.master))
+
+
+def _peers_file(path: str | None, home: str) -> tuple[PeerConfig, ...]:
+    """The peer clusters of home ``home`` in ``path`` (ConfigError if it cannot be read or
+    parsed)."""
+    if not path:
+        return ()
+    try:
+        document = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read peers from {path}: {exc}") from exc
+    if isinstance(document, dict):
+        document = document.get("peers", [])
+    return StoreClientConfig.from_mapping({"master": home, "peers": document}).peers
 
 
 def _topology(args: argparse.Namespace) -> int:

@@ -598,6 +598,7 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
 
     def _set_healthy(self, healthy: bool) -> None:
         self.metrics.breaker(self.breaker_state)
+        self.metrics.peers(self._client.peers())
         if healthy == self._healthy:
             return
         self._healthy = healthy

@@ -30,6 +30,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
+from kvconnect.store.federation import PeerStatus
 from kvconnect.store.messages import Code
 from kvconnect.store.resilience import BreakerState
 
@@ -60,6 +61,8 @@ class _Families:
     pages_withheld: Counter
     errors: Counter
     breaker_state: Gauge
+    peer_up: Gauge
+    peer_keys: Counter
 
 
 _families_lock = threading.Lock()
@@ -125,6 +128,19 @@ def _create_families() -> _Families:
             [*ranks, "state"],
             multiprocess_mode="mostrecent",
         ),
+        peer_up=Gauge(
+            "kvconnect_hicache_peer_up",
+            "A peer cluster's breaker is closed (1: asked about misses; 0: skipped until a "
+            "probe finds it back)",
+            [*ranks, "peer"],
+            multiprocess_mode="mostrecent",
+        ),
+        peer_keys=Counter(
+            "kvconnect_hicache_peer_keys",
+            "Keys per peer cluster by outcome: asked (home lacked them), hit (read from it), "
+            "skipped (it was down), copied (home)",
+            [*ranks, "peer", "outcome"],
+        ),
     )
 
 
@@ -137,6 +153,7 @@ class BackendMetrics:
         self._samples = StorageMetrics()
         self._families = _shared_families() if self.enabled else None
         self._ranks = _rank_labels(storage_config)
+        self._peer_counts: dict[str, dict[str, int]] = {}  # guarded by _lock
 
     def read(
         self, pages: Sequence[bool], codes: Sequence[Code], moved: int, seconds: float
@@ -206,6 +223,28 @@ class BackendMetrics:
             return
         for each in BreakerState:
             self._families.breaker_state.labels(**self._ranks, state=each).set(each is state)
+
+    def peers(self, statuses: Sequence[PeerStatus]) -> None:
+        """The peer clusters after a call (their counters grew by what they grew since the
+        last call)."""
+        families = self._families
+        if families is None:
+            return
+        for peer in statuses:
+            families.peer_up.labels(**self._ranks, peer=peer.name).set(
+                peer.breaker is BreakerState.CLOSED
+            )
+            now = {"asked": peer.asked, "hit": peer.hits, "skipped": peer.skipped}
+            now["copied"] = peer.copied_home
+            with self._lock:
+                before = self._peer_counts.get(peer.name, {})
+                self._peer_counts[peer.name] = now
+            for outcome, count in now.items():
+                grown = count - before.get(outcome, 0)
+                if grown > 0:
+                    families.peer_keys.labels(**self._ranks, peer=peer.name, outcome=outcome).inc(
+                        grown
+                    )
 
     def take_storage_metrics(self) -> StorageMetrics:
         """SGLang's samples since the last call (``get_stats``), handed out once."""

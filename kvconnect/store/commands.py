@@ -6,10 +6,12 @@ import gc
 import logging
 import signal
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
+from kvconnect.errors import KVConnectError
 from kvconnect.store import messages as m
-from kvconnect.store.config import MasterConfig, StoreServerConfig
+from kvconnect.store.config import MasterConfig, PeerConfig, StoreServerConfig
 from kvconnect.store.master.service import MasterService
 from kvconnect.store.rpc import RpcClient
 from kvconnect.store.server import StoreServer
@@ -88,13 +90,12 @@ def run_serve(master: MasterConfig, store: StoreServerConfig, transfer: Transfer
     return EXIT_CRASHED if service.crashed is not None else 0
 
 
-def run_status(endpoint: str, timeout: float, token: str | None) -> int:
-    """``kvconnect status``: print the cluster's segments, usage and keys."""
-    rpc = RpcClient(endpoint, timeout, token=token)
-    try:
-        reply = rpc.call(m.Stats())
-    finally:
-        rpc.close()
+def run_status(
+    endpoint: str, timeout: float, token: str | None, peers: Sequence[PeerConfig] = ()
+) -> int:
+    """``kvconnect status``: print the cluster's segments, usage and keys, then whether each
+    of ``peers`` answers (exit status 1 if home does not; a peer that does not is shown)."""
+    reply = _stats(endpoint, timeout, token)
     if not isinstance(reply, m.StatsReply):
         print(f"unexpected reply: {reply!r}")
         return 1
@@ -115,7 +116,42 @@ def run_status(endpoint: str, timeout: float, token: str | None) -> int:
             f"{s.name:<40}{s.tier.name.lower():<6}{s.server:<28}{s.used:>14}{s.in_transit:>14}"
             f"{s.capacity:>14}{share:>7.1%}{s.objects:>10}"
         )
+    if peers:
+        _print_peers(peers, timeout)
     return 0
+
+
+def _stats(endpoint: str, timeout: float, token: str | None) -> m.Reply:
+    rpc = RpcClient(endpoint, timeout, token=token)
+    try:
+        return rpc.call(m.Stats())
+    finally:
+        rpc.close()
+
+
+def _print_peers(peers: Sequence[PeerConfig], timeout: float) -> None:
+    """One line per peer cluster: reachable (with the round trip of one stats call) or why
+    not, and its keys and memory use. Breaker states and hit shares belong to each client
+    (``StoreClient.peers()``, the SGLang backend's ``kvconnect_hicache_peer_*`` metrics)."""
+    print(f"{'peer':<16}{'master':<32}{'state':<13}{'rtt ms':>8}{'keys':>10}{'used':>16}{'use':>7}")
+    for peer in peers:
+        started = time.monotonic()
+        try:
+            reply = _stats(peer.master, min(timeout, peer.rpc_timeout * 5), peer.cluster_token())
+        except KVConnectError as exc:
+            print(f"{peer.name:<16}{peer.master:<32}unreachable  {exc}")
+            continue
+        rtt = (time.monotonic() - started) * 1e3
+        if not isinstance(reply, m.StatsReply):
+            print(f"{peer.name:<16}{peer.master:<32}{'refused':<13}{reply!r}")
+            continue
+        used = sum(s.used for s in reply.segments)
+        capacity = sum(s.capacity for s in reply.segments)
+        share = used / capacity if capacity else 0.0
+        print(
+            f"{peer.name:<16}{peer.master:<32}{'reachable':<13}{rtt:>8.2f}{reply.keys:>10}"
+            f"{used:>16}{share:>7.1%}"
+        )
 
 
 def _print_tiers(tiers: list[m.TierStats]) -> None:

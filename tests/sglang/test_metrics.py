@@ -198,6 +198,44 @@ def test_the_breaker_gauge_follows_an_outage_and_the_recovery() -> None:
             cc.detach_storage_backend()
 
 
+def test_peer_series_count_lookups_and_hits_per_peer(cluster: Cluster, tmp_path: Path) -> None:
+    """A reader whose own cluster names ``cluster`` as its peer (tokens of their own) reads
+    the writer's pages from there and counts them by peer."""
+    token = tmp_path / "home.token"
+    token.write_text("home-cluster-token-0123456789\n")
+    token.chmod(0o600)
+    tokens = h.tokens_for(3, seed=27)
+    pool = h.mha_pool()
+    writer = h.controller(pool, "dynamic", _dynamic(cluster.master_endpoint))
+    try:
+        source = pool.alloc(len(tokens))
+        h.fill(pool, source, seed=27)
+        expected = h.pages_of(pool, source)
+        assert h.backup(writer, source, tokens) == len(tokens)
+    finally:
+        writer.detach_storage_backend()
+    peer = {"name": "group-b", "master": cluster.master_endpoint}
+    with Cluster(servers=1, server_size=8 << 20, token_file=str(token)) as home:
+        settings = {"token_file": str(token), "store": {"peers": [peer]}}
+        pool = h.mha_pool()
+        reader = h.controller(
+            pool, "dynamic", _dynamic(home.master_endpoint, **settings), enable_storage_metrics=True
+        )
+        try:
+            before = _scrape()
+            result = h.prefetch(reader, "req-peer", tokens)
+            assert h.pages_of(pool, result.host_indices) == expected
+            h.release(reader, result)
+            after = _scrape()
+            assert _value(after, "peer_up", peer="group-b") == 1
+            hits = _delta(before, after, "peer_keys_total", peer="group-b", outcome="hit")
+            assert hits == 2 * 3  # K and V of each page
+            assert _delta(before, after, "pages_hit_total") == 3
+            assert home.stats().keys == 0
+        finally:
+            reader.detach_storage_backend()
+
+
 def test_without_enable_metrics_nothing_is_recorded(cluster: Cluster) -> None:
     pool = h.mha_pool()
     cc = h.controller(pool, "dynamic", _dynamic(cluster.master_endpoint))

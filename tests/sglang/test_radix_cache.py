@@ -376,3 +376,48 @@ def _outage(
         threads = (controller.prefetch_thread, controller.prefetch_io_aux_thread)
         assert all(t.is_alive() for t in (*threads, controller.backup_thread))
         assert engine.backend.stats.errors == 0
+
+
+def test_a_reader_of_another_group_prefetches_through_federation(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The writer's group has its own cluster and token; the reader's cluster is empty and
+    names the writer's as a peer: SGLang's prefetch lands the writer's pages from there."""
+    tokens_a, tokens_b = tmp_path / "a.token", tmp_path / "b.token"
+    for path, text in (
+        (tokens_a, "group-a-token-0123456789"),
+        (tokens_b, "group-b-token-9876543210"),
+    ):
+        path.write_text(text + "\n")
+        path.chmod(0o600)
+    with (
+        Cluster(servers=1, server_size=16 << 20, token_file=str(tokens_a)) as home,
+        Cluster(servers=1, server_size=16 << 20, token_file=str(tokens_b)) as peer,
+    ):
+        settings = {**FAST, "prefetch_threshold": h.PAGE}
+        args = r.args(
+            model_dir, {"master": peer.master_endpoint, "token_file": str(tokens_b), **settings}
+        )
+        with r.scheduler(args), r.Engine(args) as writer, r.Engine(args) as reader:
+            tokens = h.tokens_for(PAGES)
+            written = writer.insert(tokens, seed=4)
+            writer.settle_backups()
+            assert peer.stats().keys == 2 * PAGES
+            reader.detach()
+            group_b = {
+                "name": "group-b",
+                "master": peer.master_endpoint,
+                "token_file": str(tokens_b),
+            }
+            reader.attach(
+                {
+                    "master": home.master_endpoint,
+                    "token_file": str(tokens_a),
+                    **settings,
+                    "store": {"peers": [group_b]},
+                }
+            )
+            handle = reader.run_prefetch("req-federated", tokens)
+            assert reader.host_hit(tokens) == len(tokens)
+            assert reader.landed(handle, tokens) == written
+            assert home.stats().keys == 0  # every page came from the peer cluster

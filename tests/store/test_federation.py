@@ -4,22 +4,27 @@ that is stopped, killed or refuses our token costs one bounded attempt, never ho
 
 from __future__ import annotations
 
+import json
 import secrets
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvconnect.bench.etcd import EtcdServer, etcd_available
 from kvconnect.errors import ConfigError
 from kvconnect.store.batching import Span
 from kvconnect.store.client import StoreClient
 from kvconnect.store.config import PeerConfig, StoreClientConfig
-from kvconnect.store.launch import Cluster
+from kvconnect.store.launch import Cluster, Process, free_port
 from kvconnect.store.messages import Code
 from kvconnect.store.resilience import BreakerState
 from kvconnect.testing.peer import pattern
 from kvconnect.transfer import TransferConfig
+from tests.support.ha import leader_of, leader_stats
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -255,3 +260,78 @@ def test_peers_are_configured_through_the_client_section() -> None:
         StoreClientConfig.from_mapping(
             {"peers": [{"name": "a", "master": "tcp://x:1", "sahre": 1}]}
         )
+
+
+def test_status_shows_each_peer_reachable_or_not(
+    clusters: tuple[Cluster, Cluster], tmp_path: Path
+) -> None:
+    home, peer = clusters
+    _fill(peer, _values("p", 5, 90))
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    peers = [_peer(peer, name="east"), _peer(peer, name="west", master=dead)]
+    listing = [
+        {"name": p.name, "master": p.master, "token_file": p.token_file, "rpc_timeout": 0.2}
+        for p in peers
+    ]
+    config = tmp_path / "peers.json"
+    config.write_text(json.dumps({"peers": listing}))
+    command = [sys.executable, "-m", "kvconnect.cli", "status", "--master", home.master_endpoint]
+    command += ["--token-file", home.token_file, "--peers", str(config)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert lines["east"][2] == "reachable"
+    assert lines["east"][4] == "5"  # its keys
+    assert lines["west"][2] == "unreachable"
+    assert "0 keys" in out  # home's own line
+
+
+@pytest.mark.skipif(not etcd_available(), reason="etcd is not installed")
+def test_a_peer_master_failover_is_followed_like_homes(tokens: tuple[str, str]) -> None:
+    """The peer cluster runs two masters under etcd; its leader is SIGKILLed: the client
+    follows the peer to its new leader and reads the peer's keys again, home's throughout."""
+    with EtcdServer() as etcd, Cluster(1, 16 * MiB, token_file=tokens[0]) as home:
+        url = etcd.url
+        masters = [
+            Process(
+                ["master", "--ha", url, "--master-listen", f"tcp://127.0.0.1:{free_port()}"],
+                "listening on",
+            )
+            for _ in range(2)
+        ]
+        server = Process(
+            ["store", "--store-master", url, "--store-size", "16M", *FAST_SERVER],
+            "kvconnect store server",
+        )
+        try:
+            wait_for(lambda: _mounted(url) == 1, "the peer's server mounts")
+            at_home, at_peer = _values("h", 3, 70), _values("p", 3, 80)
+            _fill(home, at_home)
+            with StoreClient(StoreClientConfig(master=url)) as writer:
+                for key, value in at_peer.items():
+                    assert writer.put(key, value) is Code.OK
+            peer = PeerConfig(name="ha", master=url, probe_interval=0.3)
+            with _client(home, peer) as client:
+                assert client.get("p0") == at_peer["p0"]
+                # the peer's server knows its objects (what survives a failover: docs/store.md)
+                wait_for(lambda: _backlog(url) == 0, "the peer's journal is acknowledged")
+                leader = leader_of(url)
+                next(m for m in masters if leader is not None and leader in m.args).kill()
+                for key, value in at_home.items():
+                    assert client.get(key) == value
+                wait_for(lambda: client.get("p1") == at_peer["p1"], "peer read after failover", 30)
+                for key, value in at_peer.items():
+                    assert client.get(key) == value
+        finally:
+            server.stop()
+            for master in masters:
+                master.stop()
+
+
+def _mounted(url: str) -> int:
+    reply = leader_stats(url)
+    return 0 if reply is None else len(reply.segments)
+
+
+def _backlog(url: str) -> int:
+    reply = leader_stats(url)
+    return -1 if reply is None else sum(s.backlog for s in reply.segments)

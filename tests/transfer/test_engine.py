@@ -116,7 +116,8 @@ def test_an_alias_moves_bytes_of_another_engines_region(transport: str) -> None:
         buffer = bytearray(8192)
         mine = home.register(buffer, private=True)
         alias = other.register_alias(mine)
-        assert alias.private and alias.length == 8192 and alias.address == mine.address
+        assert alias.private
+        assert (alias.length, alias.address) == (8192, mine.address)
         other.read(alias, 0, owner.name, served.id, 0, 8192)
         assert buffer == pattern(8, 8192).tobytes()
         other.unregister(alias)
