@@ -137,10 +137,15 @@ class Cluster(Closing):
         master_args: Sequence[str] = (),
         server_args: Sequence[str] = (),
         token_file: str = "",
+        host: str = "127.0.0.1",
+        netns: str | None = None,
     ) -> None:
-        """``token_file``: the cluster's own token (default: the user's default token)."""
-        self.master_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        """``token_file``: the cluster's own token (default: the user's default token);
+        ``host``: the address its master and servers listen on, inside network namespace
+        ``netns`` if given."""
+        self.master_endpoint = f"tcp://{host}:{free_port()}"
         self.token_file = token_file
+        self._netns = netns
         auth = ["--token-file", token_file] if token_file else []
         self._master_args = [
             "master",
@@ -156,9 +161,11 @@ class Cluster(Closing):
             self.master_endpoint,
             "--store-size",
             str(server_size),
+            "--transfer-listen-host",
+            host,
             *server_args,
         ]
-        self.master = Process(self._master_args, "listening on")
+        self.master = Process(self._master_args, "listening on", netns=netns)
         self.servers: list[Process] = []
         try:
             for _ in range(servers):
@@ -169,7 +176,7 @@ class Cluster(Closing):
 
     def add_server(self, *args: str) -> Process:
         """Start one more store server (``args`` override the cluster's, e.g. its size)."""
-        server = Process([*self._server_args, *args], "kvconnect store server")
+        server = Process([*self._server_args, *args], "kvconnect store server", netns=self._netns)
         self.servers.append(server)
         return server
 

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +20,7 @@ from kvconnect.store.launch import Process, free_port
 from kvconnect.store.messages import Code
 from kvconnect.testing.peer import pattern
 from tests.support.ha import leader_of, leader_stats
+from tests.support.netns import ip, namespace
 from tests.support.waiting import wait_for
 
 pytestmark = [
@@ -201,57 +198,33 @@ def _events(process: Process) -> list[tuple[datetime, str, int]]:
 
 @pytest.mark.netns
 def test_partitioned_leader_steps_down_before_another_is_elected() -> None:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 for a network namespace")
-    ns, outside, inside = f"kvc-ha-{os.getpid()}", "kvha0", "kvha1"
-    _ip(f"netns add {ns}")
-    try:
-        _ip(f"link add {outside} type veth peer name {inside} netns {ns}")
-        _ip(f"addr add 10.203.0.1/24 dev {outside}")
-        _ip(f"link set {outside} up")
-        _ip(f"-n {ns} addr add 10.203.0.2/24 dev {inside}")
-        _ip(f"-n {ns} link set {inside} up")
-        _ip(f"-n {ns} link set lo up")
-        with EtcdServer(extra_hosts=("10.203.0.1",)) as etcd:
-            isolated = _master(f"etcd://10.203.0.1:{etcd.client_port}", "10.203.0.2", netns=ns)
-            wait_for(lambda: leader_of(etcd.url) is not None, "the first master did not lead", 10)
-            others = [_master(etcd.url) for _ in range(2)]
-            try:
-                old_term = _events(isolated)[-1][2]
-                _ip(f"link set {outside} down")  # the partition
-                wait_for(
-                    lambda: leader_of(etcd.url) not in (None, *isolated.args), "no failover", 15
-                )
-                wait_for(
-                    lambda: any(e[1] == "steps down" for e in _events(isolated)), "no step-down", 10
-                )
-                stepped = next(e for e in _events(isolated) if e[1] == "steps down")
+    with namespace("ha", "10.203.0") as ns, EtcdServer(extra_hosts=(ns.outside,)) as etcd:
+        isolated = _master(f"etcd://{ns.outside}:{etcd.client_port}", ns.inside, netns=ns.name)
+        wait_for(lambda: leader_of(etcd.url) is not None, "the first master did not lead", 10)
+        others = [_master(etcd.url) for _ in range(2)]
+        try:
+            old_term = _events(isolated)[-1][2]
+            ip(f"link set {ns.outside_dev} down")  # the partition
+            wait_for(lambda: leader_of(etcd.url) not in (None, *isolated.args), "no failover", 15)
+            wait_for(
+                lambda: any(e[1] == "steps down" for e in _events(isolated)), "no step-down", 10
+            )
+            stepped = next(e for e in _events(isolated) if e[1] == "steps down")
 
-                def elected() -> list[tuple[datetime, str, int]]:
-                    return [e for p in others for e in _events(p) if e[1] == "is the leader"]
+            def elected() -> list[tuple[datetime, str, int]]:
+                return [e for p in others for e in _events(p) if e[1] == "is the leader"]
 
-                # etcd may name the new leader a moment before its log line is written
-                wait_for(lambda: bool(elected()), "the new leader logged nothing", 5)
-                elected_events = elected()
-                assert min(e[0] for e in elected_events) > stepped[0], "two leaders at once"
-                assert all(e[2] > old_term for e in elected_events), "the new term is later"
-                _ip(f"link set {outside} up")  # healed: the old leader stays a standby
-                time.sleep(2.0)
-                assert not any(
-                    e[1] == "is the leader" and e[0] > stepped[0] for e in _events(isolated)
-                )
-            finally:
-                for process in (*others, isolated):
-                    process.stop()
-    finally:
-        with contextlib.suppress(subprocess.CalledProcessError):
-            _ip(f"netns del {ns}")
-        with contextlib.suppress(subprocess.CalledProcessError):
-            _ip(f"link del {outside}")  # may outlive the namespace for a while
-
-
-def _ip(command: str) -> None:
-    subprocess.run(["ip", *command.split()], check=True, capture_output=True)
+            # etcd may name the new leader a moment before its log line is written
+            wait_for(lambda: bool(elected()), "the new leader logged nothing", 5)
+            elected_events = elected()
+            assert min(e[0] for e in elected_events) > stepped[0], "two leaders at once"
+            assert all(e[2] > old_term for e in elected_events), "the new term is later"
+            ip(f"link set {ns.outside_dev} up")  # healed: the old leader stays a standby
+            time.sleep(2.0)
+            assert not any(e[1] == "is the leader" and e[0] > stepped[0] for e in _events(isolated))
+        finally:
+            for process in (*others, isolated):
+                process.stop()
 
 
 HEARTBEAT = 0.2  # the store server's heartbeat interval in the next test
