@@ -14,12 +14,15 @@ Each run, on the same clusters, in its own key namespace:
   apart.
 
 Reported: the page hit rate of each mode and their ratio, read latency (lookup and read) p50
-and p99, and the home-hit requests' latency with the peer healthy, stopped and killed.
+and p99, and the home-hit requests' latency with the peer healthy, stopped and killed. Every
+page read is checked against the bytes its writer stored (derived from its key), untimed.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
 import random
 import secrets
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvconnect.bench.disk_report import percentile, ratio, spread
+from kvconnect.bench.store import parse_size
 from kvconnect.store.client import StoreClient
 from kvconnect.store.config import PeerConfig, StoreClientConfig
 from kvconnect.store.launch import Cluster
@@ -51,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-bytes", type=int, default=64 * 1024)
     parser.add_argument("--zipf", type=float, default=0.6, help="popularity exponent (0: flat)")
     parser.add_argument("--fault-requests", type=int, default=2000, help="reads per fault phase")
-    parser.add_argument("--server-size", type=int, default=2048 * MiB)
+    parser.add_argument("--server-size", type=parse_size, default=2048 * MiB, help="e.g. 2G")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="bench-federation.json")
 
@@ -91,7 +95,14 @@ class _Group:
             )
             hits = got.leading()
         took = time.perf_counter() - started
+        for key, offset, size in zip(keys[:hits], self.offsets, self.sizes, strict=False):
+            if self.buffer[offset : offset + size] != _page(key, size):
+                raise RuntimeError(f"page {key} came back with other bytes")
         if write and hits < len(keys):
+            for key, offset, size in zip(
+                keys[hits:], self.offsets[hits:], self.sizes[hits:], strict=True
+            ):
+                self.buffer[offset : offset + size] = _page(key, size)
             put = self.client.batch_put_from(
                 keys[hits:], self.region, self.offsets[hits:], self.sizes[hits:]
             )
@@ -140,6 +151,13 @@ def _trace(shape: Shape, rng: random.Random) -> list[tuple[int, int]]:
     weights = [1 / (rank + 1) ** shape.zipf for rank in range(shape.prefixes)]
     prefixes = rng.choices(range(shape.prefixes), weights, k=shape.requests)
     return [(rng.randrange(2), prefix) for prefix in prefixes]
+
+
+@functools.lru_cache(maxsize=4096)
+def _page(key: str, size: int) -> bytes:
+    """A page's bytes, derived from its key (every read is checked against them)."""
+    seed = hashlib.blake2b(key.encode(), digest_size=32).digest()
+    return (seed * (size // len(seed) + 1))[:size]
 
 
 def _keys(namespace: str, prefix: int, pages: int) -> list[str]:

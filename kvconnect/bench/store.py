@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tier == "disk":
         from kvconnect.bench import disk  # the disk tier's code loads only for --tier disk
 
-        Path(args.out).write_text(json.dumps(disk.run(args, _parse_size), indent=2))
+        Path(args.out).write_text(json.dumps(disk.run(args, parse_size), indent=2))
         print(f"\nresults written to {args.out}")
         return 0
     mooncake = find_mooncake_python(args.mooncake_python)
@@ -269,7 +269,7 @@ def _commands(quick: bool) -> list[dict[str, Any]]:
 
 
 def _data_phase(mode: str, mooncake: str | None, args: argparse.Namespace) -> list[dict[str, Any]]:
-    segment = _parse_size(args.segment)
+    segment = parse_size(args.segment)
     systems: dict[str, Any] = {"kvconnect": _Kvconnect(mode, segment)}
     try:
         if args.poll_ab:
@@ -320,7 +320,8 @@ def _label(command: dict[str, Any]) -> str:
     return text + (f" x{command['batch']}" if "batch" in command and size else "")
 
 
-def _parse_size(text: str) -> int:
+def parse_size(text: str) -> int:
+    """``4G``, ``512M``, a number: bytes (ConfigError otherwise)."""
     return StoreServerConfig.from_mapping({"size": text}).size
 
 
