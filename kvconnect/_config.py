@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -277,6 +279,14 @@ def cluster_token(
     if insecure:
         return None
     return generate_token_file(default)
+
+
+def tenant_token(cluster: str, tenant: str) -> str:
+    """Tenant ``tenant``'s token, derived from the cluster token (docs/store.md, "Tenants"):
+    whoever holds the cluster token can hand it out; a tenant's token reveals neither the
+    cluster token nor another tenant's."""
+    mac = hmac.new(cluster.encode(), b"kvconnect tenant " + tenant.encode(), hashlib.sha256)
+    return f"kvt-{mac.hexdigest()}"
 
 
 def read_token_file(path: Path) -> str:

@@ -18,13 +18,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvconnect._config import cluster_token
+from kvconnect._config import cluster_token, tenant_token
 from kvconnect.errors import ConfigError
 from kvconnect.store.config import (
     MasterConfig,
     PeerConfig,
     StoreClientConfig,
     StoreServerConfig,
+    TenantConfig,
 )
 from kvconnect.transfer import TransferConfig
 
@@ -132,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _auth_flags(status)
     status.set_defaults(handler=_status)
+
+    tenant = commands.add_parser(
+        "tenant-token", help="print a tenant's token, derived from the cluster token"
+    )
+    tenant.add_argument("name", help="the tenant (as in the master's tenants)")
+    _auth_flags(tenant)
+    tenant.set_defaults(handler=_tenant_token)
 
     topology = commands.add_parser(
         "topology", help="print RDMA NICs and GPUs with their PCIe/NUMA distances"
@@ -242,6 +250,14 @@ def _peers_file(path: str | None, home: str) -> tuple[PeerConfig, ...]:
     if isinstance(document, dict):
         document = document.get("peers", [])
     return StoreClientConfig.from_mapping({"master": home, "peers": document}).peers
+
+
+def _tenant_token(args: argparse.Namespace) -> int:
+    token = cluster_token(None, args.token_file or "", args.insecure)
+    if token is None:
+        raise ConfigError("tenants need a cluster token (their tokens derive from it)")
+    print(tenant_token(token, TenantConfig(name=args.name).name))
+    return 0
 
 
 def _topology(args: argparse.Namespace) -> int:

@@ -9,7 +9,13 @@ import pytest
 
 from kvconnect._config import embedded_sections
 from kvconnect.sglang.config import HiCacheConfig
-from kvconnect.store.config import MasterConfig, PeerConfig, StoreClientConfig, StoreServerConfig
+from kvconnect.store.config import (
+    MasterConfig,
+    PeerConfig,
+    StoreClientConfig,
+    StoreServerConfig,
+    TenantConfig,
+)
 from kvconnect.transfer import TransferConfig
 from kvconnect.vllm.config import VllmConnectorConfig
 
@@ -48,17 +54,22 @@ def test_configuration_reference_lists_every_field_with_its_default(cls: type) -
         assert rows[name] == shown, f"{name}: docs say {rows[name]}, code {shown}"
 
 
-def test_configuration_reference_lists_every_peer_key_with_its_default() -> None:
+@pytest.mark.parametrize(
+    ("cls", "required"), [(PeerConfig, ("name", "master")), (TenantConfig, ("name",))]
+)
+def test_configuration_reference_lists_every_item_key_with_its_default(
+    cls: type, required: tuple[str, ...]
+) -> None:
     text = (DOCS / "configuration.md").read_text()
-    section = text.split("## `PeerConfig`", 1)[1].split("\n## ", 1)[0]
+    section = text.split(f"## `{cls.__name__}`", 1)[1].split("\n## ", 1)[0]
     rows = {
         line.split("|")[1].strip().strip("`"): line.split("|")[2].strip().strip("`")
         for line in section.splitlines()
         if line.startswith("| `")
     }
-    for field in dataclasses.fields(PeerConfig):
-        assert field.name in rows, f"PeerConfig.{field.name} is missing from the docs"
-        if field.name not in ("name", "master"):
+    for field in dataclasses.fields(cls):
+        assert field.name in rows, f"{cls.__name__}.{field.name} is missing from the docs"
+        if field.name not in required:
             default = field.default
             shown = str(default).lower() if isinstance(default, bool) else str(default)
             assert rows[field.name] == shown, f"{field.name}: docs {rows[field.name]}, code {shown}"

@@ -8,15 +8,19 @@ Pure: the caller passes what it observed; nothing here reads a clock.
     local   = min(cached_blocks * B, hit)        the instance's own prefix cache
     pool    = min(max(pool_blocks, cached_blocks) * B, hit) - local    loaded from the pool
     compute = P - local - pool
-    queue   = inflight_tokens + max(waiting - inflight, 0) * P
+    queue   = inflight_tokens + max(waiting - ours_in_load, 0) * P
     TTFT    = overhead + (queue + compute) / tps(instance) + pool / pool_tps
 
 ``inflight_tokens`` is the router's own count of the uncached tokens it sent there that are not
 prefilled yet (fresh); ``waiting`` comes from the instance's ``/metrics`` (a health interval old)
-and, less the router's own in-flight requests, counts requests others sent, each assumed as long
-as this prompt. So a hot prefix stays on the instance holding it while its queue is short, and
-spreads to a second instance once the holder's ``queue / tps`` costs more than recomputing the
-prefix on the second one or loading it there from the pool. A unified instance is predicted the
+and, less ``ours_in_load`` — the router's requests in flight there at some moment of that
+scrape, which it may count whether they finished since or not — counts requests others sent,
+each assumed as long as this prompt. (Less the router's requests in flight *now*, a request
+caught waiting by the scrape and finished since would count as someone else's for a whole
+health interval, and push the next request off the instance that holds its prefix.) So a hot
+prefix stays on the instance holding it while its queue is short, and spreads to a second
+instance once the holder's ``queue / tps`` costs more than recomputing the prefix on the
+second one or loading it there from the pool. A unified instance is predicted the
 same way (its running decodes, which slow its prefills, are not counted).
 
 ``tps(instance)`` starts at ``prefill_tps`` (then at the mean of the instances observed so far)
@@ -183,7 +187,7 @@ class CostModel:
         local = min(c.cached_blocks * block_size, hit)
         pool = min(max(r.pool_blocks, c.cached_blocks) * block_size, hit) - local
         compute = prompt - local - pool
-        queue = c.inflight_tokens + max(c.load.waiting - c.inflight, 0) * prompt
+        queue = c.inflight_tokens + max(c.load.waiting - c.ours_in_load, 0) * prompt
         return Estimate(queue, compute, pool, self.tps(c.name), pool / self.pool_tps, self.overhead)
 
     def predict_ttft(self, c: Candidate, r: Request, block_size: int) -> float:

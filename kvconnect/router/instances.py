@@ -36,6 +36,10 @@ class Instance:
     load: Load = field(default_factory=Load)
     inflight: int = 0  # requests the router sent here that have not finished
     inflight_tokens: int = 0  # their uncached prompt tokens not yet prefilled
+    started: int = 0  # requests the router ever sent here
+    ours_in_load: int = 0
+    """The router's requests that were in flight here at some moment of the scrape ``load``
+    came from: its ``waiting`` may count them, finished since or not."""
 
 
 class Ticket:
@@ -48,6 +52,7 @@ class Ticket:
         self._open = True
         instance.inflight += 1
         instance.inflight_tokens += tokens
+        instance.started += 1
 
     def prefilled(self) -> None:
         """The prompt is computed: its tokens no longer wait (the request still runs)."""
@@ -152,6 +157,7 @@ class Fleet:
                 log.exception("health check round failed")
 
     async def _check(self, instance: Instance) -> None:
+        inflight, started = instance.inflight, instance.started
         try:
             instance.load = await upstream.check(self._session, instance.url, self._timeout)
         except (PeerUnreachable, ProtocolError) as exc:
@@ -159,6 +165,7 @@ class Fleet:
             if instance.failures >= self._unhealthy_after:
                 self._set(instance, healthy=False, reason=str(exc))
             return
+        instance.ours_in_load = inflight + instance.started - started
         instance.failures = 0
         self._set(instance, healthy=True, reason="health check passed")
 

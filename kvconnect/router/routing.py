@@ -215,4 +215,5 @@ def _candidate(instance: Instance, cached_blocks: int) -> Candidate:
         inflight=instance.inflight,
         inflight_tokens=instance.inflight_tokens,
         cached_blocks=cached_blocks,
+        ours_in_load=instance.ours_in_load,
     )

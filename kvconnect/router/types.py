@@ -37,6 +37,7 @@ class Candidate:
     inflight: int  # requests the router sent there that have not finished
     inflight_tokens: int  # their uncached prompt tokens not yet prefilled (the router's count)
     cached_blocks: int  # leading blocks of this request the instance holds (from the index)
+    ours_in_load: int  # the router's requests ``load.waiting`` may count (finished or not)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,12 +17,12 @@ Plain sockets instead of zmq: zmq hands every message through its I/O threads, w
 from __future__ import annotations
 
 import enum
-import hmac
 import os
 import select
 import socket
 import struct
 import time
+from collections.abc import Mapping
 from typing import Final
 
 from cryptography.exceptions import InvalidTag
@@ -114,8 +114,19 @@ class ServerSession:
     that fails to open).
     """
 
-    def __init__(self, token: str | None, server_id: bytes, max_frame: int) -> None:
+    def __init__(
+        self,
+        token: str | None,
+        server_id: bytes,
+        max_frame: int,
+        tenants: Mapping[str, str] | None = None,
+    ) -> None:
+        """``tenants``: tenant token → tenant name; a client proving one of them is that
+        tenant (:attr:`tenant`), one proving ``token`` is none (the cluster's own)."""
         self._token = token
+        self._tenants = tenants or {}
+        self.tenant: str | None = None
+        """The tenant the client proved to be (once open), None for the cluster token."""
         self._server_id = server_id
         self._max_frame = max_frame
         self._inbox = bytearray()
@@ -167,13 +178,15 @@ class ServerSession:
         assert self._token is not None
         proof = bytes(self._inbox[: wire.MAC_LEN])
         del self._inbox[: wire.MAC_LEN]
-        expected = wire.token_mac(self._token, b"client", self._nonce, self._client_nonce)
-        if not hmac.compare_digest(proof, expected):
+        tokens = (self._token, *self._tenants)
+        proved = wire.proven(proof, tokens, b"client", self._nonce, self._client_nonce)
+        if proved is None:
             self._output += _REFUSED
             raise AuthenticationError("client failed to prove the cluster token")
-        server_proof = wire.token_mac(self._token, b"server", self._client_nonce, self._nonce)
+        server_proof = wire.token_mac(proved, b"server", self._client_nonce, self._nonce)
         self._output += _ACCEPTED + server_proof
-        self._seals = _seals(self._token, self._client_nonce, self._nonce)
+        self._seals = _seals(proved, self._client_nonce, self._nonce)
+        self.tenant = self._tenants.get(proved) if proved != self._token else None
         self.phase = Phase.OPEN
 
     def _frames(self) -> list[bytes]:

@@ -106,6 +106,8 @@ def run_status(
         f"{reply.refused} connections refused (no cluster token), {reply.dropped} messages dropped"
     )
     _print_tiers(reply.tiers)
+    if reply.tenants:
+        _print_tenants(reply.tenants)
     print(
         f"{'segment':<40}{'tier':<6}{'server':<28}{'used':>14}{'in transit':>14}"
         f"{'capacity':>14}{'use':>7}{'objects':>10}"
@@ -151,6 +153,19 @@ def _print_peers(peers: Sequence[PeerConfig], timeout: float) -> None:
         print(
             f"{peer.name:<16}{peer.master:<32}{'reachable':<13}{rtt:>8.2f}{reply.keys:>10}"
             f"{used:>16}{share:>7.1%}"
+        )
+
+
+def _print_tenants(tenants: list[m.TenantStats]) -> None:
+    """The per-tenant table of ``kvconnect status`` (a tenant's token shows its own row)."""
+    print(
+        f"{'tenant':<20}{'used':>16}{'quota':>16}{'use':>7}{'share':>16}{'objects':>10}{'evicted':>10}"
+    )
+    for t in tenants:
+        use = f"{t.used / t.quota:.1%}" if t.quota else "-"
+        print(
+            f"{t.name:<20}{t.used:>16}{t.quota:>16}{use:>7}{t.share:>16}{t.objects:>10}"
+            f"{t.evictions:>10}"
         )
 
 

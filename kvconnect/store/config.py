@@ -31,6 +31,34 @@ class Strategy(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TenantConfig(Section):
+    """A tenant of the store (an item of ``MasterConfig.tenants``; docs/store.md,
+    "Tenants"): a namespace of keys of its own, a quota, and a token derived from the
+    cluster token (``kvconnect tenant-token NAME``)."""
+
+    name: str = ""
+    """Letters, digits, ``-`` and ``_``, at most 32 bytes; unique among the tenants."""
+    quota: int = 0
+    """Bytes the tenant may store (objects and puts under way, in every tier; 0: no quota).
+    A put over it evicts the tenant's own least recently used objects, never another's."""
+    share: int = 0
+    """Bytes of the store the tenant is entitled to when the store is full (0: its quota):
+    eviction takes from the tenants over their share first."""
+
+    def __post_init__(self) -> None:
+        if not _is_name(self.name) or len(self.name) > 32:
+            raise ConfigError(
+                f"a tenant needs a name of letters, digits, - and _, got {self.name!r}"
+            )
+        if self.quota < 0 or self.share < 0:
+            raise ConfigError(f"tenant {self.name}: quota and share must be >= 0")
+
+
+def _is_name(text: str) -> bool:
+    return bool(text) and text.isascii() and text.replace("-", "").replace("_", "").isalnum()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MasterConfig(Section):
     """Configuration of the store master (``kvconnect master``)."""
 
@@ -97,6 +125,9 @@ class MasterConfig(Section):
     insecure: bool = False
     """Answer unauthenticated RPCs when no token is configured (anyone who reaches the port
     can mount, remove and read the topology); otherwise a token is always used."""
+    tenants: tuple[TenantConfig, ...] = ()
+    """Tenants (docs/store.md, "Tenants"): a list of :class:`TenantConfig` mappings (JSON text
+    in the environment and on flags). A client proving a tenant's token is that tenant."""
 
     def cluster_token(self) -> str | None:
         """The token RPCs are authenticated with (see :func:`cluster_token`)."""
@@ -123,6 +154,11 @@ class MasterConfig(Section):
         check_positive(self, "kv_events_buffer")
         if self.kv_events_replay and not self.kv_events:
             raise ConfigError("kv_events_replay needs kv_events (the events' PUB endpoint)")
+        names = [tenant.name for tenant in self.tenants]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tenant names must be unique, got {names}")
+        if self.tenants and self.insecure and not self.token and not self.token_file:
+            raise ConfigError("tenants need a cluster token (their tokens derive from it)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -216,7 +252,7 @@ class PeerConfig(Section):
         return cluster_token(self.token, self.token_file, self.insecure)
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+        if not _is_name(self.name):
             raise ConfigError(f"a peer needs a name of letters, digits, - and _, got {self.name!r}")
         if not self.master.startswith(("tcp://", "etcd://")):
             raise ConfigError(
@@ -272,4 +308,11 @@ class StoreClientConfig(Section):
             raise ConfigError(f"a peer cannot be the home cluster ({self.master})")
 
 
-__all__ = ["MasterConfig", "PeerConfig", "StoreClientConfig", "StoreServerConfig", "Strategy"]
+__all__ = [
+    "MasterConfig",
+    "PeerConfig",
+    "StoreClientConfig",
+    "StoreServerConfig",
+    "Strategy",
+    "TenantConfig",
+]

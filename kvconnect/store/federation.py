@@ -17,13 +17,14 @@ read from a peer is copied home in the background.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvconnect.errors import StoreError
+from kvconnect.errors import RegionBusy, StoreError
 from kvconnect.lifecycle import Lifecycle
 from kvconnect.store.batching import BatchResult, Ranges, Span
 from kvconnect.store.config import PeerConfig, StoreClientConfig
@@ -103,9 +104,10 @@ class _Peer:
         engine = self.client.engine
         with self._lock:
             for key, (home, mine) in list(self._aliases.items()):
-                if not home_owns(home) and engine.users(mine) == 0:
-                    del self._aliases[key]
-                    engine.unregister(mine)
+                if not home_owns(home):
+                    with contextlib.suppress(RegionBusy):  # a transfer still holds it
+                        engine.unregister(mine)
+                        del self._aliases[key]
             entry = self._aliases.get(id(region))
             if entry is None:
                 entry = self._aliases[id(region)] = (region, engine.register_alias(region))

@@ -19,6 +19,9 @@ import msgspec
 
 PROTOCOL_VERSION: Final = 3  # 3: tiers (disk segments, moves between tiers, tier reports)
 MAX_KEY_BYTES: Final = 1024
+MAX_TENANT_BYTES: Final = 32
+MAX_STORED_KEY_BYTES: Final = MAX_KEY_BYTES + MAX_TENANT_BYTES + 2
+"""The longest key the master stores: a client's key under its tenant's prefix."""
 MAX_BATCH: Final = 65536
 
 
@@ -44,6 +47,7 @@ class Code(enum.IntEnum):
     STALE = 14  # the read outlived its lease: the bytes cannot be trusted
     UNSETTLED = 16  # the transfer could not be stopped: its buffer may still be written
     CANCELED = 17  # the caller's cancel hook stopped the read before the key arrived
+    DENIED = 18  # the caller's token does not allow this request (a tenant's store-server call)
 
 
 class Tier(enum.IntEnum):
@@ -150,6 +154,17 @@ class TierStats(msgspec.Struct, gc=False, frozen=True):
     promotions: int  # objects copied into this tier from the one below
     evictions: int  # objects this tier's eviction took out of it (dropped or demoted)
     lost: int  # replicas of this tier lost (a report of unreadable bytes, a lost segment)
+
+
+class TenantStats(msgspec.Struct, gc=False, frozen=True):
+    """One tenant as ``stats`` reports it (a tenant sees only itself)."""
+
+    name: str
+    quota: int  # bytes (0: none)
+    share: int  # bytes it is entitled to when the store is full
+    used: int  # bytes of its objects and puts under way, every tier
+    objects: int
+    evictions: int  # its objects dropped by eviction (its quota's or the store's)
 
 
 # ---------------------------------------------------------------------------------- requests
@@ -296,6 +311,7 @@ class ReplicasReply(msgspec.Struct, gc=False, tag="replicas"):
 class HeartbeatReply(msgspec.Struct, gc=False, tag="heartbeat"):
     unknown: list[str]  # mount ids the master does not have: mount them again
     changes: list[Changes]  # journal changes the server has not applied yet
+    tenants: list[str] = []  # the tenants whose clients the server's transfer engine admits
 
 
 class StatsReply(msgspec.Struct, gc=False, tag="stats"):
@@ -309,6 +325,7 @@ class StatsReply(msgspec.Struct, gc=False, tag="stats"):
     refused: int = 0  # connections refused for want of the cluster token
     dropped: int = 0  # messages dropped unanswered (malformed, too deep, reply not sendable)
     tiers: list[TierStats] = []
+    tenants: list[TenantStats] = []
 
 
 class RemovalReason(enum.IntEnum):
@@ -377,14 +394,15 @@ class Head(msgspec.Struct, gc=False, array_like=True):
     request_id: int
 
 
-def check_key(key: object) -> bool:
-    """Keys are non-empty strings of at most MAX_KEY_BYTES bytes of UTF-8, without NUL (C
-    consumers of keys end them there). A string with a lone surrogate cannot be encoded."""
+def check_key(key: object, limit: int = MAX_KEY_BYTES) -> bool:
+    """Keys are non-empty strings of at most ``limit`` (MAX_KEY_BYTES) bytes of UTF-8, without
+    NUL (C consumers of keys end them there). A string with a lone surrogate cannot be
+    encoded."""
     if not isinstance(key, str) or not key or "\0" in key:
         return False
     if key.isascii():  # the common case, told without encoding: a byte per character
-        return len(key) <= MAX_KEY_BYTES
+        return len(key) <= limit
     try:
-        return len(key.encode()) <= MAX_KEY_BYTES
+        return len(key.encode()) <= limit
     except UnicodeEncodeError:
         return False

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -53,7 +53,8 @@ _head_decoder = msgspec.msgpack.Decoder(m.Head)
 _request_decoder = msgspec.msgpack.Decoder(m.Envelope)
 _reply_decoder = msgspec.msgpack.Decoder(m.ReplyEnvelope)
 
-Handler = Callable[[m.Request], m.Reply]
+Handler = Callable[[m.Request, str | None], m.Reply]
+"""Answers a request of a client that proved to be the tenant named (None: the cluster)."""
 LEADER_KEY = "/kvconnect/master/leader"  # value: the HA leader's endpoint (see master/ha.py)
 ROUND_ANSWERS = 1024  # answers between two ticks: a flood cannot starve background work
 _TURN = 64  # answers to one connection before the next one's turn
@@ -89,15 +90,18 @@ class RpcServer:
         max_message_bytes: int,
         poll_window: float = 0.0,
         soon: Callable[[], bool] = lambda: True,
+        tenants: Mapping[str, str] | None = None,
     ) -> None:
         """``tick`` returns how long (s) the loop may sleep before it wants to run again;
         ``token`` None serves unauthenticated clients; for ``poll_window`` seconds after its
         last answer the loop polls for the next request before it sleeps, unless ``soon()``
-        says after that answer that no request is due that soon."""
+        says after that answer that no request is due that soon. ``tenants``: tenant token →
+        name; requests of a connection that proved one reach ``handler`` with that name."""
         self._address = parse_endpoint(endpoint)
         self._handler = handler
         self._tick = tick
         self._token = token
+        self._tenants = dict(tenants or {})
         self._max_frame = sealed_frame_limit(max_message_bytes, token)
         self._id = os.urandom(16)
         self._listener: socket.socket | None = None
@@ -199,7 +203,7 @@ class RpcServer:
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            session = ServerSession(self._token, self._id, self._max_frame)
+            session = ServerSession(self._token, self._id, self._max_frame, self._tenants)
             conn = _Connection(sock, session, time.monotonic())
             self._connections[sock] = conn
             self._handshaking[sock] = conn
@@ -305,7 +309,7 @@ class RpcServer:
                 if not conn.inbox:
                     break
                 budget -= 1
-                reply = self._reply(conn.inbox.popleft())
+                reply = self._reply(conn.inbox.popleft(), conn.session.tenant)
                 if reply is not None:
                     conn.session.send(reply)
             conn.output += conn.session.take_output()
@@ -315,9 +319,9 @@ class RpcServer:
         if budget < ROUND_ANSWERS:
             self._answered = time.monotonic() if self._soon() else 0.0
 
-    def _reply(self, payload: bytes) -> bytes | None:
+    def _reply(self, payload: bytes, tenant: str | None) -> bytes | None:
         try:
-            return self._answer(payload)
+            return self._answer(payload, tenant)
         except Exception as exc:  # e.g. RecursionError decoding hostile nesting
             self._dropped("a message that could not be answered (%r)", exc)
             return None
@@ -327,7 +331,7 @@ class RpcServer:
         if self._throttle.ready():
             log.warning("dropped %s (%d dropped so far)", what % args, self.malformed)
 
-    def _answer(self, payload: bytes) -> bytes | None:
+    def _answer(self, payload: bytes, tenant: str | None) -> bytes | None:
         # The whole envelope first (one decode on the hot path); the header alone only when
         # that fails, for the request id and version to answer with.
         try:
@@ -338,7 +342,7 @@ class RpcServer:
         if envelope.version != m.PROTOCOL_VERSION:
             body = _version_error(envelope.version)
         else:
-            body = self._handle(envelope.body)
+            body = self._handle(envelope.body, tenant)
         return _encoder.encode(m.ReplyEnvelope(envelope.request_id, body))
 
     def _undecodable(self, payload: bytes, error: msgspec.DecodeError) -> bytes | None:
@@ -354,9 +358,9 @@ class RpcServer:
             body = m.Error(m.Code.INVALID, f"malformed request: {error}")
         return _encoder.encode(m.ReplyEnvelope(head.request_id, body))
 
-    def _handle(self, request: m.Request) -> m.Reply:
+    def _handle(self, request: m.Request, tenant: str | None) -> m.Reply:
         try:
-            return self._handler(request)
+            return self._handler(request, tenant)
         except Exception as exc:  # one bad request must not take the master down
             log.exception("handler failed on %s", type(request).__name__)
             return m.Error(m.Code.INTERNAL, f"{type(exc).__name__}: {exc}")

@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from kvconnect._config import tenant_token
 from kvconnect.errors import DiskUnavailable, KVConnectError, StoreError
 from kvconnect.lifecycle import Lifecycle
 from kvconnect.store import messages as m
@@ -65,6 +66,7 @@ class StoreServer(Lifecycle):
         self.mount_id = uuid.uuid4().hex
         self.region: MemoryRegion | None = None
         self._rpc = RpcClient(config.master, config.rpc_timeout, token=self.engine.config.token)
+        self._tenants: list[str] = []  # the tenants whose tokens the engine admits
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by disk tiers with outcomes to report
         self._thread: threading.Thread | None = None
@@ -99,7 +101,8 @@ class StoreServer(Lifecycle):
         self._open_disks()
         try:
             self._mount()
-        except StoreError as exc:
+            self._beat()  # the master's tenants are admitted before the server says it serves
+        except KVConnectError as exc:
             log.warning("master not reachable yet (%s); heartbeats will keep trying", exc)
         self._thread = threading.Thread(
             target=self._heartbeats, name="kvconnect-store-heartbeat", daemon=True
@@ -253,6 +256,7 @@ class StoreServer(Lifecycle):
         reply = self._rpc.call(heartbeat, timeout=self.config.heartbeat_interval)
         if not isinstance(reply, m.HeartbeatReply):
             raise StoreError(f"unexpected heartbeat reply {reply!r}")
+        self._admit_tenants(reply.tenants)
         for disk in self.disks:
             disk.delivered()
         if reply.unknown:
@@ -260,6 +264,14 @@ class StoreServer(Lifecycle):
             self._remount()
             return False
         return self._apply(reply.changes)
+
+    def _admit_tenants(self, names: list[str]) -> None:
+        """Let the master's tenants' clients reach this server's memory: their tokens derive
+        from the cluster token (docs/store.md, "Tenants")."""
+        token = self.engine.config.token
+        if token is not None and names != self._tenants:
+            self._tenants = list(names)
+            self.engine.accept_tokens([tenant_token(token, name) for name in names])
 
     def _apply(self, journals: list[m.Changes]) -> bool:
         """Apply each mount's journal changes; True if there were any."""

@@ -104,6 +104,7 @@ class TransferEngine(Lifecycle):
         self._published = False
         self._name = config.name or ""
         self._listener: Listener | None = None
+        self._also: tuple[str, ...] = ()  # tokens accepted besides the cluster token
         self._transports: dict[str, Transport] = {}  # most preferred first
         self._capabilities: dict[str, Capabilities] = {}  # what routing chooses from
         self._rdma: RdmaTransport | None = None
@@ -155,6 +156,7 @@ class TransferEngine(Lifecycle):
             datapath,
             self._staging_pool,
             self._rdma_accept,
+            lambda: self._also,
         )
         self._listener.start()
         if not self._name:
@@ -323,6 +325,12 @@ class TransferEngine(Lifecycle):
         region = self._registry.register_source(source, length)
         self._republish()
         return region
+
+    def accept_tokens(self, tokens: Sequence[str]) -> None:
+        """Let peers that prove any of ``tokens`` in, besides the cluster token (a store
+        server takes its cluster's tenants' tokens); replaces the previous set. Connections
+        already in are not affected. Any thread."""
+        self._also = tuple(token for token in tokens if token)
 
     def register_alias(self, region: MemoryRegion) -> MemoryRegion:
         """Register the memory of ``region``, a region of *another* engine, here as a private

@@ -19,8 +19,10 @@ def candidate(
     inflight_tokens: int = 0,
     running: int = 0,
     waiting: int = 0,
+    ours_in_load: int = 0,
 ) -> Candidate:
-    return Candidate(name, Role.PREFILL, Load(running, waiting), inflight, inflight_tokens, cached)
+    load = Load(running, waiting)
+    return Candidate(name, Role.PREFILL, load, inflight, inflight_tokens, cached, ours_in_load)
 
 
 def request(prompt: int = 160, pool: int = 0) -> Request:
@@ -56,11 +58,14 @@ def test_the_pool_adds_nothing_below_the_local_cache_and_the_last_token_is_compu
 
 def test_waiting_requests_the_router_did_not_send_count_as_long_as_this_prompt() -> None:
     model = CostModel()
-    # 5 waiting on /metrics, 2 of them the router's own (already in inflight_tokens)
-    estimate = model.estimate(candidate(inflight=2, inflight_tokens=50, waiting=5), request(), BS)
-    assert estimate.queue_tokens == 50 + 3 * 160
-    estimate = model.estimate(candidate(inflight=7, inflight_tokens=50, waiting=5), request(), BS)
-    assert estimate.queue_tokens == 50
+    # 5 waiting on /metrics, 2 of them possibly the router's own at that scrape
+    ours = candidate(inflight=2, inflight_tokens=50, waiting=5, ours_in_load=2)
+    assert model.estimate(ours, request(), BS).queue_tokens == 50 + 3 * 160
+    ours = candidate(inflight=7, inflight_tokens=50, waiting=5, ours_in_load=7)
+    assert model.estimate(ours, request(), BS).queue_tokens == 50
+    # the router's request the scrape caught waiting finished since: it is not someone else's
+    finished = candidate(inflight=0, inflight_tokens=0, waiting=1, ours_in_load=1)
+    assert model.estimate(finished, request(), BS).queue_tokens == 0
 
 
 def test_prefill_throughput_starts_at_the_default_and_follows_observations() -> None:

@@ -422,3 +422,21 @@ def test_instance_load_comes_from_its_metrics_and_inflight_is_counted_back_to_ze
             assert (instance.inflight, instance.inflight_tokens) == (0, 0)
 
     run(scenario, "a")
+
+
+def test_the_routers_own_requests_a_scrape_may_count_are_remembered_with_it() -> None:
+    async def scenario(a: StandIn) -> None:
+        async with front(unified=(a.url,)) as f:
+            fleet = f.service.fleet
+            instance = fleet.get(a.url)
+            assert instance.ours_in_load == 0
+            ticket = fleet.begin(a.url, 10)  # in flight (perhaps waiting) during the scrape
+            a.waiting = 1
+            await fleet.check_all()
+            ticket.close()  # finished since: the scraped waiting=1 was the router's own
+            assert (instance.inflight, instance.load.waiting, instance.ours_in_load) == (0, 1, 1)
+            a.waiting = 0
+            await fleet.check_all()
+            assert instance.ours_in_load == 0
+
+    run(scenario, "a")

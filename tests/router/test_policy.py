@@ -15,7 +15,9 @@ HOT = Request(blocks=tuple(range(10)), prompt_tokens=PROMPT, pool_blocks=0)
 
 
 def idle(name: str, role: Role = Role.PREFILL, cached: int = 0) -> Candidate:
-    return Candidate(name, role, Load(), inflight=0, inflight_tokens=0, cached_blocks=cached)
+    return Candidate(
+        name, role, Load(), inflight=0, inflight_tokens=0, cached_blocks=cached, ours_in_load=0
+    )
 
 
 def policy() -> CacheAware:

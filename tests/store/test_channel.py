@@ -89,6 +89,24 @@ def test_a_wrong_token_is_refused_with_a_status_and_never_opens() -> None:
     assert session.phase is not ch.Phase.OPEN
 
 
+def test_a_client_proving_a_tenants_token_is_that_tenant_and_sealed_with_its_token() -> None:
+    tenants = {"tenant-a-token": "a", "tenant-b-token": "b"}
+    for token, expected in ((TOKEN, None), ("tenant-a-token", "a"), ("tenant-b-token", "b")):
+        session = ch.ServerSession(TOKEN, SERVER_ID, 1024, tenants)
+        client = _Client(token)
+        session.receive(client.hello)
+        session.receive(client.proof(session.take_output()))
+        assert session.take_output()[:1] == b"\x00"
+        assert (session.phase, session.tenant) == (ch.Phase.OPEN, expected)
+        session.receive(ch.frame(client.send, b"hello"))  # sealed with the tenant's token
+        assert session.receive(ch.frame(client.send, b"next")) == [b"next"]
+    session = ch.ServerSession(TOKEN, SERVER_ID, 1024, tenants)
+    client = _Client("tenant-c-token")  # not a tenant of this master
+    session.receive(client.hello)
+    with pytest.raises(AuthenticationError):
+        session.receive(client.proof(session.take_output()))
+
+
 @pytest.mark.parametrize(("server", "client"), [(TOKEN, None), (None, TOKEN)])
 def test_token_and_plain_do_not_mix(server: str | None, client: str | None) -> None:
     session = ch.ServerSession(server, SERVER_ID, 1024)
@@ -153,7 +171,8 @@ class _Master:
         self.thread = threading.Thread(target=self.server.serve)
         self.thread.start()
 
-    def _handle(self, request: m.Request) -> m.Reply:
+    def _handle(self, request: m.Request, tenant: str | None) -> m.Reply:
+        assert tenant is None
         if isinstance(request, m.Remove):
             self.entered.set()
             self.release.wait(10)

@@ -4,14 +4,17 @@ that is stopped, killed or refuses our token costs one bounded attempt, never ho
 
 from __future__ import annotations
 
+import gc
 import json
 import secrets
 import signal
 import subprocess
 import sys
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvconnect.bench.etcd import EtcdServer, etcd_available
@@ -126,6 +129,28 @@ def test_keys_home_lacks_are_read_from_the_peer_byte_for_byte(
         assert isolated.batch_exists(keys) == [True] * 4 + [False] * 7
 
 
+def test_a_buffer_unregistered_at_home_is_released_by_the_peer_engine_too(
+    clusters: tuple[Cluster, Cluster],
+) -> None:
+    home, peer = clusters
+    at_peer = _values("p", 2, 110)
+    _fill(peer, at_peer)
+    with _client(home, _peer(peer)) as client:
+        memory = np.zeros(8192, dtype=np.uint8)
+        released = weakref.ref(memory)
+        region = client.register(memory)
+        assert client.batch_get_into(["p0"], region, [0], [8192]).codes == (Code.OK,)
+        assert memory[: len(at_peer["p0"])].tobytes() == at_peer["p0"]
+        client.engine.unregister(region)
+        del memory, region
+        assert released() is not None  # the peer engine's alias still holds it
+        assert client.get("p1") == at_peer["p1"]  # any later read lets the alias go
+        other = client.register(bytearray(8192))
+        assert client.batch_get_into(["p1"], other, [0], [8192]).ok() == [True]
+        gc.collect()
+        assert released() is None
+
+
 def test_a_key_the_peer_lacks_is_not_asked_again_within_the_negative_ttl(
     clusters: tuple[Cluster, Cluster],
 ) -> None:
@@ -223,7 +248,8 @@ def test_a_stopped_peer_store_server_times_out_within_the_peer_share(
     at_peer = _values("p", 2, 30)
     _fill(peer, at_peer)
     # over TCP: through shared memory a stopped server's memory is still read (one-sided)
-    with _client(home, _peer(peer, share=0.25), transport="tcp") as client:
+    config = _peer(peer, share=0.25, probe_interval=60.0)  # no probe closes it meanwhile
+    with _client(home, config, transport="tcp") as client:
         assert client.get("p0") == at_peer["p0"]
         peer.servers[0].signal(signal.SIGSTOP)
         try:

@@ -3,7 +3,8 @@
 A key maps to a *slot* through the key index (:mod:`kvconnect.store.master.keys`: the C
 table holds the key's bytes and an 8-byte bucket, no Python object); per-slot facts live in
 typed arrays (8-byte size and offset, 4-byte segment, 1-byte state, 8-byte lease deadline,
-4-byte last access and pin deadline), ~41 bytes. Rare facts live in side tables:
+4-byte last access and pin deadline, 2-byte tenant), ~43 bytes; the bytes and objects of each
+tenant are kept as slots come and go. Rare facts live in side tables:
 extra replicas (``replicas > 1``), pending multi-part puts, and moves between tiers under way
 (by target and by slot). Pure data, no I/O, no clock.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import enum
 from array import array
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -95,6 +97,9 @@ class ObjectTable:
         self.lease = array("d")
         self.access = array("f")
         self.pin = array("f")
+        self.tenant = array("H")  # kvconnect.store.master.tenants ids (0: none)
+        self.tenant_bytes: Counter[int] = Counter()  # by tenant: sizes of its slots
+        self.tenant_objects: Counter[int] = Counter()
         self.extra: dict[int, list[Replica]] = {}  # replicas after the primary
         self.pending: dict[int, Pending] = {}
         self.moves: dict[Replica, Move] = {}  # by target (segment index, offset)
@@ -117,8 +122,10 @@ class ObjectTable:
             if name is not None:
                 yield name, slot
 
-    def add(self, key: str, size: int, segment: int, offset: int, pin: float) -> int:
-        """A new PENDING slot for ``key`` (which must be absent)."""
+    def add(
+        self, key: str, size: int, segment: int, offset: int, pin: float, tenant: int = 0
+    ) -> int:
+        """A new PENDING slot for ``key`` (which must be absent) of tenant ``tenant``."""
         if self._free:
             slot = self._free.pop()
             self.size[slot] = size
@@ -128,6 +135,7 @@ class ObjectTable:
             self.lease[slot] = 0.0
             self.access[slot] = 0.0
             self.pin[slot] = pin
+            self.tenant[slot] = tenant
         else:
             slot = len(self.state)
             self.size.append(size)
@@ -137,16 +145,21 @@ class ObjectTable:
             self.lease.append(0.0)
             self.access.append(0.0)
             self.pin.append(pin)
+            self.tenant.append(tenant)
         self.index.add(key, slot)
+        if tenant:
+            self.tenant_bytes[tenant] += size
+            self.tenant_objects[tenant] += 1
         return slot
 
     def add_many(
-        self, keys: list[str], sizes: list[int], placed: list[Replica], pin: float
+        self, keys: list[str], sizes: list[int], placed: list[Replica], pin: float, tenant: int = 0
     ) -> list[int]:
-        """:meth:`add` for a batch (free slots first, then columns extended at once)."""
+        """:meth:`add` for a batch of one tenant (free slots first, then columns extended at
+        once)."""
         reuse = min(len(keys), len(self._free))
         head = zip(keys[:reuse], sizes[:reuse], placed[:reuse], strict=True)
-        slots = [self.add(key, size, at.segment, at.offset, pin) for key, size, at in head]
+        slots = [self.add(key, size, at.segment, at.offset, pin, tenant) for key, size, at in head]
         rest = len(keys) - reuse
         if rest:
             first = len(self.state)
@@ -158,6 +171,10 @@ class ObjectTable:
             self.lease.extend(array("d", (0.0,)) * rest)
             self.access.extend(array("f", (0.0,)) * rest)
             self.pin.extend(array("f", (pin,)) * rest)
+            self.tenant.extend(array("H", (tenant,)) * rest)
+            if tenant:
+                self.tenant_bytes[tenant] += sum(sizes[reuse:])
+                self.tenant_objects[tenant] += rest
             add = self.index.add
             for key, slot in zip(keys[reuse:], new, strict=True):
                 add(key, slot)
@@ -167,6 +184,10 @@ class ObjectTable:
     def drop(self, slot: int) -> None:
         """Forget a slot (its key becomes absent); the caller freed its space."""
         self.index.remove(slot)
+        tenant = self.tenant[slot]
+        if tenant:
+            self.tenant_bytes[tenant] -= self.size[slot]
+            self.tenant_objects[tenant] -= 1
         self.state[slot] = _FREE
         self.extra.pop(slot, None)
         self.pending.pop(slot, None)
@@ -223,6 +244,7 @@ class ObjectTable:
             "access": np.frombuffer(self.access, dtype=np.float32),
             "pin": np.frombuffer(self.pin, dtype=np.float32),
             "size": np.frombuffer(self.size, dtype=np.int64),
+            "tenant": np.frombuffer(self.tenant, dtype=np.uint16),
         }
         try:
             yield views

@@ -16,8 +16,10 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvconnect._config import tenant_token
 from kvconnect.store import messages as m
 from kvconnect.store.config import MasterConfig
+from kvconnect.store.master import tenants
 from kvconnect.store.master.ha import Leadership
 from kvconnect.store.master.kvevents import KvEventPublisher, MasterEvents
 from kvconnect.store.master.state import MasterState
@@ -51,7 +53,9 @@ class MasterService:
             max_message_bytes=config.max_message_bytes,
             poll_window=config.poll_window,
             soon=lambda: self._moving <= _BULK_BYTES,
+            tenants=_tenant_tokens(config),
         )
+        self._tenant = tenants.NONE  # the tenant of the request being answered (one at a time)
         self._thread: threading.Thread | None = None
         self._http: Any = None
         self._events: MasterEvents | None = None
@@ -160,7 +164,20 @@ class MasterService:
             self._snapshot, self._snapshot_at = self._stats(), now
         return 0.0 if self.state.busy() else 0.05
 
-    def _handle(self, request: m.Request) -> m.Reply:
+    def _handle(self, request: m.Request, tenant: str | None) -> m.Reply:
+        """A request of ``tenant`` (None: the cluster's own processes)."""
+        if tenant is None:
+            self._tenant = tenants.NONE
+            return self._dispatch(request)
+        scoped = tenants.scoped(request, tenant)
+        if isinstance(scoped, m.Error):
+            return scoped
+        self._tenant = self.state.tenants.id(tenant)
+        if isinstance(scoped, m.Stats):
+            return self._stats(self._tenant)
+        return tenants.unscoped(self._dispatch(scoped), tenant)
+
+    def _dispatch(self, request: m.Request) -> m.Reply:
         if not self._serving() and not isinstance(request, m.Stats):
             return m.Error(m.Code.NOT_LEADER, "this master is a standby")
         start = time.perf_counter()
@@ -198,6 +215,7 @@ class MasterService:
             request.host_id,
             request.pin,
             self.now(),
+            self._tenant,
         )
         placed = zip(request.items, results, strict=True)
         self._moving = request.replicas * sum(i.size for i, p in placed if p.code is m.Code.OK)
@@ -248,14 +266,18 @@ class MasterService:
         unknown, changes = self.state.heartbeat(
             request.server, request.mount_ids, request.applied, self.now(), request.reports
         )
-        return m.HeartbeatReply(unknown, changes)
+        return m.HeartbeatReply(unknown, changes, [t.name for t in self.config.tenants])
 
     def _removals(self, request: m.Removals) -> m.Reply:
-        if len(request.prefix.encode(errors="replace")) > m.MAX_KEY_BYTES:
-            return m.Error(m.Code.INVALID, f"prefix longer than {m.MAX_KEY_BYTES} bytes")
+        if len(request.prefix.encode(errors="replace")) > m.MAX_STORED_KEY_BYTES:
+            return m.Error(m.Code.INVALID, f"prefix longer than {m.MAX_STORED_KEY_BYTES} bytes")
         return self.state.removals.since(request.prefix, request.since, request.limit)
 
-    def _stats(self) -> m.StatsReply:
+    def _stats(self, tenant: int | None = None) -> m.StatsReply:
+        """The cluster's stats; a tenant's (``tenant``): its own keys and usage only."""
+        if tenant is not None:
+            (own,) = self.state.tenant_stats(tenant)
+            return m.StatsReply(own.objects, 0, own.used, own.evictions, 0, [], tenants=[own])
         keys, pending, segments = self.state.stats()
         return m.StatsReply(
             keys=keys,
@@ -268,7 +290,16 @@ class MasterService:
             refused=self._server.refused,
             dropped=self._server.malformed,
             tiers=self.state.tier_stats(),
+            tenants=self.state.tenant_stats(),
         )
+
+
+def _tenant_tokens(config: MasterConfig) -> dict[str, str]:
+    """Each tenant's token (derived from the cluster token) → its name."""
+    token = config.cluster_token()
+    if not config.tenants or token is None:
+        return {}
+    return {tenant_token(token, t.name): t.name for t in config.tenants}
 
 
 class _StateCollector(Collector):
@@ -330,6 +361,7 @@ class _StateCollector(Collector):
         yield capacity
         yield backlog
         yield from _tier_metrics(stats.tiers)
+        yield from _tenant_metrics(stats.tenants)
 
 
 _TIER_GAUGES = (
@@ -360,4 +392,27 @@ def _tier_metrics(tiers: list[m.TierStats]) -> Iterable[Any]:
     for field, family in families:
         for tier in tiers:
             family.add_metric([tier.tier.name.lower()], getattr(tier, field))
+        yield family
+
+
+_TENANT_SERIES = (
+    ("quota", GaugeMetricFamily, "kvconnect_tenant_quota_bytes", "The tenant's quota (0: none)"),
+    (
+        "share",
+        GaugeMetricFamily,
+        "kvconnect_tenant_share_bytes",
+        "Its share when the store is full",
+    ),
+    ("used", GaugeMetricFamily, "kvconnect_tenant_used_bytes", "Bytes of its objects and puts"),
+    ("objects", GaugeMetricFamily, "kvconnect_tenant_objects", "Its objects and puts"),
+    ("evictions", CounterMetricFamily, "kvconnect_tenant_evictions", "Its objects evicted"),
+)
+
+
+def _tenant_metrics(tenants: list[m.TenantStats]) -> Iterable[Any]:
+    """One family per TenantStats field, labelled by tenant."""
+    for field, kind, name, text in _TENANT_SERIES:
+        family = kind(name, text, labels=["tenant"])
+        for tenant in tenants:
+            family.add_metric([tenant.name], getattr(tenant, field))
         yield family

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -25,7 +26,9 @@ from kvconnect.store.master.moves import Mover, TierCounters
 from kvconnect.store.master.objects import ObjectTable, Pending, Replica, State
 from kvconnect.store.master.removals import RemovalLog
 from kvconnect.store.master.segments import Segment, SegmentTable
+from kvconnect.store.master.tenants import NONE, Tenants
 from kvconnect.store.messages import (
+    MAX_STORED_KEY_BYTES,
     Change,
     Changes,
     Code,
@@ -37,6 +40,7 @@ from kvconnect.store.messages import (
     Replicas,
     SegmentSpec,
     SegmentStats,
+    TenantStats,
     Tier,
     TierReport,
     TierStats,
@@ -55,8 +59,11 @@ setting of its own: a store tuned for slow writers keeps what they pinned longer
 
 
 def _new(item: PutItem) -> bool:
-    """Whether an item may be stored (its key absent): a valid key, size and part count."""
-    return check_key(item.key) and item.size > 0 and 1 <= item.parts <= MAX_PARTS
+    """Whether an item may be stored (its key absent): a valid key (under a tenant's prefix
+    or not), size and part count."""
+    return (
+        check_key(item.key, MAX_STORED_KEY_BYTES) and item.size > 0 and 1 <= item.parts <= MAX_PARTS
+    )
 
 
 class MasterState:
@@ -83,6 +90,9 @@ class MasterState:
         self.mover = Mover(config, self.objects, self.segments, self.counters)
         self.removals = RemovalLog()
         """Complete objects that stopped existing (removed, evicted, lost)."""
+        self.tenants = Tenants(config.tenants)
+        self.tenant_evictions: Counter[int] = Counter()  # objects of each tenant evicted
+        self._tenant_targets: dict[int, int] = {}  # bytes each tenant's quota must free
 
     # ------------------------------------------------------------------------------ segments
 
@@ -142,7 +152,8 @@ class MasterState:
             self._free(slot, now, None)  # its replicas were lost: this copy replaces them
             slot = -1
         if slot < 0:
-            slot = objects.add(change.key, change.size, segment.index, change.offset, 0.0)
+            tenant = self.tenants.id_of_key(change.key)
+            slot = objects.add(change.key, change.size, segment.index, change.offset, 0.0, tenant)
             objects.state[slot] = _COMPLETE
             # Not "accessed" within the promotion window: a scan after a restart promotes none.
             objects.access[slot] = now - self.config.promote_window
@@ -229,9 +240,11 @@ class MasterState:
         host_id: str,
         pin: bool,
         now: float,
+        tenant: int = NONE,
     ) -> list[Placement]:
-        """Allocate space for new objects; EXISTS for stored ones, a shared placement for the
-        other parts of a multi-part put."""
+        """Allocate space for new objects of ``tenant`` (their keys under its prefix); EXISTS
+        for stored ones, a shared placement for the other parts of a multi-part put, NO_SPACE
+        for those over the tenant's quota (its own oldest objects are evicted for them)."""
         pin_until = now + self.config.put_timeout * PIN_PUT_TIMEOUTS if pin else 0.0
         results: list[Placement | None] = []
         seen: set[str] = set()
@@ -247,6 +260,8 @@ class MasterState:
             seen.add(key)
             results.append(result)
         fresh = [n for n, result in enumerate(results) if result is None]
+        if self.tenants.quota(tenant):
+            fresh = self._within_quota(tenant, items, fresh, results)
         placed = self._place_batch(client, host_id, [items[n].size for n in fresh], replicas)
         stored = [n for n, where in zip(fresh, placed, strict=True) if where]
         for n, where in zip(fresh, placed, strict=True):
@@ -258,6 +273,7 @@ class MasterState:
             [items[n].size for n in stored],
             [where[0] for where in where_of],
             pin_until,
+            tenant,
         )
         deadline = now + self.config.put_timeout
         pending, put_ids, segments = self.objects.pending, self._put_ids, self.segments.all
@@ -272,6 +288,31 @@ class MasterState:
             location = Location(spec.engine_segment, spec.region, where[0].offset)
             results[n] = Placement(Code.OK, [location], put)
         return [r for r in results if r is not None]
+
+    def _within_quota(
+        self,
+        tenant: int,
+        items: Sequence[PutItem],
+        fresh: list[int],
+        results: list[Placement | None],
+    ) -> list[int]:
+        """Of ``fresh`` (new objects of ``tenant``), those its quota admits, in order; the
+        others are answered NO_SPACE and the tenant's oldest objects evicted for them."""
+        quota = self.tenants.quota(tenant)
+        used = self.objects.tenant_bytes[tenant]
+        admitted, refused = [], 0
+        for n in fresh:
+            size = items[n].size
+            if used + size <= quota:
+                admitted.append(n)
+                used += size
+            else:
+                results[n] = Placement(Code.NO_SPACE, [])
+                refused += size
+        if refused:
+            wanted = min(refused, self.objects.tenant_bytes[tenant])
+            self._tenant_targets[tenant] = max(self._tenant_targets.get(tenant, 0), wanted)
+        return admitted
 
     def _place_batch(
         self, client: str, host_id: str, sizes: list[int], replicas: int
@@ -475,6 +516,22 @@ class MasterState:
         pending = len(self.objects.pending)
         return len(self.objects) - pending, pending, segments
 
+    def tenant_stats(self, only: int | None = None) -> list[TenantStats]:
+        """Every tenant's usage (or only tenant ``only``'s)."""
+        ids = range(1, len(self.tenants) + 1) if only is None else [only]
+        return [
+            TenantStats(
+                name=self.tenants.configs[t - 1].name,
+                quota=self.tenants.quota(t),
+                share=self.tenants.share(t),
+                used=self.objects.tenant_bytes[t],
+                objects=self.objects.tenant_objects[t],
+                evictions=self.tenant_evictions[t],
+            )
+            for t in ids
+            if t != NONE
+        ]
+
     def tier_stats(self) -> list[TierStats]:
         """Per tier that has live segments or counted events: usage and counters."""
         result = []
@@ -512,7 +569,13 @@ class MasterState:
 
     def busy(self) -> bool:
         """Whether background work is waiting (the service then ticks without sleeping)."""
-        return bool(self._cleanup or self._lost or self._evict_target > 0 or self._disk_targets)
+        return bool(
+            self._cleanup
+            or self._lost
+            or self._evict_target > 0
+            or self._disk_targets
+            or self._tenant_targets
+        )
 
     def _expire_servers(self, now: float) -> None:
         ttl = self.config.heartbeat_ttl
@@ -583,6 +646,42 @@ class MasterState:
         for segment in self.segments.by_name.values():
             if segment.tier is Tier.DISK and segment.recovering is None:
                 self._evict_disk(segment, now)
+        for tenant, target in list(self._tenant_targets.items()):
+            freed = self._evict_tenant(tenant, target, now)
+            if freed and target > freed:
+                self._tenant_targets[tenant] = target - freed
+            else:
+                del self._tenant_targets[tenant]
+
+    def _evict_tenant(self, tenant: int, target: int, now: float) -> int:
+        """Drop up to ``eviction_step`` of ``tenant``'s objects (any tier), least recently
+        used first, until ``target`` bytes of its quota are free: a tenant over its quota
+        makes room from its own objects only. Returns the bytes of its objects dropped."""
+        freed = 0
+        for slot in self._tenant_candidates(tenant, now, self.config.eviction_step):
+            if freed >= target:
+                break
+            freed += self.objects.size[slot]
+            self._free(slot, now, RemovalReason.EVICTED)
+            self.evictions += 1
+        return freed
+
+    def _tenant_candidates(self, tenant: int, now: float, count: int) -> list[int]:
+        """Up to ``count`` of ``tenant``'s complete objects that may go (no lease, no move),
+        oldest access first: from a random sample, or the whole table when the tenant is too
+        rare to be in one (or the table is no larger than a sample)."""
+        n, size = self.objects.capacity, max(256, count * 16)
+        sample = self._rng.integers(0, n, size=size) if n > size else np.arange(0)
+        with self.objects.columns() as c:
+            slots = sample[c["tenant"][sample] == tenant]
+            if not len(slots):
+                slots = np.flatnonzero(c["tenant"] == tenant)
+            ok = (c["state"][slots] == State.COMPLETE) & (c["lease"][slots] <= now)
+            pool = np.unique(slots[ok])
+            oldest = pool[np.argsort(c["access"][pool], kind="stable")][:count].tolist()
+            del sample, slots, ok, pool
+        moving = self.objects.moving
+        return [slot for slot in oldest if slot not in moving]
 
     def _evict_disk(self, segment: Segment, now: float) -> None:
         target = self._disk_targets.pop(segment.index, 0)
@@ -622,7 +721,12 @@ class MasterState:
             eligible = sample[ok]
             unpinned = eligible[c["pin"][eligible] <= now]
             pool = unpinned if len(unpinned) else eligible
-            oldest_first = pool[np.argsort(c["access"][pool], kind="stable")].tolist()
+            if len(self.tenants):  # the tenants over their share first, each oldest first
+                over = self._over_share()[c["tenant"][pool]]
+                order = np.lexsort((c["access"][pool], ~over))
+            else:
+                order = np.argsort(c["access"][pool], kind="stable")
+            oldest_first = pool[order].tolist()
             del sample, where, in_tier, ok, eligible, unpinned, pool
         moving = self.objects.moving
         candidates = [slot for slot in dict.fromkeys(oldest_first) if slot not in moving]
@@ -639,6 +743,13 @@ class MasterState:
                 self.counters[Tier.DISK].evictions += 1
         self.evicted_bytes += freed
         return freed
+
+    def _over_share(self) -> np.ndarray:
+        """By tenant id: whether the tenant holds more than its share (never for NONE, nor
+        for a tenant without one)."""
+        used = self.objects.tenant_bytes
+        shares = [self.tenants.share(t) for t in range(len(self.tenants) + 1)]
+        return np.array([0 < share < used[t] for t, share in enumerate(shares)], dtype=bool)
 
     def _evict_from_dram(self, slot: int, now: float) -> int:
         """Take one object out of DRAM: drop its DRAM replicas if it has a disk one, else
@@ -707,6 +818,8 @@ class MasterState:
             return
         if reason is not None:
             self._log_removal(slot, reason)
+        if reason is RemovalReason.EVICTED and objects.tenant[slot]:
+            self.tenant_evictions[objects.tenant[slot]] += 1
         self.bytes_stored -= objects.size[slot]
         for replica in objects.replicas(slot):
             self.mover.release(slot, replica)

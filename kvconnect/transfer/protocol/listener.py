@@ -23,7 +23,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvconnect.errors import AuthenticationError, KVConnectError, ProtocolError, SourceUnavailable
 from kvconnect.transfer.config import TransferConfig
@@ -53,10 +53,13 @@ class Listener:
         datapath: DataPath,
         staging: Callable[[], StagingPool],
         rdma: Callable[[wire.RdmaConnect], wire.ControlReply] | None = None,
+        also: Callable[[], Sequence[str]] = tuple,
     ) -> None:
-        """``rdma`` answers RDMA connect requests (None: refused, the engine has no RDMA)."""
+        """``rdma`` answers RDMA connect requests (None: refused, the engine has no RDMA);
+        ``also``: tokens peers may prove besides the cluster token (asked per handshake)."""
         self._config = config
         self._rdma = rdma
+        self._also = also
         self._registry = registry
         self._describe = describe
         self._engine_id = engine_id
@@ -192,7 +195,9 @@ class Listener:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             deadline = wire.deadline_after(self._config.connect_timeout)
             try:
-                wire.server_handshake(conn, self._config.token, self._engine_id, deadline)
+                wire.server_handshake(
+                    conn, self._config.token, self._engine_id, deadline, self._also()
+                )
             except TimeoutError:
                 self.counters.add(handshake_timeouts=1)
                 log.debug("closed a connection that did not finish its handshake in time")

@@ -26,7 +26,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -294,10 +294,16 @@ def client_handshake(
 
 
 def server_handshake(
-    sock: socket.socket, token: str | None, engine_id: bytes, deadline: float
-) -> None:
+    sock: socket.socket,
+    token: str | None,
+    engine_id: bytes,
+    deadline: float,
+    also: Sequence[str] = (),
+) -> str | None:
     """Run the server side, all of it by ``deadline`` (``time.monotonic()``; TimeoutError
-    after it); raises ProtocolError/AuthenticationError (caller closes)."""
+    after it); raises ProtocolError/AuthenticationError (caller closes). With a ``token``, a
+    client may prove it or any of ``also`` (e.g. tenants' tokens): returns the one it proved
+    (None without a token)."""
     magic, version, _flags, client_nonce = HELLO.unpack(recv_exact(sock, HELLO.size, deadline))
     if magic != MAGIC:
         raise ProtocolError("not a kvconnect client")
@@ -308,13 +314,28 @@ def server_handshake(
     )
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"client speaks protocol {version}, this engine {PROTOCOL_VERSION}")
-    if token:
-        proof = recv_exact(sock, MAC_LEN, deadline)
-        until(sock, deadline)
-        if not hmac.compare_digest(proof, token_mac(token, b"client", nonce, client_nonce)):
-            sock.sendall(b"\x01")
-            raise AuthenticationError("client failed to prove the cluster token")
-        sock.sendall(b"\x00" + token_mac(token, b"server", client_nonce, nonce))
+    if not token:
+        return None
+    proof = recv_exact(sock, MAC_LEN, deadline)
+    until(sock, deadline)
+    proved = proven(proof, (token, *also), b"client", nonce, client_nonce)
+    if proved is None:
+        sock.sendall(b"\x01")
+        raise AuthenticationError("client failed to prove the cluster token")
+    sock.sendall(b"\x00" + token_mac(proved, b"server", client_nonce, nonce))
+    return proved
+
+
+def proven(
+    proof: bytes, tokens: Sequence[str], label: bytes, first: bytes, second: bytes
+) -> str | None:
+    """The token of ``tokens`` whose MAC ``proof`` is (each compared in constant time), or
+    None."""
+    found = None
+    for token in tokens:
+        if hmac.compare_digest(proof, token_mac(token, label, first, second)):
+            found = token
+    return found
 
 
 # ------------------------------------------------------------------------------ connections

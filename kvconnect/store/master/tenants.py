@@ -1,0 +1,97 @@
+"""Tenants at the master: each its own namespace of keys, a quota and a share (pure).
+
+A client that proved a tenant's token (:func:`kvconnect._config.tenant_token`) is that tenant
+for every request on its connection. The master stores its keys under the tenant's prefix
+(``GS name GS``, a control character no key of another tenant can begin with, since each
+tenant's keys get its own prefix), so a tenant's requests reach only its own objects: it
+cannot look up, read, remove or list another's keys. Requests only the cluster's own
+processes make (mount, report, unmount, heartbeat) are DENIED to tenants, and a tenant's
+stats show only itself. The prefix is part of the stored key, so it survives a master restart
+or failover like the key (store servers report their objects' keys).
+
+Quotas and shares are enforced by :class:`~kvconnect.store.master.state.MasterState` with the
+per-tenant bytes :class:`~kvconnect.store.master.objects.ObjectTable` keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from kvconnect.store import messages as m
+from kvconnect.store.config import TenantConfig
+
+SEPARATOR = "\x1d"
+NONE = 0
+"""The tenant id of keys of no tenant (the cluster's own clients)."""
+
+_ADMIN = (m.Mount, m.Report, m.Unmount, m.Heartbeat)
+
+
+class Tenants:
+    """The configured tenants, by id (1, 2, …; :data:`NONE` is no tenant)."""
+
+    def __init__(self, configs: Sequence[TenantConfig]) -> None:
+        self.configs = list(configs)
+        self._ids = {config.name: n for n, config in enumerate(configs, start=1)}
+
+    def __len__(self) -> int:
+        return len(self.configs)
+
+    def id(self, name: str | None) -> int:
+        """The id of tenant ``name`` (NONE for None or a name not configured)."""
+        return NONE if name is None else self._ids.get(name, NONE)
+
+    def id_of_key(self, key: str) -> int:
+        """The tenant a stored key belongs to (NONE for keys outside every tenant's prefix)."""
+        if not key.startswith(SEPARATOR):
+            return NONE
+        end = key.find(SEPARATOR, 1)
+        return NONE if end < 0 else self._ids.get(key[1:end], NONE)
+
+    def quota(self, tenant: int) -> int:
+        """Bytes tenant ``tenant`` may store (0: no quota)."""
+        return self.configs[tenant - 1].quota if tenant != NONE else 0
+
+    def share(self, tenant: int) -> int:
+        """Bytes tenant ``tenant`` is entitled to when the store is full (0: none declared)."""
+        if tenant == NONE:
+            return 0
+        config = self.configs[tenant - 1]
+        return config.share or config.quota
+
+
+def prefix(tenant: str) -> str:
+    """What every stored key of ``tenant`` begins with."""
+    return f"{SEPARATOR}{tenant}{SEPARATOR}"
+
+
+def scoped(request: m.Request, tenant: str) -> m.Request | m.Error:
+    """``request`` of ``tenant`` with its keys under the tenant's prefix (an invalid key stays
+    invalid: it becomes the empty key, which the master refuses), or DENIED for a request
+    tenants may not make."""
+    if isinstance(request, _ADMIN):
+        return m.Error(m.Code.DENIED, f"tenant {tenant} may not {type(request).__name__.lower()}")
+    head = prefix(tenant)
+    if isinstance(request, m.PutStart):
+        items = [msgspec.structs.replace(i, key=_scope(head, i.key)) for i in request.items]
+        return msgspec.structs.replace(request, items=items)
+    if isinstance(request, m.Removals):
+        return msgspec.structs.replace(request, prefix=head + request.prefix)
+    if isinstance(request, m.Exists | m.PutEnd | m.PutRevoke | m.GetReplicas | m.Remove):
+        return msgspec.structs.replace(request, keys=[_scope(head, key) for key in request.keys])
+    return request
+
+
+def unscoped(reply: m.Reply, tenant: str) -> m.Reply:
+    """``reply`` to a request of ``tenant`` as the tenant sees it: keys without the prefix."""
+    if isinstance(reply, m.RemovalsReply):
+        cut = len(prefix(tenant))
+        removed = [msgspec.structs.replace(r, key=r.key[cut:]) for r in reply.removed]
+        return msgspec.structs.replace(reply, removed=removed)
+    return reply
+
+
+def _scope(head: str, key: str) -> str:
+    return head + key if m.check_key(key) else ""
