@@ -26,7 +26,7 @@ from kvconnect.store.master.moves import Mover, TierCounters
 from kvconnect.store.master.objects import ObjectTable, Pending, Replica, State
 from kvconnect.store.master.removals import RemovalLog
 from kvconnect.store.master.segments import Segment, SegmentTable
-from kvconnect.store.master.tenants import NONE, Tenants
+from kvconnect.store.master.tenants import NONE, Tenants, within
 from kvconnect.store.messages import (
     MAX_STORED_KEY_BYTES,
     Change,
@@ -298,17 +298,14 @@ class MasterState:
     ) -> list[int]:
         """Of ``fresh`` (new objects of ``tenant``), those its quota admits, in order; the
         others are answered NO_SPACE and the tenant's oldest objects evicted for them."""
-        quota = self.tenants.quota(tenant)
-        used = self.objects.tenant_bytes[tenant]
-        admitted, refused = [], 0
-        for n in fresh:
-            size = items[n].size
-            if used + size <= quota:
-                admitted.append(n)
-                used += size
-            else:
+        sizes = [items[n].size for n in fresh]
+        room = self.tenants.quota(tenant) - self.objects.tenant_bytes[tenant]
+        fits = within(room, sizes)
+        admitted = [n for n, ok in zip(fresh, fits, strict=True) if ok]
+        refused = sum(size for size, ok in zip(sizes, fits, strict=True) if not ok)
+        for n, ok in zip(fresh, fits, strict=True):
+            if not ok:
                 results[n] = Placement(Code.NO_SPACE, [])
-                refused += size
         if refused:
             wanted = min(refused, self.objects.tenant_bytes[tenant])
             self._tenant_targets[tenant] = max(self._tenant_targets.get(tenant, 0), wanted)
@@ -518,19 +515,7 @@ class MasterState:
 
     def tenant_stats(self, only: int | None = None) -> list[TenantStats]:
         """Every tenant's usage (or only tenant ``only``'s)."""
-        ids = range(1, len(self.tenants) + 1) if only is None else [only]
-        return [
-            TenantStats(
-                name=self.tenants.configs[t - 1].name,
-                quota=self.tenants.quota(t),
-                share=self.tenants.share(t),
-                used=self.objects.tenant_bytes[t],
-                objects=self.objects.tenant_objects[t],
-                evictions=self.tenant_evictions[t],
-            )
-            for t in ids
-            if t != NONE
-        ]
+        return self.tenants.stats(self.objects, self.tenant_evictions, only)
 
     def tier_stats(self) -> list[TierStats]:
         """Per tier that has live segments or counted events: usage and counters."""
@@ -722,7 +707,7 @@ class MasterState:
             unpinned = eligible[c["pin"][eligible] <= now]
             pool = unpinned if len(unpinned) else eligible
             if len(self.tenants):  # the tenants over their share first, each oldest first
-                over = self._over_share()[c["tenant"][pool]]
+                over = self.tenants.over_share(self.objects.tenant_bytes)[c["tenant"][pool]]
                 order = np.lexsort((c["access"][pool], ~over))
             else:
                 order = np.argsort(c["access"][pool], kind="stable")
@@ -743,13 +728,6 @@ class MasterState:
                 self.counters[Tier.DISK].evictions += 1
         self.evicted_bytes += freed
         return freed
-
-    def _over_share(self) -> np.ndarray:
-        """By tenant id: whether the tenant holds more than its share (never for NONE, nor
-        for a tenant without one)."""
-        used = self.objects.tenant_bytes
-        shares = [self.tenants.share(t) for t in range(len(self.tenants) + 1)]
-        return np.array([0 < share < used[t] for t, share in enumerate(shares)], dtype=bool)
 
     def _evict_from_dram(self, slot: int, now: float) -> int:
         """Take one object out of DRAM: drop its DRAM replicas if it has a disk one, else

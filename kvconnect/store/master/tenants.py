@@ -15,12 +15,14 @@ per-tenant bytes :class:`~kvconnect.store.master.objects.ObjectTable` keeps.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
+import numpy as np
 
 from kvconnect.store import messages as m
 from kvconnect.store.config import TenantConfig
+from kvconnect.store.master.objects import ObjectTable
 
 SEPARATOR = "\x1d"
 NONE = 0
@@ -60,6 +62,40 @@ class Tenants:
             return 0
         config = self.configs[tenant - 1]
         return config.share or config.quota
+
+    def over_share(self, used: Mapping[int, int]) -> np.ndarray:
+        """By tenant id: whether the tenant holds more than its share (``used``: bytes by
+        id); never NONE, nor a tenant without a share."""
+        shares = [self.share(t) for t in range(len(self.configs) + 1)]
+        return np.array([0 < share < used.get(t, 0) for t, share in enumerate(shares)], bool)
+
+    def stats(
+        self, objects: ObjectTable, evictions: Mapping[int, int], only: int | None = None
+    ) -> list[m.TenantStats]:
+        """Every tenant's usage (or tenant ``only``'s)."""
+        ids = range(1, len(self.configs) + 1) if only is None else [only]
+        return [
+            m.TenantStats(
+                name=self.configs[t - 1].name,
+                quota=self.quota(t),
+                share=self.share(t),
+                used=objects.tenant_bytes[t],
+                objects=objects.tenant_objects[t],
+                evictions=evictions.get(t, 0),
+            )
+            for t in ids
+            if t != NONE
+        ]
+
+
+def within(room: int, sizes: Sequence[int]) -> list[bool]:
+    """Which of ``sizes``, in order, fit in ``room`` bytes (each taking its room)."""
+    fits = []
+    for size in sizes:
+        fits.append(size <= room)
+        if size <= room:
+            room -= size
+    return fits
 
 
 def prefix(tenant: str) -> str:
