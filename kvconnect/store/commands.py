@@ -159,13 +159,14 @@ def _print_peers(peers: Sequence[PeerConfig], timeout: float) -> None:
 def _print_tenants(tenants: list[m.TenantStats]) -> None:
     """The per-tenant table of ``kvconnect status`` (a tenant's token shows its own row)."""
     print(
-        f"{'tenant':<20}{'used':>16}{'quota':>16}{'use':>7}{'share':>16}{'objects':>10}{'evicted':>10}"
+        f"{'tenant':<20}{'memory':>14}{'quota':>14}{'use':>7}{'disk':>14}{'disk quota':>14}"
+        f"{'share':>14}{'objects':>10}{'evicted':>10}"
     )
     for t in tenants:
         use = f"{t.used / t.quota:.1%}" if t.quota else "-"
         print(
-            f"{t.name:<20}{t.used:>16}{t.quota:>16}{use:>7}{t.share:>16}{t.objects:>10}"
-            f"{t.evictions:>10}"
+            f"{t.name:<20}{t.used:>14}{t.quota:>14}{use:>7}{t.disk_used:>14}{t.disk_quota:>14}"
+            f"{t.share:>14}{t.objects:>10}{t.evictions:>10}"
         )
 
 

@@ -39,10 +39,14 @@ class TenantConfig(Section):
     name: str = ""
     """Letters, digits, ``-`` and ``_``, at most 32 bytes; unique among the tenants."""
     quota: int = 0
-    """Bytes the tenant may store (objects and puts under way, in every tier; 0: no quota).
-    A put over it evicts the tenant's own least recently used objects, never another's."""
+    """Bytes the tenant may keep in memory (objects and puts under way; 0: no quota). A put
+    over it is NO_SPACE and evicts the tenant's own least recently used objects from memory
+    (to disk where a disk tier takes them), never another's."""
+    disk_quota: int = 0
+    """Bytes the tenant may keep on disk (0: no quota): beyond it, its oldest objects on disk
+    are dropped."""
     share: int = 0
-    """Bytes of the store the tenant is entitled to when the store is full (0: its quota):
+    """Bytes of memory the tenant is entitled to when the store is full (0: its quota):
     eviction takes from the tenants over their share first."""
 
     def __post_init__(self) -> None:
@@ -50,8 +54,8 @@ class TenantConfig(Section):
             raise ConfigError(
                 f"a tenant needs a name of letters, digits, - and _, got {self.name!r}"
             )
-        if self.quota < 0 or self.share < 0:
-            raise ConfigError(f"tenant {self.name}: quota and share must be >= 0")
+        if min(self.quota, self.disk_quota, self.share) < 0:
+            raise ConfigError(f"tenant {self.name}: quotas and share must be >= 0")
 
 
 def _is_name(text: str) -> bool:

@@ -160,9 +160,11 @@ class TenantStats(msgspec.Struct, gc=False, frozen=True):
     """One tenant as ``stats`` reports it (a tenant sees only itself)."""
 
     name: str
-    quota: int  # bytes (0: none)
-    share: int  # bytes it is entitled to when the store is full
-    used: int  # bytes of its objects and puts under way, every tier
+    quota: int  # bytes in memory (0: none)
+    disk_quota: int  # bytes on disk (0: none)
+    share: int  # bytes of memory it is entitled to when the store is full
+    used: int  # bytes of its objects and puts under way in memory (their primary replica)
+    disk_used: int  # bytes of its objects on disk only
     objects: int
     evictions: int  # its objects dropped by eviction (its quota's or the store's)
 

@@ -78,6 +78,11 @@ def test_tenants_see_only_their_own_keys(cluster: Cluster) -> None:
         assert (mine.keys, mine.segments, [t.name for t in mine.tenants]) == (2, [], ["noisy"])
     whole = cluster.stats()  # the cluster token sees every tenant
     assert {t.name: t.objects for t in whole.tenants} == {"noisy": 2, "calm": 0}
+    command = [sys.executable, "-m", "kvconnect.cli", "status", "--master", cluster.master_endpoint]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert rows["noisy"][1:3] == [str(2 * 64 * KiB), str(2 * MiB)]  # memory used, quota
+    assert rows["calm"][1:3] == ["0", str(4 * MiB)]
 
 
 def test_a_tenant_cannot_make_the_clusters_own_requests(cluster: Cluster) -> None:

@@ -120,3 +120,27 @@ def test_a_full_store_evicts_from_the_tenant_over_its_share_first() -> None:
     stats = {s.name: s for s in state.tenant_stats()}
     assert stats["big"].evictions > 0
     assert stats["small"].evictions == 0
+
+
+def test_a_memory_quota_demotes_to_disk_and_a_disk_quota_drops_the_oldest_there() -> None:
+    tenant = TenantConfig(name="t", quota=512 * KiB, disk_quota=128 * KiB)
+    state = _state(tenant)
+    disk = m.SegmentSpec("seg-disk", "e", 2, 16 * MiB, "h", m.Tier.DISK)
+    assert state.mount("server", "disk-mount", disk, 0.0) is m.Code.OK
+    keys = [_key("t", f"k{i}") for i in range(8)]
+    for i, key in enumerate(keys):  # its memory quota, oldest first
+        assert _put(state, 1, [key], 64 * KiB, 1.0 + i / 100) == [m.Code.OK]
+    more = [_key("t", f"m{i}") for i in range(4)]
+    assert _put(state, 1, more, 64 * KiB, 2.0) == [m.Code.NO_SPACE] * 4
+    state.tick(3.0)  # its four oldest leave memory: demoted to the server's disk
+    moves = list(state.objects.moves.items())
+    assert sorted(move.key for _target, move in moves) == keys[:4]
+    done = [m.Moved(move.key, target.offset) for target, move in moves]
+    state.heartbeat("server", [], [], 3.5, [m.TierReport("disk-mount", done=done)])
+    (stats,) = state.tenant_stats()
+    assert (stats.used, stats.disk_used) == (256 * KiB, 256 * KiB)
+    state.tick(4.0)  # over its disk quota by two objects: the two oldest there go
+    assert state.exists(keys) == [False] * 2 + [True] * 6
+    (stats,) = state.tenant_stats()
+    assert (stats.used, stats.disk_used, stats.evictions) == (256 * KiB, 128 * KiB, 2)
+    assert _put(state, 1, more, 64 * KiB, 5.0) == [m.Code.OK] * 4

@@ -4,9 +4,9 @@ A key maps to a *slot* through the key index (:mod:`kvconnect.store.master.keys`
 table holds the key's bytes and an 8-byte bucket, no Python object); per-slot facts live in
 typed arrays (8-byte size and offset, 4-byte segment, 1-byte state, 8-byte lease deadline,
 4-byte last access and pin deadline, 2-byte tenant), ~43 bytes; the bytes and objects of each
-tenant are kept as slots come and go. Rare facts live in side tables:
-extra replicas (``replicas > 1``), pending multi-part puts, and moves between tiers under way
-(by target and by slot). Pure data, no I/O, no clock.
+tenant are kept as slots come and go, and its bytes on disk as primaries change tier. Rare
+facts live in side tables: extra replicas (``replicas > 1``), pending multi-part puts, and
+moves between tiers under way (by target and by slot). Pure data, no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -99,7 +99,10 @@ class ObjectTable:
         self.pin = array("f")
         self.tenant = array("H")  # kvconnect.store.master.tenants ids (0: none)
         self.tenant_bytes: Counter[int] = Counter()  # by tenant: sizes of its slots
+        self.tenant_disk: Counter[int] = Counter()  # of those, slots whose primary is on disk
         self.tenant_objects: Counter[int] = Counter()
+        self.disk_segments = bytearray()
+        """By segment index, 1 for a disk segment (the segment table's, shared)."""
         self.extra: dict[int, list[Replica]] = {}  # replicas after the primary
         self.pending: dict[int, Pending] = {}
         self.moves: dict[Replica, Move] = {}  # by target (segment index, offset)
@@ -150,6 +153,8 @@ class ObjectTable:
         if tenant:
             self.tenant_bytes[tenant] += size
             self.tenant_objects[tenant] += 1
+            if self._on_disk(segment):
+                self.tenant_disk[tenant] += size
         return slot
 
     def add_many(
@@ -175,6 +180,9 @@ class ObjectTable:
             if tenant:
                 self.tenant_bytes[tenant] += sum(sizes[reuse:])
                 self.tenant_objects[tenant] += rest
+                for size, where in zip(sizes[reuse:], placed[reuse:], strict=True):
+                    if self._on_disk(where.segment):
+                        self.tenant_disk[tenant] += size
             add = self.index.add
             for key, slot in zip(keys[reuse:], new, strict=True):
                 add(key, slot)
@@ -188,6 +196,8 @@ class ObjectTable:
         if tenant:
             self.tenant_bytes[tenant] -= self.size[slot]
             self.tenant_objects[tenant] -= 1
+            if self._on_disk(self.segment[slot]):
+                self.tenant_disk[tenant] -= self.size[slot]
         self.state[slot] = _FREE
         self.extra.pop(slot, None)
         self.pending.pop(slot, None)
@@ -201,11 +211,19 @@ class ObjectTable:
 
     def set_replicas(self, slot: int, replicas: list[Replica]) -> None:
         """Replace the replica list (non-empty)."""
+        tenant = self.tenant[slot]
+        if tenant:
+            moved = self._on_disk(replicas[0].segment) - self._on_disk(self.segment[slot])
+            self.tenant_disk[tenant] += moved * self.size[slot]
         self.segment[slot], self.offset[slot] = replicas[0]
         if len(replicas) > 1:
             self.extra[slot] = replicas[1:]
         else:
             self.extra.pop(slot, None)
+
+    def _on_disk(self, segment: int) -> int:
+        disk = self.disk_segments
+        return disk[segment] if segment < len(disk) else 0
 
     def start_move(self, move: Move) -> None:
         """Record a move under way (its slot has none)."""

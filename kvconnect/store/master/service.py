@@ -396,14 +396,11 @@ def _tier_metrics(tiers: list[m.TierStats]) -> Iterable[Any]:
 
 
 _TENANT_SERIES = (
-    ("quota", GaugeMetricFamily, "kvconnect_tenant_quota_bytes", "The tenant's quota (0: none)"),
-    (
-        "share",
-        GaugeMetricFamily,
-        "kvconnect_tenant_share_bytes",
-        "Its share when the store is full",
-    ),
-    ("used", GaugeMetricFamily, "kvconnect_tenant_used_bytes", "Bytes of its objects and puts"),
+    ("quota", GaugeMetricFamily, "kvconnect_tenant_quota_bytes", "Its memory quota (0: none)"),
+    ("disk_quota", GaugeMetricFamily, "kvconnect_tenant_disk_quota_bytes", "Its disk quota"),
+    ("share", GaugeMetricFamily, "kvconnect_tenant_share_bytes", "Its share of a full store"),
+    ("used", GaugeMetricFamily, "kvconnect_tenant_used_bytes", "Its bytes in memory, and puts"),
+    ("disk_used", GaugeMetricFamily, "kvconnect_tenant_disk_used_bytes", "Its bytes on disk"),
     ("objects", GaugeMetricFamily, "kvconnect_tenant_objects", "Its objects and puts"),
     ("evictions", CounterMetricFamily, "kvconnect_tenant_evictions", "Its objects evicted"),
 )

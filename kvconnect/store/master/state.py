@@ -73,6 +73,7 @@ class MasterState:
         self.config = config
         self.objects = ObjectTable(config.native)
         self.segments = SegmentTable(config.allocation, config.alignment, seed)
+        self.objects.disk_segments = self.segments.disk  # the tier of a tenant's bytes
         self._servers: dict[str, float] = {}
         self._next_expiry_scan = 0.0
         self._cleanup: list[int] = []  # slots that referenced a lost segment
@@ -92,7 +93,7 @@ class MasterState:
         """Complete objects that stopped existing (removed, evicted, lost)."""
         self.tenants = Tenants(config.tenants)
         self.tenant_evictions: Counter[int] = Counter()  # objects of each tenant evicted
-        self._tenant_targets: dict[int, int] = {}  # bytes each tenant's quota must free
+        self._tenant_targets: dict[int, int] = {}  # memory bytes each tenant's quota must free
 
     # ------------------------------------------------------------------------------ segments
 
@@ -299,7 +300,7 @@ class MasterState:
         """Of ``fresh`` (new objects of ``tenant``), those its quota admits, in order; the
         others are answered NO_SPACE and the tenant's oldest objects evicted for them."""
         sizes = [items[n].size for n in fresh]
-        room = self.tenants.quota(tenant) - self.objects.tenant_bytes[tenant]
+        room = self.tenants.quota(tenant) - self._in_memory(tenant)
         fits = within(room, sizes)
         admitted = [n for n, ok in zip(fresh, fits, strict=True) if ok]
         refused = sum(size for size, ok in zip(sizes, fits, strict=True) if not ok)
@@ -307,7 +308,7 @@ class MasterState:
             if not ok:
                 results[n] = Placement(Code.NO_SPACE, [])
         if refused:
-            wanted = min(refused, self.objects.tenant_bytes[tenant])
+            wanted = min(refused, self._in_memory(tenant))
             self._tenant_targets[tenant] = max(self._tenant_targets.get(tenant, 0), wanted)
         return admitted
 
@@ -632,39 +633,55 @@ class MasterState:
             if segment.tier is Tier.DISK and segment.recovering is None:
                 self._evict_disk(segment, now)
         for tenant, target in list(self._tenant_targets.items()):
-            freed = self._evict_tenant(tenant, target, now)
+            freed = self._evict_tenant(tenant, target, now, disk=False)
             if freed and target > freed:
                 self._tenant_targets[tenant] = target - freed
             else:
                 del self._tenant_targets[tenant]
+        for tenant in self.tenants.with_disk_quota():
+            over = self.objects.tenant_disk[tenant] - self.tenants.disk_quota(tenant)
+            if over > 0:
+                self._evict_tenant(tenant, over, now, disk=True)
 
-    def _evict_tenant(self, tenant: int, target: int, now: float) -> int:
-        """Drop up to ``eviction_step`` of ``tenant``'s objects (any tier), least recently
-        used first, until ``target`` bytes of its quota are free: a tenant over its quota
-        makes room from its own objects only. Returns the bytes of its objects dropped."""
+    def _in_memory(self, tenant: int) -> int:
+        """Bytes of ``tenant``'s objects whose primary replica is in memory."""
+        return self.objects.tenant_bytes[tenant] - self.objects.tenant_disk[tenant]
+
+    def _evict_tenant(self, tenant: int, target: int, now: float, *, disk: bool) -> int:
+        """Evict up to ``eviction_step`` of ``tenant``'s objects in memory (demoted to disk
+        when they can be, as any DRAM eviction) or on disk (dropped), least recently used
+        first, until ``target`` bytes of that quota are free: a tenant over its quota makes
+        room from its own objects only. Returns the bytes freed in that tier."""
         freed = 0
-        for slot in self._tenant_candidates(tenant, now, self.config.eviction_step):
+        for slot in self._tenant_candidates(tenant, now, self.config.eviction_step, disk):
             if freed >= target:
                 break
+            if not disk:
+                freed += self._evict_from_dram(slot, now)
+                continue
             freed += self.objects.size[slot]
             self._free(slot, now, RemovalReason.EVICTED)
             self.evictions += 1
         return freed
 
-    def _tenant_candidates(self, tenant: int, now: float, count: int) -> list[int]:
-        """Up to ``count`` of ``tenant``'s complete objects that may go (no lease, no move),
-        oldest access first: from a random sample, or the whole table when the tenant is too
-        rare to be in one (or the table is no larger than a sample)."""
+    def _tenant_candidates(self, tenant: int, now: float, count: int, disk: bool) -> list[int]:
+        """Up to ``count`` of ``tenant``'s complete objects whose primary replica is on disk
+        (``disk``) or in memory that may go (no lease, no move), oldest access first: from a
+        random sample, or the whole table when the tenant is too rare to be in one (or the
+        table is no larger than a sample)."""
         n, size = self.objects.capacity, max(256, count * 16)
         sample = self._rng.integers(0, n, size=size) if n > size else np.arange(0)
+        tiers = np.frombuffer(self.segments.disk, dtype=np.uint8)
         with self.objects.columns() as c:
             slots = sample[c["tenant"][sample] == tenant]
             if not len(slots):
                 slots = np.flatnonzero(c["tenant"] == tenant)
-            ok = (c["state"][slots] == State.COMPLETE) & (c["lease"][slots] <= now)
+            in_tier = tiers[c["segment"][slots]] == int(disk)
+            ok = in_tier & (c["state"][slots] == State.COMPLETE) & (c["lease"][slots] <= now)
             pool = np.unique(slots[ok])
             oldest = pool[np.argsort(c["access"][pool], kind="stable")][:count].tolist()
-            del sample, slots, ok, pool
+            del sample, slots, in_tier, ok, pool
+        del tiers  # the view pins the bytearray: mounts append to it
         moving = self.objects.moving
         return [slot for slot in oldest if slot not in moving]
 
@@ -707,7 +724,8 @@ class MasterState:
             unpinned = eligible[c["pin"][eligible] <= now]
             pool = unpinned if len(unpinned) else eligible
             if len(self.tenants):  # the tenants over their share first, each oldest first
-                over = self.tenants.over_share(self.objects.tenant_bytes)[c["tenant"][pool]]
+                memory = self.objects.tenant_bytes - self.objects.tenant_disk
+                over = self.tenants.over_share(memory)[c["tenant"][pool]]
                 order = np.lexsort((c["access"][pool], ~over))
             else:
                 order = np.argsort(c["access"][pool], kind="stable")

@@ -53,8 +53,16 @@ class Tenants:
         return NONE if end < 0 else self._ids.get(key[1:end], NONE)
 
     def quota(self, tenant: int) -> int:
-        """Bytes tenant ``tenant`` may store (0: no quota)."""
+        """Bytes tenant ``tenant`` may keep in memory (0: no quota)."""
         return self.configs[tenant - 1].quota if tenant != NONE else 0
+
+    def disk_quota(self, tenant: int) -> int:
+        """Bytes tenant ``tenant`` may keep on disk (0: no quota)."""
+        return self.configs[tenant - 1].disk_quota if tenant != NONE else 0
+
+    def with_disk_quota(self) -> list[int]:
+        """The tenants with a disk quota."""
+        return [n for n, config in enumerate(self.configs, start=1) if config.disk_quota]
 
     def share(self, tenant: int) -> int:
         """Bytes tenant ``tenant`` is entitled to when the store is full (0: none declared)."""
@@ -64,8 +72,8 @@ class Tenants:
         return config.share or config.quota
 
     def over_share(self, used: Mapping[int, int]) -> np.ndarray:
-        """By tenant id: whether the tenant holds more than its share (``used``: bytes by
-        id); never NONE, nor a tenant without a share."""
+        """By tenant id: whether the tenant holds more than its share (``used``: bytes in
+        memory by id); never NONE, nor a tenant without a share."""
         shares = [self.share(t) for t in range(len(self.configs) + 1)]
         return np.array([0 < share < used.get(t, 0) for t, share in enumerate(shares)], bool)
 
@@ -78,8 +86,10 @@ class Tenants:
             m.TenantStats(
                 name=self.configs[t - 1].name,
                 quota=self.quota(t),
+                disk_quota=self.disk_quota(t),
                 share=self.share(t),
-                used=objects.tenant_bytes[t],
+                used=objects.tenant_bytes[t] - objects.tenant_disk[t],
+                disk_used=objects.tenant_disk[t],
                 objects=objects.tenant_objects[t],
                 evictions=evictions.get(t, 0),
             )
