@@ -115,8 +115,7 @@ def prefix(tenant: str) -> str:
 
 def scoped(request: m.Request, tenant: str) -> m.Request | m.Error:
     """``request`` of ``tenant`` with its keys under the tenant's prefix (an invalid key stays
-    invalid: it becomes the empty key, which the master refuses), or DENIED for a request
-    tenants may not make."""
+    invalid), or DENIED for a request tenants may not make."""
     if isinstance(request, _ADMIN):
         return m.Error(m.Code.DENIED, f"tenant {tenant} may not {type(request).__name__.lower()}")
     head = prefix(tenant)
@@ -140,4 +139,7 @@ def unscoped(reply: m.Reply, tenant: str) -> m.Reply:
 
 
 def _scope(head: str, key: str) -> str:
-    return head + key if m.check_key(key) else ""
+    # Cheap on purpose (a batch's keys each time): an empty key stays empty, one the master
+    # refuses (NUL, a lone surrogate) stays refused under the prefix, and one a little over
+    # MAX_KEY_BYTES can only ever reach the tenant's own namespace.
+    return head + key if key else ""
