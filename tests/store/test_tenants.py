@@ -31,6 +31,9 @@ def test_a_tenants_keys_live_under_its_prefix_and_invalid_keys_stay_invalid() ->
         denied = t.scoped(admin, "team-a")
         assert isinstance(denied, m.Error)
         assert denied.code is m.Code.DENIED
+    too_long = t.scoped(m.Removals("p" * 1025), "team-a")
+    assert isinstance(too_long, m.Error)
+    assert too_long.code is m.Code.INVALID
     reply = m.RemovalsReply(
         1, 0, 3, [m.Removal(3, "\x1dteam-a\x1dsglang/x", m.RemovalReason.EVICTED)]
     )

@@ -269,8 +269,10 @@ class MasterService:
         return m.HeartbeatReply(unknown, changes, [t.name for t in self.config.tenants])
 
     def _removals(self, request: m.Removals) -> m.Reply:
-        if len(request.prefix.encode(errors="replace")) > m.MAX_STORED_KEY_BYTES:
-            return m.Error(m.Code.INVALID, f"prefix longer than {m.MAX_STORED_KEY_BYTES} bytes")
+        # A tenant's prefix was checked before its own prefix was put in front (tenants.py).
+        limit = m.MAX_KEY_BYTES if self._tenant == tenants.NONE else m.MAX_STORED_KEY_BYTES
+        if len(request.prefix.encode(errors="replace")) > limit:
+            return m.Error(m.Code.INVALID, f"prefix longer than {m.MAX_KEY_BYTES} bytes")
         return self.state.removals.since(request.prefix, request.since, request.limit)
 
     def _stats(self, tenant: int | None = None) -> m.StatsReply:

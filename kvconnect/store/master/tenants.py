@@ -123,6 +123,8 @@ def scoped(request: m.Request, tenant: str) -> m.Request | m.Error:
         items = [msgspec.structs.replace(i, key=_scope(head, i.key)) for i in request.items]
         return msgspec.structs.replace(request, items=items)
     if isinstance(request, m.Removals):
+        if len(request.prefix.encode(errors="replace")) > m.MAX_KEY_BYTES:
+            return m.Error(m.Code.INVALID, f"prefix longer than {m.MAX_KEY_BYTES} bytes")
         return msgspec.structs.replace(request, prefix=head + request.prefix)
     if isinstance(request, m.Exists | m.PutEnd | m.PutRevoke | m.GetReplicas | m.Remove):
         return msgspec.structs.replace(request, keys=[_scope(head, key) for key in request.keys])
