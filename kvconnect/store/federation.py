@@ -96,11 +96,12 @@ class _Peer:
         absent = self.negative.failing([keys[i] for i in indices], self._clock())
         return [i for i, known in zip(indices, absent, strict=True) if not known]
 
-    def alias(
-        self, region: MemoryRegion, home_owns: Callable[[MemoryRegion], bool]
-    ) -> MemoryRegion:
-        """``region`` (home engine's) as registered with this peer's engine; aliases of home
-        regions that were unregistered since are dropped (once no transfer uses them)."""
+    def aliases(
+        self, regions: Sequence[MemoryRegion], home_owns: Callable[[MemoryRegion], bool]
+    ) -> dict[int, MemoryRegion]:
+        """By ``id``, each of ``regions`` (the home engine's) as registered with this peer's
+        engine; aliases of home regions unregistered since are dropped first (once no
+        transfer uses them)."""
         engine = self.client.engine
         with self._lock:
             for key, (home, mine) in list(self._aliases.items()):
@@ -108,10 +109,10 @@ class _Peer:
                     with contextlib.suppress(RegionBusy):  # a transfer still holds it
                         engine.unregister(mine)
                         del self._aliases[key]
-            entry = self._aliases.get(id(region))
-            if entry is None:
-                entry = self._aliases[id(region)] = (region, engine.register_alias(region))
-            return entry[1]
+            for region in regions:
+                if id(region) not in self._aliases:
+                    self._aliases[id(region)] = (region, engine.register_alias(region))
+            return {key: self._aliases[key][1] for key in map(id, regions)}
 
     def status(self) -> PeerStatus:
         with self._lock:
@@ -264,7 +265,12 @@ class Federation(Lifecycle):
     ) -> BatchResult:
         names = [keys[i] for i in asked]
         peer.count(asked=len(asked))
-        spans = [tuple(self._aliased(peer, span) for span in ranges.spans[i]) for i in asked]
+        regions = {id(s.region): s.region for i in asked for s in ranges.spans[i]}
+        mine = peer.aliases(list(regions.values()), self._home_owns)
+        spans = [
+            tuple(Span(mine[id(s.region)], s.offset, s.size) for s in ranges.spans[i])
+            for i in asked
+        ]
         client = peer.client
         if ranges.within is None:  # whole objects, one span per key
             got = client.batch_get_into(
@@ -287,9 +293,6 @@ class Federation(Lifecycle):
         if not peer.up:
             peer.count(failures=1)
         return got
-
-    def _aliased(self, peer: _Peer, span: Span) -> Span:
-        return Span(peer.alias(span.region, self._home_owns), span.offset, span.size)
 
     def _hit(self, peer: _Peer, keys: list[str], nbytes: int) -> None:
         peer.count(hits=len(keys), bytes=nbytes)
