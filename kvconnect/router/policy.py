@@ -5,7 +5,8 @@ unified instances for :meth:`Policy.prefill`, decode instances for :meth:`Policy
 raises ``BrokenError`` when there is none.
 
 - :class:`CacheAware` (``--policy cache``): prefill on the candidate of least predicted TTFT
-  (:mod:`.cost`), ties to the one holding more of the prompt, then fewer in flight, then name;
+  (:mod:`.cost`); predictions within :func:`margin` of the least count as ties, which go to
+  the one holding more of the prompt, then the lower prediction, fewer in flight, then name;
   decode on the least decode load (``running + k * waiting``), ties the same way.
 - :class:`RoundRobin` (``--policy round-robin``): each role in turn, as the example proxy does.
 - :class:`Random` (``--policy random``): uniformly, from a seeded generator.
@@ -56,12 +57,23 @@ class CacheAware:
     def prefill(self, r: Request, cs: Sequence[Candidate]) -> Choice:
         _require(cs)
         ttft = {c.name: self.model.predict_ttft(c, r, self._block_size) for c in cs}
-        best = min(cs, key=lambda c: (ttft[c.name], -c.cached_blocks, c.inflight, c.name))
+        least = min(ttft.values())
+        near = [c for c in cs if ttft[c.name] <= least + margin(least, self.model.overhead)]
+        best = min(near, key=lambda c: (-c.cached_blocks, ttft[c.name], c.inflight, c.name))
         return _choice(best, ttft[best.name])
 
     def decode(self, r: Request, cs: Sequence[Candidate]) -> Choice:
         _require(cs)
         return _choice(min(cs, key=lambda c: (self.model.decode_load(c), c.inflight, c.name)))
+
+
+def margin(least: float, overhead: float) -> float:
+    """How much worse than the least predicted TTFT a prediction may be and still count as a
+    tie: a tenth of it, or a request's fixed cost if more. Throughputs calibrated from short
+    prefills differ between instances by more than a short prompt's compute, so without it a
+    few noisy samples send a prefix's requests off the instance holding it, to load it from
+    the pool elsewhere for nothing."""
+    return max(0.1 * least, overhead)
 
 
 class RoundRobin:

@@ -28,11 +28,11 @@ def policy() -> CacheAware:
     ("pool_blocks", "last_on_a"),
     [
         # B recomputes all 160 tokens (0.160 s); A computes the 32 it lacks: (q + 32) / 1000,
-        # chosen up to q = 128 (at 128 a tie, which goes to the instance holding more)
-        (0, 128),
+        # chosen while within the tie margin, a tenth over B's: up to q = 144
+        (0, 144),
         # B loads 128 tokens from the pool (0.0128 s) and computes 32 (0.032 s): 0.0448 s,
-        # which A's (q + 32) / 1000 passes at q = 12.8
-        (8, 12),
+        # which A's (q + 32) / 1000 passes by a tenth at q = 17.28
+        (8, 17),
     ],
 )
 def test_a_hot_prefix_moves_to_the_second_instance_exactly_when_its_queue_costs_more(
@@ -160,3 +160,17 @@ def test_a_growing_queue_is_rejected_once_the_best_prediction_breaks_the_slo() -
             assert rejection is not None
             assert rejection.reason == "ttft"
             assert rejection.retry_after == pytest.approx(expected)
+
+
+def test_throughput_noise_within_a_requests_fixed_cost_keeps_the_prefix_on_its_holder() -> None:
+    model = CostModel(prefill_tps=4000.0, pool_tps=200_000.0, prefill_overhead=0.03, alpha=1.0)
+    model.observe_prefill("a", 400, 0.23)  # a looks slow: 2000 tokens/s
+    model.observe_prefill("b", 400, 0.08)  # b fast: 8000 tokens/s
+    # 32 blocks of prefix held by a (and in the pool), 40 tokens of its own to compute
+    request = Request(blocks=tuple(range(32)), prompt_tokens=32 * BS + 40, pool_blocks=32)
+    a, b = idle("a", cached=32), idle("b")
+    assert model.predict_ttft(b, request, BS) < model.predict_ttft(a, request, BS)
+    assert CacheAware(model, BS).prefill(request, [b, a]).instance == "a"
+    # a queue behind a that costs more than the margin moves the request to b
+    busy = replace(a, inflight=1, inflight_tokens=400)
+    assert CacheAware(model, BS).prefill(request, [b, busy]).instance == "b"
