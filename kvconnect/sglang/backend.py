@@ -598,7 +598,8 @@ class KVConnectStore(HiCacheStorage):  # type: ignore[misc]  # sglang is untyped
 
     def _set_healthy(self, healthy: bool) -> None:
         self.metrics.breaker(self.breaker_state)
-        self.metrics.peers(self._client.peers())
+        if self.metrics.enabled:  # not worth the peers' snapshot on every call otherwise
+            self.metrics.peers(self._client.peers())
         if healthy == self._healthy:
             return
         self._healthy = healthy

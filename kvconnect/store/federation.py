@@ -230,7 +230,7 @@ class Federation(Lifecycle):
             got = self._read_peer(peer, keys, ranges, asked, left * peer.config.share, cancel)
             unsettled += got.unsettled
             for i, code, size in zip(asked, got.codes, got.sizes, strict=True):
-                if code is Code.OK or code not in _SETTLED_FAILURES or codes[i] is Code.NOT_FOUND:
+                if code not in _SETTLED_FAILURES or codes[i] is Code.NOT_FOUND:
                     codes[i], sizes[i] = code, size
             todo = [i for i in todo if codes[i] in _SETTLED_FAILURES]
         return BatchResult(tuple(codes), tuple(sizes), tuple(unsettled))

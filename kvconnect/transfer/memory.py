@@ -245,8 +245,7 @@ class MemoryRegistry:
         keeps ``region`` alive. FILE regions have no memory to alias (RegistrationError)."""
         if region.kind is MemoryKind.FILE:
             raise RegistrationError(f"region {region.id} is a file source, not memory")
-        fresh = _same_memory(region, self._take_id(), keepalive=region, shared=None)
-        fresh.private = True
+        fresh = _same_memory(region, self._take_id(), keepalive=region, shared=None, private=True)
         with self._lock:
             self._regions[fresh.id] = fresh
             self._users[fresh.id] = 0
@@ -257,7 +256,13 @@ class MemoryRegistry:
         say so in their header, so peers that mapped it fail too). Accesses that began before
         may still run: :meth:`users` of the old region tells when they are over."""
         region_id = self._take_id()
-        fresh = _same_memory(region, region_id, keepalive=region._keepalive, shared=region._shared)
+        fresh = _same_memory(
+            region,
+            region_id,
+            keepalive=region._keepalive,
+            shared=region._shared,
+            private=region.private,
+        )
         with self._lock:
             if self._regions.get(region.id) is not region:
                 raise RegistrationError(f"region {region.id} is not registered here")
@@ -374,7 +379,12 @@ class MemoryRegistry:
 
 
 def _same_memory(
-    region: MemoryRegion, region_id: int, *, keepalive: object, shared: _SharedMemory | None
+    region: MemoryRegion,
+    region_id: int,
+    *,
+    keepalive: object,
+    shared: _SharedMemory | None,
+    private: bool,
 ) -> MemoryRegion:
     """A region with ``region``'s memory and attributes under ``region_id``."""
     return MemoryRegion(
@@ -388,7 +398,7 @@ def _same_memory(
         keepalive=keepalive,
         shared=shared,
         source=region._source,
-        private=region.private,
+        private=private,
     )
 
 

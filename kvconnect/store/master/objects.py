@@ -221,6 +221,10 @@ class ObjectTable:
         else:
             self.extra.pop(slot, None)
 
+    def tenant_memory(self, tenant: int) -> int:
+        """Bytes of ``tenant``'s slots whose primary replica is in memory."""
+        return self.tenant_bytes[tenant] - self.tenant_disk[tenant]
+
     def _on_disk(self, segment: int) -> int:
         disk = self.disk_segments
         return disk[segment] if segment < len(disk) else 0

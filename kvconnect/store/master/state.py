@@ -300,7 +300,7 @@ class MasterState:
         """Of ``fresh`` (new objects of ``tenant``), those its quota admits, in order; the
         others are answered NO_SPACE and the tenant's oldest objects evicted for them."""
         sizes = [items[n].size for n in fresh]
-        room = self.tenants.quota(tenant) - self._in_memory(tenant)
+        room = self.tenants.quota(tenant) - self.objects.tenant_memory(tenant)
         fits = within(room, sizes)
         admitted = [n for n, ok in zip(fresh, fits, strict=True) if ok]
         refused = sum(size for size, ok in zip(sizes, fits, strict=True) if not ok)
@@ -308,7 +308,7 @@ class MasterState:
             if not ok:
                 results[n] = Placement(Code.NO_SPACE, [])
         if refused:
-            wanted = min(refused, self._in_memory(tenant))
+            wanted = min(refused, self.objects.tenant_memory(tenant))
             self._tenant_targets[tenant] = max(self._tenant_targets.get(tenant, 0), wanted)
         return admitted
 
@@ -643,10 +643,6 @@ class MasterState:
             if over > 0:
                 self._evict_tenant(tenant, over, now, disk=True)
 
-    def _in_memory(self, tenant: int) -> int:
-        """Bytes of ``tenant``'s objects whose primary replica is in memory."""
-        return self.objects.tenant_bytes[tenant] - self.objects.tenant_disk[tenant]
-
     def _evict_tenant(self, tenant: int, target: int, now: float, *, disk: bool) -> int:
         """Evict up to ``eviction_step`` of ``tenant``'s objects in memory (demoted to disk
         when they can be, as any DRAM eviction) or on disk (dropped), least recently used
@@ -724,8 +720,7 @@ class MasterState:
             unpinned = eligible[c["pin"][eligible] <= now]
             pool = unpinned if len(unpinned) else eligible
             if len(self.tenants):  # the tenants over their share first, each oldest first
-                memory = self.objects.tenant_bytes - self.objects.tenant_disk
-                over = self.tenants.over_share(memory)[c["tenant"][pool]]
+                over = self.tenants.over_share(self.objects.tenant_memory)[c["tenant"][pool]]
                 order = np.lexsort((c["access"][pool], ~over))
             else:
                 order = np.argsort(c["access"][pool], kind="stable")

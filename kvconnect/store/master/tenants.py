@@ -15,7 +15,7 @@ per-tenant bytes :class:`~kvconnect.store.master.objects.ObjectTable` keeps.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 import numpy as np
@@ -71,11 +71,11 @@ class Tenants:
         config = self.configs[tenant - 1]
         return config.share or config.quota
 
-    def over_share(self, used: Mapping[int, int]) -> np.ndarray:
-        """By tenant id: whether the tenant holds more than its share (``used``: bytes in
-        memory by id); never NONE, nor a tenant without a share."""
+    def over_share(self, used: Callable[[int], int]) -> np.ndarray:
+        """By tenant id: whether the tenant holds more than its share (``used``: its bytes in
+        memory); never NONE, nor a tenant without a share."""
         shares = [self.share(t) for t in range(len(self.configs) + 1)]
-        return np.array([0 < share < used.get(t, 0) for t, share in enumerate(shares)], bool)
+        return np.array([0 < share < used(t) for t, share in enumerate(shares)], bool)
 
     def stats(
         self, objects: ObjectTable, evictions: Mapping[int, int], only: int | None = None
@@ -88,7 +88,7 @@ class Tenants:
                 quota=self.quota(t),
                 disk_quota=self.disk_quota(t),
                 share=self.share(t),
-                used=objects.tenant_bytes[t] - objects.tenant_disk[t],
+                used=objects.tenant_memory(t),
                 disk_used=objects.tenant_disk[t],
                 objects=objects.tenant_objects[t],
                 evictions=evictions.get(t, 0),

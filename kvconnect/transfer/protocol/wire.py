@@ -299,11 +299,10 @@ def server_handshake(
     engine_id: bytes,
     deadline: float,
     also: Sequence[str] = (),
-) -> str | None:
+) -> None:
     """Run the server side, all of it by ``deadline`` (``time.monotonic()``; TimeoutError
     after it); raises ProtocolError/AuthenticationError (caller closes). With a ``token``, a
-    client may prove it or any of ``also`` (e.g. tenants' tokens): returns the one it proved
-    (None without a token)."""
+    client may prove it or any of ``also`` (e.g. tenants' tokens)."""
     magic, version, _flags, client_nonce = HELLO.unpack(recv_exact(sock, HELLO.size, deadline))
     if magic != MAGIC:
         raise ProtocolError("not a kvconnect client")
@@ -315,7 +314,7 @@ def server_handshake(
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"client speaks protocol {version}, this engine {PROTOCOL_VERSION}")
     if not token:
-        return None
+        return
     proof = recv_exact(sock, MAC_LEN, deadline)
     until(sock, deadline)
     proved = proven(proof, (token, *also), b"client", nonce, client_nonce)
@@ -323,7 +322,6 @@ def server_handshake(
         sock.sendall(b"\x01")
         raise AuthenticationError("client failed to prove the cluster token")
     sock.sendall(b"\x00" + token_mac(proved, b"server", client_nonce, nonce))
-    return proved
 
 
 def proven(
