@@ -89,6 +89,7 @@ def test_peer_reads_over_an_impaired_link_and_a_partition(
             name="east",
             master=peer.master_endpoint,
             token_file=peer_token,
+            rpc_timeout=5.0,  # a lost packet costs a TCP retransmit (>= 200 ms) on this link
             probe_interval=0.3,
             negative_ttl=0,
         )
