@@ -78,10 +78,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     # server runs it, nothing arrives); the SUB connects now and reconnects until it is up.
     sub.connect(f"tcp://127.0.0.1:{port}")
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
-    # 24 blocks of store; eviction at half of it: the fourth prompt of six blocks evicts.
+    # 36 blocks of store; eviction above half of it: the fourth prompt of six blocks evicts,
+    # and the store is not full before the sixth, so no save fails while a periodic eviction
+    # round is still to come (at 24 blocks the fourth prompt's save could find it full).
     master = ["--master-high-watermark", "0.5", "--master-evict-fraction", "0.25"]
     try:
-        with Cluster(servers=1, server_size=24 * BLOCK_BYTES, master_args=master) as cluster:
+        with Cluster(servers=1, server_size=36 * BLOCK_BYTES, master_args=master) as cluster:
             extra = {"pool": True, "master": cluster.master_endpoint, "events_poll_interval": 0.2}
             transfer = {
                 "kv_connector": "KVConnectConnector",
