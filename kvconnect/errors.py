@@ -108,6 +108,11 @@ class DiskUnavailable(StoreError):
     """A disk tier cannot be used at all (its files cannot be created, opened, sized or locked)."""
 
 
+class P2PError(KVConnectError):
+    """A P2P store operation failed: an unknown object, a fetch that no holder can complete,
+    a publish that conflicts with what is published."""
+
+
 __all__ = [
     "AccessDenied",
     "AuthenticationError",
@@ -121,6 +126,7 @@ __all__ = [
     "KVConnectError",
     "MasterUnavailable",
     "NotLeader",
+    "P2PError",
     "PeerUnreachable",
     "ProtocolError",
     "RegionBusy",

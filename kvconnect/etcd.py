@@ -82,8 +82,9 @@ class Etcd:
         """Set ``key`` (attached to ``lease`` if given)."""
         self._call(self._client.put, key, value, lease=lease)
 
-    def create(self, key: str, value: bytes, lease: int) -> int | None:
-        """Set ``key`` only if absent; its create revision on success, None if it exists."""
+    def create(self, key: str, value: bytes, lease: int | None = None) -> int | None:
+        """Set ``key`` (attached to ``lease`` if given) only if absent; its create revision on
+        success, None if it exists."""
         client = self._client
         ok, responses = self._call(
             client.transaction,

@@ -1,0 +1,239 @@
+"""A P2P node: publishes objects, fetches them from every node that holds part of them, and
+serves what it holds to the others (docs/p2p.md).
+
+Typical use::
+
+    with P2PNode(P2PConfig(etcd="etcd://10.0.0.5:2379")) as node:
+        node.publish(Path("/models/llama"), "llama-70b")       # on one node
+        node.fetch("llama-70b", Files(Path("/cache/llama")))   # on each of the others
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+import msgspec
+
+from kvconnect.errors import ClosedError, RegionBusy
+from kvconnect.etcd import Etcd
+from kvconnect.p2p import manifest as manifests
+from kvconnect.p2p.config import P2PConfig
+from kvconnect.p2p.destination import Destination, Files
+from kvconnect.p2p.fetch import Fetch, FetchStats, Progress
+from kvconnect.p2p.manifest import Manifest
+from kvconnect.p2p.registry import (
+    HOLDER_SCHEMA,
+    Announcer,
+    HolderRecord,
+    HolderView,
+    Registry,
+    pack_bits,
+)
+from kvconnect.p2p.swarm import Bits, Place
+from kvconnect.transfer import TransferEngine
+from kvconnect.transfer.segment import host_identity
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """A published object and how many nodes hold it whole or in part now."""
+
+    manifest: Manifest
+    complete: int
+    partial: int
+
+
+class _Held:
+    """An object this node serves: its destination, regions and verified chunks."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        destination: Destination,
+        have: Bits,
+        regions: tuple[int, ...],
+        segment: str,
+        place: Place,
+    ) -> None:
+        self.manifest = manifest
+        self.destination = destination
+        self._have = have
+        self._regions = regions
+        self._segment = segment
+        self._place = place
+        self._lock = threading.Lock()
+
+    def have(self) -> Bits:
+        """A copy of the verified chunks."""
+        with self._lock:
+            return self._have.copy()
+
+    def mark(self, chunk: int) -> None:
+        with self._lock:
+            self._have[chunk] = True
+
+    def record(self) -> bytes:
+        with self._lock:
+            have = pack_bits(self._have)
+        place = (self._place.host, self._place.locality, self._place.address)
+        record = HolderRecord(HOLDER_SCHEMA, self._segment, place, self._regions, have)
+        return msgspec.msgpack.encode(record)
+
+
+class P2PNode:
+    """One process's member of a P2P swarm. ``start()`` connects to etcd and starts the
+    transfer engine; every method blocks and may raise CoordinationUnavailable (etcd),
+    P2PError, ConfigError or OSError (files); ``close()`` stops serving (its holder records
+    vanish with its lease). Thread-safe."""
+
+    def __init__(self, config: P2PConfig) -> None:
+        self.config = config
+        self._engine = TransferEngine(config.transfer)
+        self._etcd: Etcd | None = None
+        self._registry: Registry | None = None
+        self._announcer: Announcer | None = None
+        self._held: dict[tuple[str, str], _Held] = {}
+        self._lock = threading.Lock()
+        self._place = Place("", "", "")
+
+    def start(self) -> None:
+        self._engine.start()
+        self._etcd = Etcd(self.config.etcd)
+        self._registry = Registry(self._etcd, self.config.prefix)
+        self._announcer = Announcer(
+            self._etcd, self.config.lease_ttl, self.config.announce_interval
+        )
+        self._announcer.start()
+        address = self._engine.name.rpartition(":")[0]
+        self._place = Place(host_identity(), self.config.locality, address)
+
+    @property
+    def segment(self) -> str:
+        """This node's transfer segment (how holders are named in etcd)."""
+        return self._engine.name
+
+    @property
+    def registry(self) -> Registry:
+        if self._registry is None:
+            raise ClosedError("the P2P node is not started")
+        return self._registry
+
+    def publish(self, root: Path, name: str, version: str | None = None) -> Manifest:
+        """Hash the files under ``root`` into chunks, publish the manifest (``version``
+        None: named by content) and serve them."""
+        manifest = manifests.build(root, name, version, self.config.chunk_bytes)
+        self.registry.publish(manifest)
+        self.serve(manifest, Files(root))
+        log.info(
+            "published %s version %s: %d files, %d chunks",
+            name,
+            manifest.version,
+            len(manifest.files),
+            manifest.chunk_count,
+        )
+        return manifest
+
+    def serve(self, manifest: Manifest, destination: Destination) -> Bits:
+        """Serve the verified chunks ``destination`` holds of ``manifest``'s object (it is
+        opened: files are hashed); returns which those are. Serving one object twice is a
+        no-op."""
+        key = (manifest.name, manifest.version)
+        with self._lock:
+            held = self._held.get(key)
+        if held is not None:
+            return held.have()
+        have, regions = destination.open(manifest, self._engine)
+        held = _Held(manifest, destination, have, regions, self.segment, self._place)
+        with self._lock:
+            self._held[key] = held
+        self._holders().set(self._record_key(manifest), held.record)
+        return have.copy()
+
+    def fetch(
+        self,
+        name: str,
+        destination: Destination,
+        version: str | None = None,
+        *,
+        progress: Progress | None = None,
+        timeout: float | None = None,
+    ) -> tuple[Manifest, FetchStats]:
+        """Fetch ``name`` (its latest version by default) into ``destination`` from every
+        node that holds part of it, and keep serving it after. Chunks ``destination``
+        already holds verified are kept. ``progress`` is called about twice a second from
+        this thread. Raises P2PError if it cannot complete (``timeout``, a stall)."""
+        manifest = self.registry.manifest(name, version)
+        have = self.serve(manifest, destination)
+        held = self._held[(manifest.name, manifest.version)]
+        own = self._record_key(manifest)
+
+        def announce(chunk: int) -> None:
+            held.mark(chunk)
+            self._holders().touch(own)
+
+        fetch = Fetch(self.config, self._engine, manifest, destination, have, self._place, announce)
+        view = HolderView(
+            self.registry,
+            manifest,
+            lambda key, record: None if key == own else fetch.holder(key, record),
+        )
+        try:
+            stats = fetch.run(progress, timeout)
+        finally:
+            view.close()
+            try:
+                fetch.close()
+            except RegionBusy:
+                log.debug("a late READ still holds the staging buffer: the engine frees it")
+        return manifest, stats
+
+    def listing(self) -> list[Listing]:
+        """Every published object with its holders now."""
+        found = []
+        for manifest in self.registry.manifests():
+            records, _ = self.registry.holders(manifest)
+            complete = sum(bool(r.bits(manifest.chunk_count).all()) for r in records.values())
+            found.append(Listing(manifest, complete, len(records) - complete))
+        return found
+
+    def _holders(self) -> Announcer:
+        if self._announcer is None:
+            raise ClosedError("the P2P node is not started")
+        return self._announcer
+
+    def _record_key(self, manifest: Manifest) -> str:
+        return self.registry.holders_prefix(manifest.name, manifest.version) + self.segment
+
+    def close(self) -> None:
+        """Stop serving: revoke the lease (records vanish), stop the engine, close files.
+        Idempotent."""
+        if self._announcer is not None:
+            self._announcer.close()
+            self._announcer = None
+        self._engine.close()
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        for item in held:
+            item.destination.close()
+        if self._etcd is not None:
+            self._etcd.close()
+            self._etcd = None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
