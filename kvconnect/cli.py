@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         declare="kvconnect.router.command",
     )
 
+    commands.add_parser(
+        "p2p",
+        help="the P2P store: publish, fetch and list large objects (model weights)",
+        declare="kvconnect.p2p.command",
+    )
+
     status = commands.add_parser("status", help="print the store cluster: segments, usage, keys")
     status.add_argument("--master", default=StoreClientConfig().master, help="master endpoint")
     status.add_argument("--timeout", type=float, default=2.0)
