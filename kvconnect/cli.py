@@ -78,6 +78,7 @@ _BENCHES = (
         "two store clusters sharing prefixes: federated vs isolated, peer faults",
         "kvconnect.bench.federation",
     ),
+    ("p2p", "P2P store: a checkpoint to N peers, swarm vs one source", "kvconnect.bench.p2p"),
 )
 
 

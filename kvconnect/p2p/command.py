@@ -47,6 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fetch.add_argument("--version", help="the version (default: the latest)")
     fetch.add_argument("--seed", action="store_true", help="keep serving it until stopped")
     fetch.add_argument("--timeout", type=float, help="give up after this many seconds")
+    fetch.add_argument(
+        "--no-share",
+        dest="p2p__share",
+        action="store_false",
+        default=None,
+        help="only download: serve nothing to other nodes",
+    )
     listing = commands.add_parser("ls", help="list published objects and their holders")
     for sub in (publish, fetch, listing):
         sub.add_argument("--config", help="JSON file of p2p settings")

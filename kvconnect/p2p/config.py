@@ -38,13 +38,16 @@ class P2PConfig(Composed):
     """etcd holding manifests and holders (``etcd://host:port[,host:port…]``)."""
     prefix: str = "/kvconnect/p2p/"
     """Key prefix of this swarm in etcd (separate swarms may share one etcd)."""
-    chunk_bytes: int = 16 * MiB
+    chunk_bytes: int = 4 * MiB
     """Size of a chunk when publishing (a file's last chunk may be shorter): the unit that is
-    verified, announced and served on; smaller chunks spread sooner, cost more etcd writes."""
+    verified, announced and served on; smaller chunks spread sooner, cost more etcd writes.
+    Objects too large for ``MAX_CHUNKS`` chunks of this size get larger ones (docs/p2p.md)."""
     parallel: int = 8
     """Chunks a fetch moves at once (over all holders)."""
-    per_holder: int = 2
-    """Chunks a fetch reads from one holder at once: spreads the load over the swarm."""
+    per_holder: int = 1
+    """Chunks a fetch reads from one holder at once: spreads the load over the swarm (one
+    at a time finishes each chunk soonest, so it is served on sooner: docs/p2p.md has the
+    measurements)."""
     lease_ttl: int = 5
     """Seconds of the etcd lease on this node's holder records: a holder that dies without
     closing stops being offered within about this long."""
@@ -58,6 +61,9 @@ class P2PConfig(Composed):
     stall_timeout: float = 60.0
     """A fetch fails after this long without a chunk arriving while some chunk has no
     holder it may read from."""
+    share: bool = True
+    """Serve what this node fetches, from the first verified chunk on (``False``: a node
+    that only downloads; what it publishes is always served)."""
     locality: str = ""
     """This node's place (a rack, a zone): holders with the same one are preferred after
     holders on the same host. Empty: nodes on the same /24 (IPv4) count as near."""

@@ -26,8 +26,9 @@ from kvconnect.errors import ConfigError, ProtocolError
 
 SCHEMA = 1
 DIGEST_BYTES = 32
-MAX_FILES = 100_000
-MAX_CHUNKS = 10_000_000
+MAX_FILES = 10_000
+MAX_CHUNKS = 16_384  # bounds a manifest (512 KiB of digests) and a holder's bitmap (2 KiB)
+MAX_MANIFEST_BYTES = 1 << 20  # etcd takes values up to 1.5 MiB by default
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _READ_BYTES = 4 * 1024 * 1024  # hashing reads files in pieces of this size
 
@@ -164,6 +165,7 @@ def build(
     files = [FileEntry(path, (root / path).stat().st_size) for path in _walk(root)]
     if not files:
         raise ConfigError(f"{root} holds no files to publish")
+    chunk_bytes = fitting_chunk(chunk_bytes, [entry.size for entry in files])
     draft = Manifest(SCHEMA, name, "draft", chunk_bytes, tuple(files), ())
     pieces = chunks_of(draft)
     with ThreadPoolExecutor(max(1, workers)) as pool:
@@ -175,7 +177,16 @@ def build(
         draft, version=check_name("version", version), digests=digests
     )
     validate(manifest)
+    if len(encode(manifest)) > MAX_MANIFEST_BYTES:
+        raise ConfigError(f"the manifest of {root} exceeds {MAX_MANIFEST_BYTES} bytes")
     return manifest
+
+
+def fitting_chunk(chunk_bytes: int, sizes: list[int]) -> int:
+    """``chunk_bytes``, doubled until files of ``sizes`` need at most MAX_CHUNKS chunks."""
+    while sum(-(-size // chunk_bytes) for size in sizes) > MAX_CHUNKS:
+        chunk_bytes *= 2
+    return chunk_bytes
 
 
 def _walk(root: Path) -> Iterator[str]:

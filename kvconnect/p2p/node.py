@@ -130,7 +130,7 @@ class P2PNode:
         None: named by content) and serve them."""
         manifest = manifests.build(root, name, version, self.config.chunk_bytes)
         self.registry.publish(manifest)
-        self.serve(manifest, Files(root))
+        self.serve(manifest, Files(root), announce=True)
         log.info(
             "published %s version %s: %d files, %d chunks",
             name,
@@ -140,10 +140,10 @@ class P2PNode:
         )
         return manifest
 
-    def serve(self, manifest: Manifest, destination: Destination) -> Bits:
-        """Serve the verified chunks ``destination`` holds of ``manifest``'s object (it is
-        opened: files are hashed); returns which those are. Serving one object twice is a
-        no-op."""
+    def serve(self, manifest: Manifest, destination: Destination, *, announce: bool) -> Bits:
+        """Open ``destination`` for ``manifest``'s object (files are hashed) and, with
+        ``announce``, serve the verified chunks it holds (and those stored later); returns
+        which chunks it holds. Opening one object twice is a no-op."""
         key = (manifest.name, manifest.version)
         with self._lock:
             held = self._held.get(key)
@@ -153,7 +153,8 @@ class P2PNode:
         held = _Held(manifest, destination, have, regions, self.segment, self._place)
         with self._lock:
             self._held[key] = held
-        self._holders().set(self._record_key(manifest), held.record)
+        if announce:
+            self._holders().set(self._record_key(manifest), held.record)
         return have.copy()
 
     def fetch(
@@ -166,11 +167,12 @@ class P2PNode:
         timeout: float | None = None,
     ) -> tuple[Manifest, FetchStats]:
         """Fetch ``name`` (its latest version by default) into ``destination`` from every
-        node that holds part of it, and keep serving it after. Chunks ``destination``
+        node that holds part of it, and serve it as it arrives and after (unless the node
+        does not ``share``). Chunks ``destination``
         already holds verified are kept. ``progress`` is called about twice a second from
         this thread. Raises P2PError if it cannot complete (``timeout``, a stall)."""
         manifest = self.registry.manifest(name, version)
-        have = self.serve(manifest, destination)
+        have = self.serve(manifest, destination, announce=self.config.share)
         held = self._held[(manifest.name, manifest.version)]
         own = self._record_key(manifest)
 

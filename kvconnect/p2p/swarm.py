@@ -10,7 +10,9 @@ The choice, for every free transfer slot:
    publisher's bytes go out once and the swarm serves the rest (BitTorrent's rarest first);
 4. ties in a random order of this fetch's own, so fetchers that start together ask the
    publisher for different chunks;
-5. the holder: the nearest, then the one this fetch is reading least from, then at random.
+5. the holder: the nearest, then the one this fetch is reading least from, then the one
+   holding least (a partial holder's link is idle when few can ask it; a full copy is asked
+   by everyone), then at random.
 
 A holder that failed a transfer is left alone for ``retry_after`` seconds; one that served a
 chunk whose digest did not match is never asked again by this fetch.
@@ -168,11 +170,15 @@ class Swarm:
         order = np.lexsort((self._rank, rarity, best))  # last key sorts first
         chunk = int(order[0])
         who = [i for i in range(len(names)) if eligible[i, chunk]]
-        keys = [(near[i, 0], self._holders[names[i]].busy, self._rng.random()) for i in who]
+        keys = [self._holder_key(names[i], near[i, 0]) for i in who]
         holder = names[who[min(range(len(who)), key=keys.__getitem__)]]
         self._inflight[chunk] = True
         self._holders[holder].busy += 1
         return Assignment(chunk, holder)
+
+    def _holder_key(self, name: str, near: int) -> tuple[int, int, int, float]:
+        holder = self._holders[name]
+        return (near, holder.busy, int(holder.have.sum()), float(self._rng.random()))
 
     def done(self, assignment: Assignment) -> None:
         """The chunk arrived and verified."""
