@@ -8,6 +8,7 @@ may still land (the batch returned it PENDING) keeps its slot until it settles.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -50,6 +51,14 @@ class FetchStats:
 Progress = Callable[[FetchStats], None]
 
 
+class ChunkState(enum.Enum):
+    """What a fetch tells its holder record about a chunk."""
+
+    FETCHING = "fetching"  # a transfer of it started
+    DROPPED = "dropped"  # that transfer failed: needed again
+    STORED = "stored"  # verified and stored: served from now on
+
+
 class _Slots:
     """Staging slots of one registered buffer; a slot is taken by one transfer at a time."""
 
@@ -70,9 +79,10 @@ class _Slots:
 
 
 class Fetch:
-    """Moves the chunks ``have`` lacks into ``destination``; ``announce(chunk)`` is called
-    once each is stored. Run by :meth:`run` on the caller's thread (it blocks); holders
-    arrive through :meth:`holder` from the holder view's thread."""
+    """Moves the chunks ``have`` lacks into ``destination``; ``note(chunk, state)`` is called
+    as a chunk's transfer starts, fails, or it is stored. Run by :meth:`run` on the caller's
+    thread (it blocks); holders arrive through :meth:`holder` from the holder view's
+    thread."""
 
     def __init__(
         self,
@@ -82,7 +92,7 @@ class Fetch:
         destination: Destination,
         have: np.ndarray,
         place: Place,
-        announce: Callable[[int], None],
+        note: Callable[[int, ChunkState], None],
     ) -> None:
         self._config = config
         self._engine = engine
@@ -90,7 +100,7 @@ class Fetch:
         self._chunks = chunks_of(manifest)
         self._destination = destination
         self._place = place
-        self._announce = announce
+        self._note = note
         self._swarm = Swarm(len(self._chunks), config.per_holder, config.retry_after)
         for index in np.flatnonzero(have):
             self._swarm.have(int(index))
@@ -116,7 +126,7 @@ class Fetch:
             else:
                 self._records[key] = record
                 near = proximity(self._place, place_of(record))
-                self._swarm.holder(key, near, record.bits(len(self._chunks)))
+                self._swarm.holder(key, near, *record.bits(len(self._chunks)))
             self._stats.holders = len(self._records)
             self._cond.notify_all()
 
@@ -161,6 +171,7 @@ class Fetch:
             assignment = self._next()
             if assignment is None:
                 return
+            self._note(assignment.chunk, ChunkState.FETCHING)
             outcome, moved = self._move(assignment)
             with self._cond:
                 now = time.monotonic()
@@ -173,8 +184,8 @@ class Fetch:
                     self._stats.failures += 1
                     self._stats.corrupt += outcome is Failure.CORRUPT
                 self._cond.notify_all()
-            if outcome is None:
-                self._announce(assignment.chunk)
+            stored = ChunkState.STORED if outcome is None else ChunkState.DROPPED
+            self._note(assignment.chunk, stored)
 
     def _next(self) -> Assignment | None:
         with self._cond:

@@ -18,13 +18,14 @@ from types import TracebackType
 from typing import Self
 
 import msgspec
+import numpy as np
 
 from kvconnect.errors import ClosedError, RegionBusy
 from kvconnect.etcd import Etcd
 from kvconnect.p2p import manifest as manifests
 from kvconnect.p2p.config import P2PConfig
 from kvconnect.p2p.destination import Destination, Files
-from kvconnect.p2p.fetch import Fetch, FetchStats, Progress
+from kvconnect.p2p.fetch import ChunkState, Fetch, FetchStats, Progress
 from kvconnect.p2p.manifest import Manifest
 from kvconnect.p2p.registry import (
     HOLDER_SCHEMA,
@@ -65,6 +66,7 @@ class _Held:
         self.manifest = manifest
         self.destination = destination
         self._have = have
+        self._fetching = np.zeros_like(have)
         self._regions = regions
         self._segment = segment
         self._place = place
@@ -75,15 +77,17 @@ class _Held:
         with self._lock:
             return self._have.copy()
 
-    def mark(self, chunk: int) -> None:
+    def note(self, chunk: int, state: ChunkState) -> None:
+        """What a fetch did with ``chunk``."""
         with self._lock:
-            self._have[chunk] = True
+            self._fetching[chunk] = state is ChunkState.FETCHING
+            self._have[chunk] |= state is ChunkState.STORED
 
     def record(self) -> bytes:
         with self._lock:
-            have = pack_bits(self._have)
+            have, fetching = pack_bits(self._have), pack_bits(self._fetching)
         place = (self._place.host, self._place.locality, self._place.address)
-        record = HolderRecord(HOLDER_SCHEMA, self._segment, place, self._regions, have)
+        record = HolderRecord(HOLDER_SCHEMA, self._segment, place, self._regions, have, fetching)
         return msgspec.msgpack.encode(record)
 
 
@@ -176,11 +180,11 @@ class P2PNode:
         held = self._held[(manifest.name, manifest.version)]
         own = self._record_key(manifest)
 
-        def announce(chunk: int) -> None:
-            held.mark(chunk)
+        def note(chunk: int, state: ChunkState) -> None:
+            held.note(chunk, state)
             self._holders().touch(own)
 
-        fetch = Fetch(self.config, self._engine, manifest, destination, have, self._place, announce)
+        fetch = Fetch(self.config, self._engine, manifest, destination, have, self._place, note)
         view = HolderView(
             self.registry,
             manifest,
@@ -201,7 +205,7 @@ class P2PNode:
         found = []
         for manifest in self.registry.manifests():
             records, _ = self.registry.holders(manifest)
-            complete = sum(bool(r.bits(manifest.chunk_count).all()) for r in records.values())
+            complete = sum(bool(r.bits(manifest.chunk_count)[0].all()) for r in records.values())
             found.append(Listing(manifest, complete, len(records) - complete))
         return found
 

@@ -34,19 +34,26 @@ HOLDER_SCHEMA = 1
 
 class HolderRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A node that serves chunks of one object: how to reach it (its transfer engine's
-    segment), where it is, the region of each file (-1: none, an empty file) and which
-    chunks it has verified (bit i of ``have``, little-endian bit order)."""
+    segment), where it is, the region of each file (-1: none, an empty file), which chunks
+    it has verified (bit i of ``have``, little-endian bit order) and which it is fetching
+    now (``fetching``: other fetchers leave those for later, so a chunk that exists once is
+    not sent twice by its only holder)."""
 
     schema: int
     segment: str
     place: tuple[str, str, str]
     regions: tuple[int, ...]
     have: bytes
+    fetching: bytes
 
-    def bits(self, chunks: int) -> Bits:
-        """``have`` as one bool per chunk."""
-        raw = np.frombuffer(self.have, dtype=np.uint8)
-        return np.unpackbits(raw, count=chunks, bitorder="little").astype(bool)
+    def bits(self, chunks: int) -> tuple[Bits, Bits]:
+        """``have`` and ``fetching`` as one bool per chunk each."""
+        return _unpack(self.have, chunks), _unpack(self.fetching, chunks)
+
+
+def _unpack(packed: bytes, chunks: int) -> Bits:
+    raw = np.frombuffer(packed, dtype=np.uint8)
+    return np.unpackbits(raw, count=chunks, bitorder="little").astype(bool)
 
 
 def pack_bits(have: Bits) -> bytes:
@@ -63,8 +70,9 @@ def decode_holder(data: bytes, manifest: Manifest) -> HolderRecord:
         raise ProtocolError(f"holder record schema {record.schema} (expected {HOLDER_SCHEMA})")
     if len(record.regions) != len(manifest.files):
         raise ProtocolError(f"holder {record.segment} names {len(record.regions)} regions")
-    if len(record.have) != -(-manifest.chunk_count // 8):
-        raise ProtocolError(f"holder {record.segment} has a bitmap of {len(record.have)} bytes")
+    packed = -(-manifest.chunk_count // 8)
+    if len(record.have) != packed or len(record.fetching) != packed:
+        raise ProtocolError(f"holder {record.segment} has bitmaps of the wrong size")
     return record
 
 

@@ -6,8 +6,10 @@ The choice, for every free transfer slot:
 1. chunks still needed, not in flight, held by a holder that may take one more transfer;
 2. among them those the *nearest* such holder has (same host, then same place, then any):
    a node near a full copy takes everything from it, and racks stay apart;
-3. then the rarest (fewest holders): copies that exist once are copied first, so a
-   publisher's bytes go out once and the swarm serves the rest (BitTorrent's rarest first);
+3. then the rarest (fewest holders, counting the fetchers that are fetching it now): copies
+   that exist once are copied first, and a chunk another fetcher is already taking from its
+   only holder is left for later, so a publisher's bytes go out about once and the swarm
+   serves the rest (BitTorrent's rarest first, with in-flight claims);
 4. ties in a random order of this fetch's own, so fetchers that start together ask the
    publisher for different chunks;
 5. the holder: the nearest, then the one this fetch is reading least from, then the one
@@ -83,6 +85,7 @@ class Assignment(NamedTuple):
 class _Holder:
     proximity: Proximity
     have: Bits
+    fetching: Bits
     busy: int = 0
     banned: bool = False
     resume_at: float = 0.0
@@ -114,21 +117,23 @@ class Swarm:
         """``chunk`` is here already (verified before the fetch started)."""
         self._needed[chunk] = False
 
-    def holder(self, name: str, near: Proximity, have: Bits) -> None:
-        """Add holder ``name`` or update what it has (its failures are kept)."""
-        if have.shape != (self.chunks,):
-            raise ValueError(f"a holder's bitmap has {have.shape} bits, not {self.chunks}")
+    def holder(self, name: str, near: Proximity, have: Bits, fetching: Bits) -> None:
+        """Add holder ``name`` or update what it has and is fetching (its failures are
+        kept)."""
+        if have.shape != (self.chunks,) or fetching.shape != (self.chunks,):
+            raise ValueError(f"a holder's bitmaps are not of {self.chunks} bits")
         known = self._holders.get(name)
         if known is None:
-            self._holders[name] = _Holder(near, have.copy())
+            self._holders[name] = _Holder(near, have.copy(), fetching.copy())
         else:
-            known.proximity, known.have = near, have.copy()
+            known.proximity, known.have, known.fetching = near, have.copy(), fetching.copy()
 
     def drop(self, name: str) -> None:
         """Holder ``name`` is gone (its transfers in flight still end with done/failed)."""
         known = self._holders.get(name)
         if known is not None:
             known.have = np.zeros(self.chunks, dtype=bool)
+            known.fetching = np.zeros(self.chunks, dtype=bool)
 
     @property
     def missing(self) -> int:
@@ -166,7 +171,10 @@ class Swarm:
         best = np.where(eligible, near, _NONE).min(axis=0)
         if (best == _NONE).all():
             return None
-        rarity = np.sum([h.have for h in self._holders.values() if not h.banned], axis=0)
+        others = [h for h in self._holders.values() if not h.banned]
+        rarity = np.sum([h.have for h in others], axis=0) + np.sum(
+            [h.fetching for h in others], axis=0
+        )
         order = np.lexsort((self._rank, rarity, best))  # last key sorts first
         chunk = int(order[0])
         who = [i for i in range(len(names)) if eligible[i, chunk]]
