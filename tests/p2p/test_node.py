@@ -67,7 +67,8 @@ def test_fetch_into_files_and_memory_byte_for_byte(
         got, stats = a.fetch("model", Files(tmp_path / "a"))
         assert got == manifest
         same_files(source, tmp_path / "a")
-        assert stats.fetched == manifest.chunk_count and stats.reused == 0
+        assert stats.fetched == manifest.chunk_count
+        assert stats.reused == 0
         assert stats.fetched_bytes == sum(FILES.values())
         assert stats.by_proximity == {Proximity.HOST: sum(FILES.values())}
         buffers = {name: bytearray(size) for name, size in FILES.items() if size}

@@ -65,8 +65,10 @@ def test_one_transfer_per_holder_spreads_the_load() -> None:
     assert first is not None
     s.done(first)
     again = s.next(0.0)
-    assert again is not None and again.holder == first.holder
-    assert s.in_flight() == 3 and s.missing == N - 1
+    assert again is not None
+    assert again.holder == first.holder
+    assert s.in_flight() == 3
+    assert s.missing == N - 1
 
 
 def test_a_failed_holder_rests_and_a_corrupt_one_is_never_asked_again() -> None:
@@ -74,14 +76,17 @@ def test_a_failed_holder_rests_and_a_corrupt_one_is_never_asked_again() -> None:
     s.holder("bad", Proximity.HOST, ALL, NONE)
     s.holder("slow", Proximity.ANY, ALL, NONE)
     a = s.next(0.0)
-    assert a is not None and a.holder == "bad"
+    assert a is not None
+    assert a.holder == "bad"
     s.failed(a, Failure.UNREACHABLE, now=10.0)
     b = s.next(10.0)
-    assert b is not None and b.holder == "slow"  # "bad" rests until 12
+    assert b is not None
+    assert b.holder == "slow"  # "bad" rests until 12
     s.failed(b, Failure.UNREACHABLE, now=10.0)
     assert s.next(11.0) is None  # both rest until 12
     c = s.next(12.0)
-    assert c is not None and c.holder == "bad"
+    assert c is not None
+    assert c.holder == "bad"
     s.failed(c, Failure.CORRUPT, now=12.0)
     assert all(x is None or x.holder == "slow" for x in (s.next(100.0), s.next(100.0)))
     assert s.unavailable() == 0
@@ -119,7 +124,9 @@ def test_invariants(
     now = 0.0
     for outcome in outcomes:
         while (a := s.next(now)) is not None:
-            assert have[a.holder][a.chunk] and a.holder not in banned and a.chunk not in done
+            assert have[a.holder][a.chunk]
+            assert a.holder not in banned
+            assert a.chunk not in done
             assert a.chunk not in {f.chunk for f in flying}
             flying.append(a)
             assert sum(f.holder == a.holder for f in flying) <= per_holder
