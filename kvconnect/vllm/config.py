@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from kvconnect._config import (
@@ -21,6 +22,7 @@ from kvconnect._config import (
     layered,
 )
 from kvconnect.errors import ConfigError
+from kvconnect.p2p.config import P2PConfig
 from kvconnect.store.config import StoreClientConfig
 from kvconnect.transfer.config import TransferConfig
 
@@ -171,3 +173,62 @@ def parse_config(
 ) -> VllmConnectorConfig:
     """The connector's configuration; raises ConfigError for unknown keys or bad values."""
     return layered(VllmConnectorConfig, dict(extra or {}), environ)
+
+
+_LOADER_ROUTES = {
+    "etcd": Route("p2p", "etcd", "etcd://127.0.0.1:2379"),
+    "listen_host": Route("p2p", "listen_host", "127.0.0.1"),
+    "advertise_host": Route("p2p", "advertise_host", None),
+    "token_file": Route("p2p", "token_file", ""),
+    "locality": Route("p2p", "locality", ""),
+}
+"""The flat keys of the loader that set fields of its P2P node's section: the swarm's etcd,
+the address the node serves chunks on (and the one peers dial), the token file, its place."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoaderConfig(Composed):
+    """Configuration of ``--load-format kvconnect`` (``kvconnect.vllm.loader``), from vLLM's
+    ``--model-loader-extra-config``: which object of the P2P store holds the checkpoint's
+    weights, where they land, and what happens when the swarm cannot deliver them."""
+
+    _ENV_PREFIX: ClassVar[str] = "KVCONNECT_VLLM_LOADER_"
+    _ROUTES: ClassVar[Mapping[str, Route]] = _LOADER_ROUTES
+
+    p2p: P2PConfig = field(default_factory=embedded_default(P2PConfig, _LOADER_ROUTES, "p2p"))
+    """The P2P node of the worker (every :class:`~kvconnect.p2p.P2PConfig` key)."""
+    config_file: str = ""
+    """A JSON file with more of these settings (below the extra-config)."""
+    name: str = ""
+    """The object in the P2P store (``kvconnect p2p publish DIR --name NAME``); required."""
+    version: str = ""
+    """Its version; empty: the latest."""
+    cache_dir: str = ""
+    """Where the object's files land (kept: a restart verifies them and fetches nothing);
+    empty: ``~/.cache/kvconnect/p2p/NAME``."""
+    timeout: float = 600.0
+    """Seconds the fetch may take before the load falls back (or fails)."""
+    fallback: bool = True
+    """When the swarm cannot deliver (etcd unreachable, unknown object, timeout), load the
+    model's own local files as ``--load-format safetensors`` would; ``False``: fail."""
+    seed: bool = True
+    """Keep serving the fetched weights to other instances until this process exits."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("--load-format kvconnect needs 'name' (the P2P store object)")
+        check_positive(self, "timeout")
+
+    def target(self) -> Path:
+        """The directory the object lands in."""
+        if self.cache_dir:
+            return Path(self.cache_dir)
+        return Path.home() / ".cache" / "kvconnect" / "p2p" / self.name
+
+
+def parse_loader_config(extra: object, environ: Mapping[str, str] | None = None) -> LoaderConfig:
+    """The loader's configuration from ``--model-loader-extra-config`` (a JSON object);
+    raises ConfigError for another value, unknown keys or bad values."""
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"--model-loader-extra-config must be a JSON object, got {extra!r}")
+    return layered(LoaderConfig, dict(extra), environ)
