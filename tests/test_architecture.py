@@ -16,7 +16,7 @@ PACKAGE = ROOT / "kvconnect"
 # as errors, auth and etcd are shared by all). bench and testing drive the library from outside.
 LAYERS = (
     "kvconnect.transfer",
-    "kvconnect.store",
+    ("kvconnect.store", "kvconnect.p2p"),
     ("kvconnect.sglang", "kvconnect.vllm"),
     "kvconnect.router",
 )

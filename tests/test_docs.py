@@ -17,7 +17,8 @@ from kvconnect.store.config import (
     TenantConfig,
 )
 from kvconnect.transfer import TransferConfig
-from kvconnect.vllm.config import VllmConnectorConfig
+from kvconnect.p2p import P2PConfig
+from kvconnect.vllm.config import LoaderConfig, VllmConnectorConfig
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -31,6 +32,8 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
         StoreClientConfig,
         HiCacheConfig,
         VllmConnectorConfig,
+        P2PConfig,
+        LoaderConfig,
     ],
 )
 def test_configuration_reference_lists_every_field_with_its_default(cls: type) -> None:

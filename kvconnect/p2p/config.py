@@ -59,8 +59,8 @@ class P2PConfig(Composed):
     retry_after: float = 2.0
     """Seconds a fetch leaves alone a holder whose transfer failed (dead, or unreachable)."""
     stall_timeout: float = 60.0
-    """A fetch fails after this long without a chunk arriving while some chunk has no
-    holder it may read from."""
+    """A fetch fails after this long without a chunk arriving and with no transfer under way
+    (no holder has what it lacks, or none can be reached)."""
     share: bool = True
     """Serve what this node fetches, from the first verified chunk on (``False``: a node
     that only downloads; what it publishes is always served)."""
