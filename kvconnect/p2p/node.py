@@ -14,14 +14,13 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Self
 
 import msgspec
 import numpy as np
 
-from kvconnect.errors import ClosedError, RegionBusy
+from kvconnect.errors import ClosedError, P2PError, RegionBusy
 from kvconnect.etcd import Etcd
+from kvconnect.lifecycle import Lifecycle
 from kvconnect.p2p import manifest as manifests
 from kvconnect.p2p.config import P2PConfig
 from kvconnect.p2p.destination import Destination, Files
@@ -91,7 +90,7 @@ class _Held:
         return msgspec.msgpack.encode(record)
 
 
-class P2PNode:
+class P2PNode(Lifecycle):
     """One process's member of a P2P swarm. ``start()`` connects to etcd and starts the
     transfer engine; every method blocks and may raise CoordinationUnavailable (etcd),
     P2PError, ConfigError or OSError (files); ``close()`` stops serving (its holder records
@@ -104,6 +103,7 @@ class P2PNode:
         self._registry: Registry | None = None
         self._announcer: Announcer | None = None
         self._held: dict[tuple[str, str], _Held] = {}
+        self._fetching: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._place = Place("", "", "")
 
@@ -134,7 +134,10 @@ class P2PNode:
         None: named by content) and serve them."""
         manifest = manifests.build(root, name, version, self.config.chunk_bytes)
         self.registry.publish(manifest)
-        self.serve(manifest, Files(root), announce=True)
+        with self._lock:
+            served = (manifest.name, manifest.version) in self._held
+        if not served:  # publishing the same content again: it is served already
+            self.serve(manifest, Files(root, source=True), announce=True)
         log.info(
             "published %s version %s: %d files, %d chunks",
             name,
@@ -147,11 +150,16 @@ class P2PNode:
     def serve(self, manifest: Manifest, destination: Destination, *, announce: bool) -> Bits:
         """Open ``destination`` for ``manifest``'s object (files are hashed) and, with
         ``announce``, serve the verified chunks it holds (and those stored later); returns
-        which chunks it holds. Opening one object twice is a no-op."""
+        which chunks it holds. Serving an object again from the same destination is a no-op;
+        from another one, a P2PError (a node holds an object in one place)."""
         key = (manifest.name, manifest.version)
         with self._lock:
             held = self._held.get(key)
         if held is not None:
+            if held.destination is not destination:
+                raise P2PError(
+                    f"this node holds {manifest.name} version {manifest.version} elsewhere"
+                )
             return held.have()
         have, regions = destination.open(manifest, self._engine)
         held = _Held(manifest, destination, have, regions, self.segment, self._place)
@@ -172,10 +180,28 @@ class P2PNode:
     ) -> tuple[Manifest, FetchStats]:
         """Fetch ``name`` (its latest version by default) into ``destination`` from every
         node that holds part of it, and serve it as it arrives and after (unless the node
-        does not ``share``). Chunks ``destination``
-        already holds verified are kept. ``progress`` is called about twice a second from
-        this thread. Raises P2PError if it cannot complete (``timeout``, a stall)."""
+        does not ``share``). Chunks ``destination`` already holds verified are kept.
+        ``progress`` is called about twice a second from this thread. Raises P2PError if it
+        cannot complete (``timeout``, a stall) or the object is being fetched already."""
         manifest = self.registry.manifest(name, version)
+        key = (manifest.name, manifest.version)
+        with self._lock:
+            if key in self._fetching:
+                raise P2PError(f"{name} version {manifest.version} is being fetched already")
+            self._fetching.add(key)
+        try:
+            return self._fetch(manifest, destination, progress, timeout)
+        finally:
+            with self._lock:
+                self._fetching.discard(key)
+
+    def _fetch(
+        self,
+        manifest: Manifest,
+        destination: Destination,
+        progress: Progress | None,
+        timeout: float | None,
+    ) -> tuple[Manifest, FetchStats]:
         have = self.serve(manifest, destination, announce=self.config.share)
         held = self._held[(manifest.name, manifest.version)]
         own = self._record_key(manifest)
@@ -231,15 +257,3 @@ class P2PNode:
         if self._etcd is not None:
             self._etcd.close()
             self._etcd = None
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

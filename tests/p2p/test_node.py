@@ -71,6 +71,8 @@ def test_fetch_into_files_and_memory_byte_for_byte(
         assert stats.reused == 0
         assert stats.fetched_bytes == sum(FILES.values())
         assert stats.by_proximity == {Proximity.HOST: sum(FILES.values())}
+        with pytest.raises(P2PError, match="elsewhere"):
+            a.fetch("model", Files(tmp_path / "again"))  # a node holds an object in one place
         buffers = {name: bytearray(size) for name, size in FILES.items() if size}
         _, stats = b.fetch("model", Buffers(buffers), manifest.version)
         for name, buffer in buffers.items():
