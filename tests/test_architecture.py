@@ -30,7 +30,7 @@ BOUNDARIES = {
     "pyetcd": ("kvconnect.etcd",),
     "sglang": ("kvconnect.sglang", "kvconnect.bench.sglang"),  # the bench drives SGLang's code
     "vllm": ("kvconnect.vllm",),
-    "safetensors": ("kvconnect.vllm.loader",),
+    "safetensors": ("kvconnect.vllm.loader", "kvconnect.bench.tiny_llama"),
     "torch": ("kvconnect.sglang", "kvconnect.vllm", "kvconnect.bench"),
 }
 
