@@ -9,6 +9,7 @@ its link (a /24 each, so no two nodes count as near by subnet).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 from kvconnect.lifecycle import Closing
 
 _FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+_STARS = itertools.count()  # device names differ between stars of one process
 
 
 def unavailable() -> str | None:
@@ -49,7 +51,7 @@ class Star(Closing):
     """``count`` namespaces, each linked to this one at ``rate_mbit`` (None: unlimited)."""
 
     def __init__(self, count: int, rate_mbit: float | None, tag: str = "p2p", net: int = 77):
-        self._tag = f"{tag}{os.getpid() % 10000}"
+        self._tag = f"{tag}{os.getpid() % 10000}{next(_STARS) % 10}"
         self._rate = rate_mbit
         self.nodes = [
             Node(f"kvc-{self._tag}-{i}", f"10.{net}.{i}.2", f"10.{net}.{i}.1") for i in range(count)
@@ -90,8 +92,10 @@ class Star(Closing):
         _run(*prefix, "tc", "qdisc", "add", "dev", device, "root", *tbf)
 
     def close(self) -> None:
-        """Delete the namespaces (their veth links go with them), restore forwarding."""
-        for node in self._made:
+        """Delete the links and namespaces, restore forwarding."""
+        for index, node in enumerate(self._made):
+            with contextlib.suppress(subprocess.CalledProcessError):  # else it lingers a while
+                _run("ip", "link", "del", f"kv{self._tag}o{index}")
             with contextlib.suppress(subprocess.CalledProcessError):
                 _run("ip", "netns", "del", node.netns)
         self._made = []
