@@ -1,4 +1,5 @@
-"""``kvconnect p2p …``: publish a directory, fetch an object, list what is published.
+"""``kvconnect p2p …``: publish a directory, fetch an object, list what is published,
+withdraw a version.
 
 Settings come, lowest precedence first, from ``--config`` (a JSON object of
 :class:`~kvconnect.p2p.P2PConfig` keys), ``KVCONNECT_P2P_<KEY>`` variables, then the flags.
@@ -55,7 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="only download: serve nothing to other nodes",
     )
     listing = commands.add_parser("ls", help="list published objects and their holders")
-    for sub in (publish, fetch, listing):
+    remove = commands.add_parser("rm", help="withdraw a published version (no new fetches)")
+    remove.add_argument("name")
+    remove.add_argument("--version", help="the version (default: the latest)")
+    for sub in (publish, fetch, listing, remove):
         sub.add_argument("--config", help="JSON file of p2p settings")
         sub.add_argument("--insecure", action="store_true", help="no token (trusted networks)")
         sub.add_argument("--json", action="store_true", help="print one JSON document")
@@ -166,7 +170,15 @@ def _ls(node: P2PNode, args: argparse.Namespace) -> int:
     return 0
 
 
-_ACTIONS = {"publish": _publish, "fetch": _fetch, "ls": _ls}
+def _rm(node: P2PNode, args: argparse.Namespace) -> int:
+    manifest = node.registry.manifest(args.name, args.version)
+    node.registry.delete(manifest.name, manifest.version)
+    document = {"name": manifest.name, "version": manifest.version, "removed": True}
+    _say(args, document, f"withdrew {manifest.name} version {manifest.version}")
+    return 0
+
+
+_ACTIONS = {"publish": _publish, "fetch": _fetch, "ls": _ls, "rm": _rm}
 
 
 def _say(args: argparse.Namespace, document: dict[str, Any], text: str) -> None:

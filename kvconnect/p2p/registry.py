@@ -148,7 +148,10 @@ class Registry:
         return records, revision
 
     def delete(self, name: str, version: str) -> None:
-        """Withdraw a manifest (holders keep serving what they have until they stop)."""
+        """Withdraw a manifest: no fetch starts on it any more (holders keep serving what
+        they have until they stop, so fetches under way complete). P2PError if absent."""
+        if self.etcd.get(self.manifest_key(name, version))[0] is None:
+            raise P2PError(f"{name!r} has no version {version!r}")
         self.etcd.delete(self.manifest_key(name, version))
         latest, _ = self.etcd.get(f"{self.prefix}latest/{name}")
         if latest == version.encode():
@@ -251,16 +254,6 @@ class Announcer:
             if key in self._records:
                 self._dirty.add(key)
                 self._wake.notify()
-
-    def remove(self, key: str) -> None:
-        """Stop keeping ``key`` and delete it (best effort: its lease ends it otherwise)."""
-        with self._wake:
-            self._records.pop(key, None)
-            self._dirty.discard(key)
-        try:
-            self._etcd.delete(key)
-        except CoordinationUnavailable:
-            log.debug("could not delete %s: its lease will", key)
 
     def close(self) -> None:
         """Stop the thread and revoke the lease (every record vanishes). Idempotent."""
