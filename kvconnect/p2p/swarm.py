@@ -41,6 +41,7 @@ class Proximity(enum.IntEnum):
     ANY = 2
 
 
+LONE_DEPTH = 2  # transfers from a holder that no one else reads from
 _NONE = len(Proximity)  # beyond every proximity: no eligible holder has the chunk
 
 
@@ -158,10 +159,11 @@ class Swarm:
     def next(self, now: float) -> Assignment | None:
         """The next chunk to fetch and its holder, marked in flight; None when every
         needed chunk is in flight or no holder that may take a transfer now has one."""
+        limit = self._per_holder()
         names = [
             name
             for name, h in self._holders.items()
-            if not h.banned and h.resume_at <= now and h.busy < self.per_holder
+            if not h.banned and h.resume_at <= now and h.busy < limit
         ]
         wanted = self._needed & ~self._inflight
         if not names or not wanted.any():
@@ -183,6 +185,12 @@ class Swarm:
         self._inflight[chunk] = True
         self._holders[holder].busy += 1
         return Assignment(chunk, holder)
+
+    def _per_holder(self) -> int:
+        """``per_holder``, or two when one node alone holds or fetches the object (this
+        fetch is its only reader: a second request keeps its link busy between chunks)."""
+        active = [h for h in self._holders.values() if h.have.any() or h.fetching.any()]
+        return self.per_holder if len(active) > 1 else max(self.per_holder, LONE_DEPTH)
 
     def _holder_key(self, name: str, near: int) -> tuple[int, int, int, float]:
         holder = self._holders[name]

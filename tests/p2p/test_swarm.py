@@ -6,7 +6,15 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvconnect.p2p.swarm import Assignment, Failure, Place, Proximity, Swarm, proximity
+from kvconnect.p2p.swarm import (
+    LONE_DEPTH,
+    Assignment,
+    Failure,
+    Place,
+    Proximity,
+    Swarm,
+    proximity,
+)
 
 N = 8
 
@@ -71,6 +79,20 @@ def test_one_transfer_per_holder_spreads_the_load() -> None:
     assert s.missing == N - 1
 
 
+def test_a_holder_no_one_else_reads_from_gets_two_transfers() -> None:
+    s = swarm(per_holder=1)
+    s.holder("publisher", Proximity.ANY, ALL, NONE)
+    s.holder("idle", Proximity.ANY, NONE, NONE)  # a fetcher that has and fetches nothing yet
+    pair = [s.next(0.0), s.next(0.0)]
+    assert [a.holder for a in pair if a] == ["publisher", "publisher"]
+    assert s.next(0.0) is None
+    s.holder("idle", Proximity.ANY, NONE, bits(7))  # another fetcher is at work now
+    first = pair[0]
+    assert first is not None
+    s.done(first)
+    assert s.next(0.0) is None  # back to one transfer per holder: it has one under way
+
+
 def test_a_failed_holder_rests_and_a_corrupt_one_is_never_asked_again() -> None:
     s = swarm()
     s.holder("bad", Proximity.HOST, ALL, NONE)
@@ -118,6 +140,8 @@ def test_invariants(
     have = {f"h{i}": np.array(h, dtype=bool) for i, h in enumerate(holders)}
     for name, held in have.items():
         s.holder(name, Proximity.ANY, held, NONE)
+    active = sum(bool(held.any()) for held in have.values())
+    limit = per_holder if active > 1 else max(per_holder, LONE_DEPTH)
     flying: list[Assignment] = []
     done: set[int] = set()
     banned: set[str] = set()
@@ -129,7 +153,7 @@ def test_invariants(
             assert a.chunk not in done
             assert a.chunk not in {f.chunk for f in flying}
             flying.append(a)
-            assert sum(f.holder == a.holder for f in flying) <= per_holder
+            assert sum(f.holder == a.holder for f in flying) <= limit
         if not flying:
             now += 1.0
             continue
