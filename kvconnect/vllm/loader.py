@@ -16,14 +16,18 @@ every vLLM process (the loader runs in the worker).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import fcntl
 import logging
+import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvconnect.errors import KVConnectError
+from kvconnect.errors import KVConnectError, P2PError
 from kvconnect.p2p import Files, P2PNode
 from kvconnect.vllm.config import LoaderConfig, parse_loader_config
 
@@ -49,14 +53,22 @@ def register() -> None:
 
 def fetch_weights(config: LoaderConfig) -> Path | None:
     """Fetch the object into ``config.target()``; its directory, or None after a failure
-    when ``fallback`` is set (raises the failure otherwise). Blocks up to ``timeout``."""
+    when ``fallback`` is set (raises the failure otherwise). Blocks up to ``timeout``.
+
+    The workers of one host (tensor parallel) share the directory: one fetches while the
+    others wait on its lock, then find the files complete (verified, not fetched again)."""
     node = P2PNode(config.p2p)
     target = config.target()
+    deadline = time.monotonic() + config.timeout
     try:
-        node.start()
-        manifest, stats = node.fetch(
-            config.name, Files(target), config.version or None, timeout=config.timeout
-        )
+        with _directory_lock(target, deadline):
+            node.start()
+            manifest, stats = node.fetch(
+                config.name,
+                Files(target),
+                config.version or None,
+                timeout=max(deadline - time.monotonic(), 1e-3),
+            )
     except (KVConnectError, OSError) as exc:
         node.close()
         if not config.fallback:
@@ -80,6 +92,26 @@ def fetch_weights(config: LoaderConfig) -> Path | None:
     else:
         node.close()
     return target
+
+
+@contextlib.contextmanager
+def _directory_lock(target: Path, deadline: float) -> Iterator[None]:
+    """An exclusive lock on ``target`` (a file in it) until the block ends; P2PError if
+    another process holds it past ``deadline``."""
+    target.mkdir(parents=True, exist_ok=True)
+    fd = os.open(target / ".kvconnect-p2p.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise P2PError(f"{target} stayed locked by another fetch") from None
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def safetensors_weights(directory: Path) -> Iterator[tuple[str, Any]]:
