@@ -148,6 +148,7 @@ class _Bench:
             "mode": "swarm" if share else "single",
             "seconds": elapsed,
             "fetch_seconds": [r["seconds"] for r in reports],
+            "failures": sum(r["failures"] for r in reports),  # transfers that went elsewhere
             "publisher_copies": from_publisher / (total / peers),
         }
 
