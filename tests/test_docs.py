@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvconnect._config import embedded_sections
+from kvconnect.p2p import P2PConfig
 from kvconnect.sglang.config import HiCacheConfig
 from kvconnect.store.config import (
     MasterConfig,
@@ -17,7 +18,6 @@ from kvconnect.store.config import (
     TenantConfig,
 )
 from kvconnect.transfer import TransferConfig
-from kvconnect.p2p import P2PConfig
 from kvconnect.vllm.config import LoaderConfig, VllmConnectorConfig
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
