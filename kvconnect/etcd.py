@@ -51,7 +51,13 @@ class Etcd:
     """A connection to an etcd cluster; every call raises CoordinationUnavailable on failure."""
 
     def __init__(self, url: str, timeout: float = 2.0) -> None:
-        import pyetcd
+        """ConfigError for a bad URL, or when the etcd client is not installed."""
+        try:
+            import pyetcd
+        except ImportError as exc:
+            raise ConfigError(
+                f"etcd ({url}) needs its client: pip install 'kvconnect[etcd]' ({exc})"
+            ) from exc
 
         self._endpoints = parse_url(url)
         self.timeout = timeout

@@ -108,13 +108,19 @@ class P2PNode(Lifecycle):
         self._place = Place("", "", "")
 
     def start(self) -> None:
-        self._engine.start()
-        self._etcd = Etcd(self.config.etcd)
-        self._registry = Registry(self._etcd, self.config.prefix)
-        self._announcer = Announcer(
-            self._etcd, self.config.lease_ttl, self.config.announce_interval
-        )
-        self._announcer.start()
+        """Start the engine, connect to etcd, start announcing; on any failure what started
+        is closed again (ConfigError without the etcd client)."""
+        try:
+            self._engine.start()
+            self._etcd = Etcd(self.config.etcd)
+            self._registry = Registry(self._etcd, self.config.prefix)
+            self._announcer = Announcer(
+                self._etcd, self.config.lease_ttl, self.config.announce_interval
+            )
+            self._announcer.start()
+        except BaseException:
+            self.close()
+            raise
         address = self._engine.name.rpartition(":")[0]
         self._place = Place(host_identity(), self.config.locality, address)
 

@@ -4,6 +4,7 @@ resume, conflicts, hostile records, wrong tokens, corrupt holders, a publisher t
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from kvconnect.p2p import Buffers, Files, Manifest, P2PConfig, P2PNode, Proximit
 from kvconnect.p2p import manifest as m
 from kvconnect.p2p.manifest import chunks_of
 from kvconnect.transfer import TransferConfig, TransferEngine
+from tests.support.leaks import wait_no_kvconnect_threads
 from tests.support.waiting import wait_for
 
 pytestmark = [
@@ -212,3 +214,13 @@ def test_memory_of_the_wrong_size_is_refused(etcd: EtcdServer, source: Path) -> 
             node.fetch("model", Buffers(buffers))
         with pytest.raises(ConfigError, match="lacks"):
             node.fetch("model", Buffers({"nope": bytearray(1)}))
+
+
+def test_without_the_etcd_client_a_node_says_so_and_leaves_nothing_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "pyetcd", None)  # as where kvconnect[p2p] is missing
+    node = P2PNode(P2PConfig.from_mapping({"etcd": "etcd://127.0.0.1:9"}))
+    with pytest.raises(ConfigError, match=r"kvconnect\[etcd\]"):
+        node.start()
+    assert wait_no_kvconnect_threads() == []  # the engine it started is closed again

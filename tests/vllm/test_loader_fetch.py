@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,10 +34,21 @@ def test_settings_are_checked() -> None:
     assert config.target() == Path.home() / ".cache" / "kvconnect" / "p2p" / "m"
 
 
+def test_without_the_etcd_client_the_load_falls_back(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "pyetcd", None)  # an environment without kvconnect[p2p]
+    settings = {"name": "m", "cache_dir": str(tmp_path), "timeout": 1.0}
+    assert fetch_weights(parse_loader_config(settings)) is None
+    with pytest.raises(ConfigError, match=r"kvconnect\[etcd\]"):
+        fetch_weights(parse_loader_config({**settings, "fallback": False}))
+
+
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[tuple[EtcdServer, Path]]:
     if not etcd_available():
         pytest.skip("needs etcd")
+    pytest.importorskip("pyetcd", reason="needs kvconnect[p2p] (vLLM 0.33's environment lacks it)")
     source = tmp_path / "source"
     source.mkdir()
 
