@@ -179,7 +179,7 @@ def _mode(
             hits += found
             if found:
                 latencies.append(took)
-        peer_hits = sum(s.hits for g in groups for s in g.client.peers())
+        peer_hits = sum(s.counts.hits for g in groups for s in g.client.peers())
     finally:
         every = [key for prefix in range(shape.prefixes) for key in _keys(ns, prefix, shape.pages)]
         for g in groups:

@@ -234,8 +234,9 @@ class BackendMetrics:
             families.peer_up.labels(**self._ranks, peer=peer.name).set(
                 peer.breaker is BreakerState.CLOSED
             )
-            now = {"asked": peer.asked, "hit": peer.hits, "skipped": peer.skipped}
-            now["copied"] = peer.copied_home
+            counts = peer.counts
+            now = {"asked": counts.asked, "hit": counts.hits, "skipped": counts.skipped}
+            now["copied"] = counts.copied
             with self._lock:
                 before = self._peer_counts.get(peer.name, {})
                 self._peer_counts[peer.name] = now

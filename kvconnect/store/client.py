@@ -199,6 +199,9 @@ class StoreClient(Lifecycle):
                 make_client=lambda peer, engine: StoreClient(peer, engine, clock=clock),
                 home_owns=self.engine.owns,
                 put_home=self.put,
+                get_home=lambda key: self.get(key, peers=False),
+                report_home=self._report,
+                client_id=self.client_id,
                 clock=clock,
             )
 
@@ -292,6 +295,12 @@ class StoreClient(Lifecycle):
         if not isinstance(reply, m.StatsReply):
             raise StoreError(f"unexpected reply to stats: {reply!r}")
         return reply
+
+    def _report(self, report: m.PeerReport) -> None:
+        """Tell the home master how this client uses its peers (``kvconnect status``)."""
+        reply = self._call(report)
+        if not isinstance(reply, m.CodesReply):
+            raise StoreError(f"unexpected reply to a peer report: {reply!r}")
 
     def removals(self, prefix: str, since: int, limit: int = 1024) -> m.RemovalsReply:
         """Objects under ``prefix`` removed, evicted or lost after entry ``since`` of the
@@ -391,14 +400,20 @@ class StoreClient(Lifecycle):
         deadline = self._clock() + (self.config.io_timeout if timeout is None else timeout)
         picked = b.valid_keys(keys)
         if len(picked) == len(keys) <= MASTER_RUN:
-            return self._put_valid(keys, ranges, part, deadline)
-        results = [
-            self._put_valid(
-                b.take(keys, run), ranges.take(run), part.take(run) if part else None, deadline
+            result = self._put_valid(keys, ranges, part, deadline)
+        else:
+            results = [
+                self._put_valid(
+                    b.take(keys, run), ranges.take(run), part.take(run) if part else None, deadline
+                )
+                for run in b.runs(picked, MASTER_RUN)
+            ]
+            result = b.spread(b.joined(results), picked, len(keys))
+        if self._federation is not None:
+            self._federation.written(
+                [k for k, code in zip(keys, result.codes, strict=True) if code is Code.OK]
             )
-            for run in b.runs(picked, MASTER_RUN)
-        ]
-        return b.spread(b.joined(results), picked, len(keys))
+        return result
 
     def _put_valid(
         self, keys: list[str], ranges: b.Ranges, part: b.Part | None, deadline: float
@@ -475,9 +490,12 @@ class StoreClient(Lifecycle):
 
     # ---------------------------------------------------------------------------------- get
 
-    def get(self, key: str, *, timeout: float | None = None) -> bytearray | None:
+    def get(
+        self, key: str, *, timeout: float | None = None, peers: bool = True
+    ) -> bytearray | None:
         """The value of ``key`` (read straight into the returned buffer), or None when it is
-        not stored, cannot be read in time, or ``key`` is invalid."""
+        not stored, cannot be read in time, or ``key`` is invalid; from the home cluster
+        only unless ``peers`` (federation)."""
         if not check_key(key):
             return None
         (key,) = b.plain_keys([key])
@@ -486,7 +504,7 @@ class StoreClient(Lifecycle):
         reply = self._lookup([key], deadline)
         if isinstance(reply, Code) or reply.results[0].code is not Code.OK:
             home_lacks = not isinstance(reply, Code) and reply.results[0].code is Code.NOT_FOUND
-            if home_lacks and self._federation is not None:
+            if home_lacks and peers and self._federation is not None:
                 return self._federation.get(key, deadline)
             return None
         found = reply
@@ -497,7 +515,11 @@ class StoreClient(Lifecycle):
             return self._read([key], ranges, found, start, deadline, None)
 
         result = self._with_region(buffer, read_into)
-        return buffer if result.codes[0] is Code.OK else None
+        if result.codes[0] is not Code.OK:
+            return None
+        if peers and self._federation is not None:
+            self._federation.home_hits(1)
+        return buffer
 
     def batch_get_into(
         self,
@@ -575,7 +597,7 @@ class StoreClient(Lifecycle):
         if isinstance(reply, Code):
             return b.all_codes(reply, len(keys))
         result = self._read(keys, ranges, reply, start, deadline, cancel)
-        if self._federation is not None and Code.NOT_FOUND in result.codes:
+        if self._federation is not None:
             result = self._federation.read(keys, ranges, result, deadline, cancel)
         return result
 

@@ -93,8 +93,9 @@ def run_serve(master: MasterConfig, store: StoreServerConfig, transfer: Transfer
 def run_status(
     endpoint: str, timeout: float, token: str | None, peers: Sequence[PeerConfig] = ()
 ) -> int:
-    """``kvconnect status``: print the cluster's segments, usage and keys, then whether each
-    of ``peers`` answers (exit status 1 if home does not; a peer that does not is shown)."""
+    """``kvconnect status``: print the cluster's segments, usage and keys, the peer clusters
+    its clients use (as they report them), then whether each of ``peers`` answers (exit
+    status 1 if home does not; a peer that does not is shown)."""
     reply = _stats(endpoint, timeout, token)
     if not isinstance(reply, m.StatsReply):
         print(f"unexpected reply: {reply!r}")
@@ -118,6 +119,8 @@ def run_status(
             f"{s.name:<40}{s.tier.name.lower():<6}{s.server:<28}{s.used:>14}{s.in_transit:>14}"
             f"{s.capacity:>14}{share:>7.1%}{s.objects:>10}"
         )
+    if reply.peers:
+        _print_peer_use(reply.peers)
     if peers:
         _print_peers(peers, timeout)
     return 0
@@ -131,10 +134,26 @@ def _stats(endpoint: str, timeout: float, token: str | None) -> m.Reply:
         rpc.close()
 
 
+def _print_peer_use(peers: list[m.PeerSummary]) -> None:
+    """One line per peer cluster the home cluster's clients reported using in the last 30 s:
+    how many have its breaker closed (``up``, asking it) or open (``down``, skipping it), and
+    its share of the keys they read (``hits`` over every key read, home's and peers')."""
+    print(
+        f"{'peer':<16}{'master':<32}{'clients':>8}{'up':>5}{'down':>5}{'hit share':>10}"
+        f"{'hits':>10}{'asked':>10}{'failures':>9}{'skipped':>10}{'copied':>9}"
+    )
+    for p in peers:
+        c = p.counts
+        share = f"{c.hits / p.reads:.1%}" if p.reads else "-"
+        print(
+            f"{p.peer:<16}{p.master:<32}{p.clients:>8}{p.clients - p.down:>5}{p.down:>5}"
+            f"{share:>10}{c.hits:>10}{c.asked:>10}{c.failures:>9}{c.skipped:>10}{c.copied:>9}"
+        )
+
+
 def _print_peers(peers: Sequence[PeerConfig], timeout: float) -> None:
     """One line per peer cluster: reachable (with the round trip of one stats call) or why
-    not, and its keys and memory use. Breaker states and hit shares belong to each client
-    (``StoreClient.peers()``, the SGLang backend's ``kvconnect_hicache_peer_*`` metrics)."""
+    not, and its keys and memory use, as seen from here."""
     print(f"{'peer':<16}{'master':<32}{'state':<13}{'rtt ms':>8}{'keys':>10}{'used':>16}{'use':>7}")
     for peer in peers:
         started = time.monotonic()

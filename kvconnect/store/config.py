@@ -18,6 +18,7 @@ from kvconnect._config import (
     cluster_token,
 )
 from kvconnect.errors import ConfigError
+from kvconnect.store.messages import MAX_PEERS
 from kvconnect.transfer.config import NativeMode
 
 
@@ -248,16 +249,24 @@ class PeerConfig(Section):
     copy_home: bool = False
     """Copy each key read from this peer into the home cluster, in the background, so the
     next reader finds it at home."""
+    copy_writes: bool = False
+    """Copy each key this client writes home into this peer as well, in the background (read
+    back from home, written with the peer's token: the peer's master places it, its quotas
+    and eviction apply), so readers of the peer's group find it there."""
     copy_queue: int = 1024
-    """Keys waiting to be copied home at most; more are not copied."""
+    """Keys waiting to be copied (either way) at most; more are not copied."""
 
     def cluster_token(self) -> str | None:
         """The peer's token (see :func:`cluster_token`)."""
         return cluster_token(self.token, self.token_file, self.insecure)
 
     def __post_init__(self) -> None:
-        if not _is_name(self.name):
-            raise ConfigError(f"a peer needs a name of letters, digits, - and _, got {self.name!r}")
+        if not _is_name(self.name) or len(self.name) > 64:
+            raise ConfigError(
+                f"a peer needs a name of letters, digits, - and _ (at most 64), got {self.name!r}"
+            )
+        if len(self.master.encode()) > 256:
+            raise ConfigError(f"peer {self.name}: master longer than 256 bytes")
         if not self.master.startswith(("tcp://", "etcd://")):
             raise ConfigError(
                 f"peer {self.name}: master must be tcp:// or etcd://, got {self.master!r}"
@@ -298,13 +307,24 @@ class StoreClientConfig(Section):
 
     peers: tuple[PeerConfig, ...] = ()
     """Peer clusters (federation): keys the home cluster does not have are looked up in
-    them, in this order, and read straight from their store servers; writes stay home. A
-    list of :class:`PeerConfig` mappings (JSON text in the environment and on flags)."""
+    them, in this order, and read straight from their store servers; writes stay home
+    (unless a peer has ``copy_writes``). A list of :class:`PeerConfig` mappings (JSON text in
+    the environment and on flags)."""
+    peer_report_interval: float = 5.0
+    """Seconds between two reports of the peers' use (breaker states, counters) to the home
+    master, which ``kvconnect status`` shows (0: never; at most 10, the master forgets a
+    client's report after 30 s)."""
 
     def __post_init__(self) -> None:
         check_positive(self, "rpc_timeout", "io_timeout", "replicas", "breaker_failures")
         check_positive(self, "breaker_cooldown", "negative_entries")
-        check_nonnegative(self, "negative_ttl", "poll_window")
+        check_nonnegative(self, "negative_ttl", "poll_window", "peer_report_interval")
+        if self.peer_report_interval > 10:
+            raise ConfigError(
+                f"peer_report_interval must be at most 10 s, got {self.peer_report_interval}"
+            )
+        if len(self.peers) > MAX_PEERS:
+            raise ConfigError(f"at most {MAX_PEERS} peers, got {len(self.peers)}")
         names = [peer.name for peer in self.peers]
         if len(set(names)) != len(names):
             raise ConfigError(f"peer names must be unique, got {names}")

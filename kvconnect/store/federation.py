@@ -11,13 +11,16 @@ then skip the peer without trying it — a background thread probes it every
 ``probe_interval`` and closes the breaker when it answers. Keys a peer did not have are not
 asked for again for ``negative_ttl``. Home calls never wait on a peer: peers are asked only
 about keys home did not have, after home answered. Writes stay home; with ``copy_home`` a key
-read from a peer is copied home in the background.
+read from a peer is copied home in the background, with ``copy_writes`` a key written home is
+copied to the peer. The same background thread reports the peers' use to the home master
+every ``peer_report_interval`` (``kvconnect status``).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from kvconnect.errors import RegionBusy, StoreError
 from kvconnect.lifecycle import Lifecycle
+from kvconnect.store import messages as m
 from kvconnect.store.batching import BatchResult, Ranges, Span
 from kvconnect.store.config import PeerConfig, StoreClientConfig
 from kvconnect.store.messages import Code
@@ -40,6 +44,18 @@ log = logging.getLogger(__name__)
 
 PutHome = Callable[[str, bytearray], Code]
 """Stores one value in the home cluster (the home client's ``put``)."""
+GetHome = Callable[[str], "bytearray | None"]
+"""Reads one value from the home cluster only (the home client's ``get`` without peers)."""
+ReportHome = Callable[[m.PeerReport], None]
+"""Sends a report to the home master (raises StoreError when it cannot)."""
+
+
+class Way(enum.Enum):
+    """Which way a background copy goes."""
+
+    HOME = "home"  # a key read from the peer, into the home cluster
+    OUT = "out"  # a key written home, into the peer
+
 
 _SETTLED_FAILURES = (Code.FAILED, Code.TIMEOUT, Code.UNAVAILABLE, Code.STALE, Code.NOT_FOUND)
 """A peer's codes after which the key may still be read from the next peer (its buffer is
@@ -54,17 +70,9 @@ class PeerStatus:
     master: str
     breaker: BreakerState
     """CLOSED: asked; otherwise skipped until a background probe finds it back."""
-    asked: int
-    """Keys looked up in this peer (exists and reads)."""
-    hits: int
-    """Keys read from this peer."""
-    bytes_read: int
-    failures: int
-    """Calls to this peer that failed (unreachable, refused, timed out)."""
-    skipped: int
-    """Keys not asked because the peer's breaker was open."""
-    copied_home: int
-    """Keys copied from this peer into the home cluster."""
+    counts: m.PeerCounts
+    """Keys asked (exists and reads) and read, bytes read, failed calls (unreachable,
+    refused, timed out), keys skipped while the breaker was open, keys copied either way."""
 
 
 class _Peer:
@@ -116,18 +124,17 @@ class _Peer:
 
     def status(self) -> PeerStatus:
         with self._lock:
-            c = self.counts
-            return PeerStatus(
-                self.config.name,
-                self.config.master,
-                self.client.breaker.state,
-                c["asked"],
-                c["hits"],
-                c["bytes"],
-                c["failures"],
-                c["skipped"],
-                c["copied"],
-            )
+            counts = m.PeerCounts(**self.counts)
+        return PeerStatus(self.config.name, self.config.master, self.client.breaker.state, counts)
+
+    def wants(self, way: Way) -> bool:
+        """Whether this peer takes background copies going ``way``."""
+        return self.config.copy_home if way is Way.HOME else self.config.copy_writes
+
+
+def _use(status: PeerStatus) -> m.PeerUse:
+    up = status.breaker is BreakerState.CLOSED
+    return m.PeerUse(status.name, status.master, up, status.counts)
 
 
 class Federation(Lifecycle):
@@ -141,31 +148,42 @@ class Federation(Lifecycle):
         make_client: Callable[[StoreClientConfig, TransferConfig], StoreClient],
         home_owns: Callable[[MemoryRegion], bool],
         put_home: PutHome,
+        get_home: GetHome,
+        report_home: ReportHome,
+        client_id: str,
         clock: Callable[[], float],
     ) -> None:
         """``transfer``: the home engine's configuration, which each peer's engine takes but
         for the peer's token and metadata; ``make_client``: a client (owning its engine) from
         those; ``home_owns``: whether a region is still registered with the home engine;
-        ``put_home``: how ``copy_home`` stores a value."""
+        ``put_home``/``get_home``: how background copies store and read values at home;
+        ``report_home``: how the peers' use reaches the home master (as ``client_id``)."""
         self._home_owns = home_owns
         self._put_home = put_home
+        self._get_home = get_home
+        self._report_home = report_home
+        self._client_id = client_id
+        self._report_interval = config.peer_report_interval
         self._clock = clock
         self._peers = [
             _Peer(peer, make_client(*_peer_configs(peer, config, transfer)), clock)
             for peer in config.peers
         ]
+        self._home_hits = 0  # keys read from home by the calls that federate
         self._stop = threading.Event()
         self._wake = threading.Condition()
-        self._copies: collections.deque[tuple[_Peer, str]] = collections.deque()
-        self._queued: set[tuple[str, str]] = set()
+        self._copies: collections.deque[tuple[_Peer, str, Way]] = collections.deque()
+        self._queued: set[tuple[str, str, Way]] = set()
+        self._copying = threading.local()  # set on the copier thread while it writes home
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        """Start the peers' engines, the prober thread and (if a peer copies home) the copier."""
+        """Start the peers' engines, the prober/reporter thread and (if a peer takes copies)
+        the copier."""
         for peer in self._peers:
             peer.client.start()
-        self._spawn(self._probe, "kvconnect-peer-probe")
-        if any(peer.config.copy_home for peer in self._peers):
+        self._spawn(self._watch, "kvconnect-peer-watch")
+        if any(peer.wants(way) for peer in self._peers for way in Way):
             self._spawn(self._copy, "kvconnect-peer-copy")
 
     def close(self) -> None:
@@ -182,6 +200,26 @@ class Federation(Lifecycle):
     def status(self) -> list[PeerStatus]:
         """Every peer, in the configured order."""
         return [peer.status() for peer in self._peers]
+
+    def report(self) -> m.PeerReport:
+        """What the home master is told of the peers' use (counters since start)."""
+        with self._wake:
+            home_hits = self._home_hits
+        return m.PeerReport(self._client_id, home_hits, [_use(s) for s in self.status()])
+
+    def home_hits(self, count: int) -> None:
+        """``count`` more keys of a federating call were read from home."""
+        if count:
+            with self._wake:
+                self._home_hits += count
+
+    def written(self, keys: Sequence[str]) -> None:
+        """``keys`` were written home: queue their copies to the peers with ``copy_writes``
+        (not for the copier's own writes home: those came from a peer)."""
+        if keys and not getattr(self._copying, "home", False):
+            for peer in self._peers:
+                if peer.config.copy_writes:
+                    self._enqueue(peer, keys, Way.OUT)
 
     # ------------------------------------------------------------------------------ lookups
 
@@ -218,6 +256,9 @@ class Federation(Lifecycle):
         """``result`` (home's, for ``keys`` into ``ranges``) with its NOT_FOUND keys read from
         the peers, in order, each within its share of the time left. A key a peer left
         UNSETTLED is not asked further (its buffer is still held)."""
+        self.home_hits(result.codes.count(Code.OK))
+        if Code.NOT_FOUND not in result.codes:
+            return result
         codes, sizes, unsettled = list(result.codes), list(result.sizes), list(result.unsettled)
         todo = [i for i, code in enumerate(codes) if code is Code.NOT_FOUND]
         for peer in self._peers:
@@ -295,16 +336,18 @@ class Federation(Lifecycle):
         return got
 
     def _hit(self, peer: _Peer, keys: list[str], nbytes: int) -> None:
-        peer.count(hits=len(keys), bytes=nbytes)
-        if not peer.config.copy_home or not keys:
-            return
+        peer.count(hits=len(keys), bytes_read=nbytes)
+        if peer.config.copy_home and keys:
+            self._enqueue(peer, keys, Way.HOME)
+
+    def _enqueue(self, peer: _Peer, keys: Sequence[str], way: Way) -> None:
         with self._wake:
             for key in keys:
                 if len(self._copies) >= peer.config.copy_queue:
                     break
-                if (peer.config.name, key) not in self._queued:
-                    self._queued.add((peer.config.name, key))
-                    self._copies.append((peer, key))
+                if (peer.config.name, key, way) not in self._queued:
+                    self._queued.add((peer.config.name, key, way))
+                    self._copies.append((peer, key, way))
             self._wake.notify()
 
     def _failed(self, peer: _Peer, exc: StoreError) -> None:
@@ -320,33 +363,56 @@ class Federation(Lifecycle):
         thread.start()
         self._threads.append(thread)
 
+    def _watch(self) -> None:
+        """Probe the peers that are down and report to the home master, until closed."""
+        interval = min(peer.config.probe_interval for peer in self._peers) / 2
+        if self._report_interval:
+            interval = min(interval, self._report_interval)
+        reported = self._clock()
+        while not self._stop.wait(interval):
+            self._probe()
+            if self._report_interval and self._clock() - reported >= self._report_interval:
+                reported = self._clock()
+                try:
+                    self._report_home(self.report())
+                except StoreError as exc:
+                    log.debug("peer report not taken by the home master: %s", exc)
+
     def _probe(self) -> None:
         """Ask each peer whose breaker is open whether it answers again (its client lets
         one call through once the cool-down, ``probe_interval``, has passed)."""
-        interval = min(peer.config.probe_interval for peer in self._peers) / 2
-        while not self._stop.wait(interval):
-            for peer in self._peers:
-                if peer.up:
-                    continue
-                try:
-                    peer.client.stats()
-                except StoreError as exc:
-                    log.debug("peer %s still down: %s", peer.config.name, exc)
-                else:
-                    log.info("peer cluster %s answers again", peer.config.name)
+        for peer in self._peers:
+            if peer.up:
+                continue
+            try:
+                peer.client.stats()
+            except StoreError as exc:
+                log.debug("peer %s still down: %s", peer.config.name, exc)
+            else:
+                log.info("peer cluster %s answers again", peer.config.name)
 
     def _copy(self) -> None:
-        """Copy keys read from peers into the home cluster, one at a time."""
+        """Copy keys read from peers into the home cluster and keys written home into peers,
+        one at a time."""
         while True:
             with self._wake:
                 while not self._copies and not self._stop.is_set():
                     self._wake.wait()
                 if self._stop.is_set():
                     return
-                peer, key = self._copies.popleft()
-                self._queued.discard((peer.config.name, key))
-            value = peer.client.get(key)
-            if value is not None and self._put_home(key, value) in (Code.OK, Code.EXISTS):
+                peer, key, way = self._copies.popleft()
+                self._queued.discard((peer.config.name, key, way))
+            if way is Way.HOME:
+                value = peer.client.get(key)
+                self._copying.home = True
+                try:
+                    code = None if value is None else self._put_home(key, value)
+                finally:
+                    self._copying.home = False
+            else:
+                value = self._get_home(key)
+                code = None if value is None else peer.client.put(key, value)
+            if code in (Code.OK, Code.EXISTS):
                 peer.count(copied=1)
 
 

@@ -17,12 +17,14 @@ from typing import Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 3  # 3: tiers (disk segments, moves between tiers, tier reports)
+PROTOCOL_VERSION: Final = 4  # 3: tiers (disk segments, moves, tier reports); 4: peer reports
 MAX_KEY_BYTES: Final = 1024
 MAX_TENANT_BYTES: Final = 32
 MAX_STORED_KEY_BYTES: Final = MAX_KEY_BYTES + MAX_TENANT_BYTES + 2
 """The longest key the master stores: a client's key under its tenant's prefix."""
 MAX_BATCH: Final = 65536
+MAX_PEERS: Final = 16
+"""The most peer clusters a client's report names."""
 
 
 class Code(enum.IntEnum):
@@ -265,6 +267,35 @@ class Stats(msgspec.Struct, gc=False, tag="stats"):
     pass
 
 
+class PeerCounts(msgspec.Struct, gc=False, array_like=True, frozen=True):
+    """What a client did with one peer cluster since it started (federation)."""
+
+    asked: int = 0  # keys looked up there
+    hits: int = 0  # keys read from there
+    bytes_read: int = 0
+    failures: int = 0  # calls to it that failed
+    skipped: int = 0  # keys not asked while its breaker was open
+    copied: int = 0  # keys copied between it and home (either way)
+
+
+class PeerUse(msgspec.Struct, gc=False, array_like=True, frozen=True):
+    """A client's use of one peer cluster."""
+
+    peer: str
+    master: str
+    up: bool  # the client's breaker for the peer is closed (it asks the peer)
+    counts: PeerCounts
+
+
+class PeerReport(msgspec.Struct, gc=False, tag="peer_report"):
+    """A federating client's periodic report of its peers to its home master, which keeps
+    the latest of each client for ``kvconnect status`` (``MAX_PEERS`` peers at most)."""
+
+    client: str
+    home_hits: int  # keys this client read from home
+    peers: list[PeerUse]
+
+
 class Removals(msgspec.Struct, gc=False, tag="removals"):
     """Complete objects under ``prefix`` that stopped existing after sequence number ``since``
     of the master's removal log (see :mod:`kvconnect.store.master.removals`); at most
@@ -288,6 +319,7 @@ Request = (
     | Heartbeat
     | Stats
     | Removals
+    | PeerReport
 )
 
 # ------------------------------------------------------------------------------------ replies
@@ -316,6 +348,17 @@ class HeartbeatReply(msgspec.Struct, gc=False, tag="heartbeat"):
     tenants: list[str] = []  # the tenants whose clients the server's transfer engine admits
 
 
+class PeerSummary(msgspec.Struct, gc=False, frozen=True):
+    """One peer cluster as the clients that reported it recently see it (their sums)."""
+
+    peer: str
+    master: str
+    clients: int  # clients that use it
+    down: int  # of them, those whose breaker for it is open
+    reads: int  # keys those clients read from home and every peer: ``hits / reads`` is its share
+    counts: PeerCounts  # summed over those clients
+
+
 class StatsReply(msgspec.Struct, gc=False, tag="stats"):
     keys: int
     pending: int
@@ -328,6 +371,7 @@ class StatsReply(msgspec.Struct, gc=False, tag="stats"):
     dropped: int = 0  # messages dropped unanswered (malformed, too deep, reply not sendable)
     tiers: list[TierStats] = []
     tenants: list[TenantStats] = []
+    peers: list[PeerSummary] = []
 
 
 class RemovalReason(enum.IntEnum):

@@ -111,7 +111,7 @@ def test_peer_reads_over_an_impaired_link_and_a_partition(
             for i, value in enumerate([*at_home.values(), *at_peer.values()]):
                 assert bytes(buffer[offsets[i] : offsets[i] + len(value)]) == value
             (status,) = client.peers()
-            assert status.hits == len(at_peer)
+            assert status.counts.hits == len(at_peer)
 
             run_in(peer_ns.name, f"iptables -I INPUT -i {peer_ns.inside_dev} -j DROP")  # partition
             codes = client.batch_get_into(
@@ -120,13 +120,13 @@ def test_peer_reads_over_an_impaired_link_and_a_partition(
             assert codes[: len(at_home)] == (Code.OK,) * len(at_home)
             assert all(code is not Code.OK for code in codes[len(at_home) :])
             assert client.peers()[0].breaker is not BreakerState.CLOSED
-            asked = client.peers()[0].asked
+            asked = client.peers()[0].counts.asked
             buffer[:] = bytes(len(buffer))
             codes = client.batch_get_into(keys, region, offsets, [size] * len(keys)).codes
             assert codes[: len(at_home)] == (Code.OK,) * len(at_home)
             for i, value in enumerate(at_home.values()):
                 assert bytes(buffer[offsets[i] : offsets[i] + len(value)]) == value
-            assert client.peers()[0].asked == asked  # the partitioned peer was skipped
+            assert client.peers()[0].counts.asked == asked  # the partitioned peer was skipped
 
             run_in(peer_ns.name, f"iptables -D INPUT -i {peer_ns.inside_dev} -j DROP")  # healed
             wait_for(

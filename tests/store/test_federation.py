@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -23,7 +24,7 @@ from kvconnect.store.batching import Span
 from kvconnect.store.client import StoreClient
 from kvconnect.store.config import PeerConfig, StoreClientConfig
 from kvconnect.store.launch import Cluster, Process, free_port
-from kvconnect.store.messages import Code
+from kvconnect.store.messages import Code, PeerSummary
 from kvconnect.store.resilience import BreakerState
 from kvconnect.testing.peer import pattern
 from kvconnect.transfer import TransferConfig
@@ -57,9 +58,11 @@ def clusters(tokens: tuple[str, str]) -> Iterator[tuple[Cluster, Cluster]]:
         yield home, peer
 
 
-def _client(cluster: Cluster, *peers: PeerConfig, transport: str = "auto") -> StoreClient:
+def _client(
+    cluster: Cluster, *peers: PeerConfig, transport: str = "auto", **settings: object
+) -> StoreClient:
     """A client of ``cluster``; its peers' engines take its ``transport``."""
-    config = StoreClientConfig(master=cluster.master_endpoint, peers=peers)
+    config = StoreClientConfig(master=cluster.master_endpoint, peers=peers).replace(**settings)
     transfer = TransferConfig.from_mapping(
         {"token_file": cluster.token_file, "transport": transport}
     )
@@ -85,14 +88,7 @@ def _fill(cluster: Cluster, values: dict[str, bytes]) -> None:
 
 def _status(client: StoreClient) -> dict[str, object]:
     (peer,) = client.peers()
-    return {
-        "breaker": peer.breaker,
-        "asked": peer.asked,
-        "hits": peer.hits,
-        "failures": peer.failures,
-        "skipped": peer.skipped,
-        "copied": peer.copied_home,
-    }
+    return {"breaker": peer.breaker} | msgspec.structs.asdict(peer.counts)
 
 
 def test_keys_home_lacks_are_read_from_the_peer_byte_for_byte(
@@ -309,6 +305,75 @@ def test_status_shows_each_peer_reachable_or_not(
     assert lines["east"][4] == "5"  # its keys
     assert lines["west"][2] == "unreachable"
     assert "0 keys" in out  # home's own line
+
+
+def test_status_shows_the_peers_clients_report_breakers_and_hit_shares(
+    clusters: tuple[Cluster, Cluster],
+) -> None:
+    """Two clients of home: one reads from a healthy peer, one has a dead peer (its breaker
+    open). The home master sums their reports; ``kvconnect status`` shows them."""
+    home, peer = clusters
+    at_home, at_peer = _values("h", 3, 200), _values("p", 5, 300)
+    _fill(home, at_home)
+    _fill(peer, at_peer)
+    dead = _peer(peer, name="west", master=f"tcp://127.0.0.1:{free_port()}", rpc_timeout=0.2)
+    reporting = {"peer_report_interval": 0.2}
+    with (
+        _client(home, _peer(peer), **reporting) as reader,
+        _client(home, dead, **reporting) as cut_off,
+    ):
+        for key, value in {**at_home, **at_peer}.items():
+            assert reader.get(key) == value
+        assert cut_off.batch_exists(["p0"]) == [False]  # the attempt that opens its breaker
+
+        def reported() -> dict[str, PeerSummary]:
+            return {p.peer: p for p in home.stats().peers}
+
+        def both_in() -> bool:
+            seen = reported()
+            done = seen.keys() == {"east", "west"}
+            return done and seen["east"].counts.hits == 5 and seen["west"].down == 1
+
+        wait_for(both_in, "both clients' reports at the home master")
+        east, west = reported()["east"], reported()["west"]
+        assert (east.clients, east.down, east.counts.asked, east.counts.hits) == (1, 0, 5, 5)
+        assert east.reads == 3 + 5  # three keys read from home, five from the peer
+        assert east.counts.bytes_read == sum(map(len, at_peer.values()))
+        assert (west.clients, west.down, west.counts.failures, west.counts.hits) == (1, 1, 1, 0)
+        command = [sys.executable, "-m", "kvconnect.cli", "status"]
+        command += ["--master", home.master_endpoint, "--token-file", home.token_file]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
+        rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line}
+        # peer, master, clients, up, down, hit share, hits, asked, failures, skipped, copied
+        assert rows["east"][2:7] == ["1", "1", "0", "62.5%", "5"]
+        assert rows["west"][2:5] == ["1", "0", "1"]
+
+
+def test_writes_are_copied_to_a_peer_with_copy_writes(clusters: tuple[Cluster, Cluster]) -> None:
+    """A client writes home; its copy_writes peer gets each key in the background, byte for
+    byte. Keys it copies home from that peer are not copied back."""
+    home, peer = clusters
+    at_peer = _values("p", 2, 400)
+    _fill(peer, at_peer)
+    written = _values("w", 4, 500)
+    config = _peer(peer, copy_writes=True, copy_home=True)
+    with _client(home, config) as client, _client(peer) as there:
+        keys = list(written)
+        assert client.put(keys[0], written[keys[0]]) is Code.OK
+        batch = bytearray(b"".join(written[k] for k in keys[1:]))
+        region = client.register(batch)
+        sizes = [len(written[k]) for k in keys[1:]]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        assert client.batch_put_from(keys[1:], region, offsets, sizes).ok() == [True] * 3
+        for key, value in at_peer.items():
+            assert client.get(key) == value
+        wait_for(lambda: _status(client)["copied"] == 4 + 2, "copies both ways")
+        for key, value in written.items():
+            assert there.get(key) == value
+        with _client(home) as plain:
+            for key, value in at_peer.items():
+                assert plain.get(key) == value
+        assert _status(client)["copied"] == 6  # the two copied home were not copied back
 
 
 @pytest.mark.skipif(not etcd_available(), reason="etcd is not installed")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 
 from kvconnect._config import cluster_token, tenant_token
@@ -99,6 +100,36 @@ def test_a_tenant_cannot_make_the_clusters_own_requests(cluster: Cluster) -> Non
             stranger.call(m.Stats())
     finally:
         stranger.close()
+
+
+def test_peer_reports_are_shown_to_their_tenant_and_hostile_ones_refused(
+    cluster: Cluster,
+) -> None:
+    use = m.PeerUse("east", "tcp://east:1", True, m.PeerCounts(asked=7, hits=5, bytes_read=500))
+    rpc = RpcClient(cluster.master_endpoint, 2.0, token=tenant_token(_root(), "noisy"))
+    try:
+        assert rpc.call(m.PeerReport("c1", 3, [use])) == m.CodesReply([Code.OK])
+        for hostile in (
+            m.PeerReport("c2", -1, [use]),
+            m.PeerReport("c2", 0, [use] * 2),
+            m.PeerReport("c2", 0, [msgspec.structs.replace(use, peer=f"p{n}") for n in range(17)]),
+            m.PeerReport("x" * 5000, 0, [use]),
+        ):
+            reply = rpc.call(hostile)
+            assert isinstance(reply, m.Error)
+            assert reply.code is Code.INVALID
+    finally:
+        rpc.close()
+    with _tenant(cluster, "noisy") as noisy, _tenant(cluster, "calm") as calm:
+        (east,) = noisy.stats().peers
+        assert (east.peer, east.clients, east.counts, east.reads) == (
+            "east",
+            1,
+            m.PeerCounts(asked=7, hits=5, bytes_read=500),
+            8,
+        )
+        assert calm.stats().peers == []
+    assert [p.clients for p in cluster.stats().peers] == [1]
 
 
 def test_a_noisy_tenant_over_its_quota_evicts_only_its_own_objects(cluster: Cluster) -> None:

@@ -22,6 +22,7 @@ from kvconnect.store.config import MasterConfig
 from kvconnect.store.master import tenants
 from kvconnect.store.master.ha import Leadership
 from kvconnect.store.master.kvevents import KvEventPublisher, MasterEvents
+from kvconnect.store.master.peers import PeerReports
 from kvconnect.store.master.state import MasterState
 from kvconnect.store.rpc import RpcServer
 
@@ -40,6 +41,7 @@ class MasterService:
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
         self.state = MasterState(config)
+        self.peer_reports = PeerReports()  # not the state's: a new term keeps them
         self._leadership: Leadership | None = None
         self._term = 0  # the term the current state belongs to
         self._elected = 0  # the term Leadership reported last (applied by the service thread)
@@ -88,6 +90,7 @@ class MasterService:
             m.Heartbeat: self._heartbeat,
             m.Stats: lambda _request: self._stats(),
             m.Removals: self._removals,
+            m.PeerReport: self._peer_report,
         }
 
     @property
@@ -275,11 +278,19 @@ class MasterService:
             return m.Error(m.Code.INVALID, f"prefix longer than {m.MAX_KEY_BYTES} bytes")
         return self.state.removals.since(request.prefix, request.since, request.limit)
 
+    def _peer_report(self, request: m.PeerReport) -> m.Reply:
+        code = self.peer_reports.record(self._tenant, request, self.now())
+        return code if isinstance(code, m.Error) else m.CodesReply([code])
+
     def _stats(self, tenant: int | None = None) -> m.StatsReply:
-        """The cluster's stats; a tenant's (``tenant``): its own keys and usage only."""
+        """The cluster's stats; a tenant's (``tenant``): its own keys, usage and clients'
+        peers only."""
         if tenant is not None:
             (own,) = self.state.tenant_stats(tenant)
-            return m.StatsReply(own.objects, 0, own.used, own.evictions, 0, [], tenants=[own])
+            peers = self.peer_reports.summary(self.now(), tenant)
+            return m.StatsReply(
+                own.objects, 0, own.used, own.evictions, 0, [], tenants=[own], peers=peers
+            )
         keys, pending, segments = self.state.stats()
         return m.StatsReply(
             keys=keys,
@@ -293,6 +304,7 @@ class MasterService:
             dropped=self._server.malformed,
             tiers=self.state.tier_stats(),
             tenants=self.state.tenant_stats(),
+            peers=self.peer_reports.summary(self.now()),
         )
 
 
@@ -364,6 +376,7 @@ class _StateCollector(Collector):
         yield backlog
         yield from _tier_metrics(stats.tiers)
         yield from _tenant_metrics(stats.tenants)
+        yield from _peer_metrics(stats.peers)
 
 
 _TIER_GAUGES = (
@@ -414,4 +427,28 @@ def _tenant_metrics(tenants: list[m.TenantStats]) -> Iterable[Any]:
         family = kind(name, text, labels=["tenant"])
         for tenant in tenants:
             family.add_metric([tenant.name], getattr(tenant, field))
+        yield family
+
+
+_PEER_SERIES = (
+    ("clients", "kvconnect_peer_clients", "Clients that reported using the peer cluster"),
+    ("down", "kvconnect_peer_clients_down", "Of them, those whose breaker for it is open"),
+    ("asked", "kvconnect_peer_keys_asked", "Keys those clients looked up there"),
+    ("hits", "kvconnect_peer_keys_hit", "Keys those clients read from there"),
+    ("bytes_read", "kvconnect_peer_read_bytes", "Bytes those clients read from there"),
+    ("failures", "kvconnect_peer_failures", "Calls of those clients to it that failed"),
+    ("skipped", "kvconnect_peer_keys_skipped", "Keys not asked while their breaker was open"),
+    ("copied", "kvconnect_peer_keys_copied", "Keys copied between it and home"),
+    ("reads", "kvconnect_peer_client_reads", "Keys those clients read from anywhere"),
+)
+
+
+def _peer_metrics(peers: list[m.PeerSummary]) -> Iterable[Any]:
+    """One gauge family per PeerSummary count, labelled by peer: sums over the clients that
+    reported within the TTL (a client that goes takes its counts with it)."""
+    for field, name, text in _PEER_SERIES:
+        family = GaugeMetricFamily(name, text, labels=["peer"])
+        for peer in peers:
+            owner = peer if field in ("clients", "down", "reads") else peer.counts
+            family.add_metric([peer.peer], getattr(owner, field))
         yield family
