@@ -5,13 +5,14 @@ announce their objects again), lost objects — and hostile replay requests."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 
 import pytest
 import zmq
 
-from kvconnect._config import MiB, cluster_token
+from kvconnect._config import MiB, cluster_token, tenant_token
 from kvconnect.router.events import EventSubscriber
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
@@ -28,6 +29,7 @@ from kvconnect.store.kvevents import (
 from kvconnect.store.launch import Cluster, free_port
 from kvconnect.store.messages import Code
 from kvconnect.store.rpc import RpcClient
+from kvconnect.transfer import TransferConfig
 from kvconnect.vllm.pool import pool_keys
 from tests.support.waiting import wait_for
 
@@ -76,6 +78,7 @@ class Index:
 def cluster() -> Iterator[tuple[Cluster, str, str]]:
     events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     args = ["--master-kv-events", events, "--master-kv-events-replay", replay]
+    args += ["--master-tenants", json.dumps([{"name": "acme"}])]
     args += ["--master-heartbeat-ttl", "1", "--master-kv-events-buffer", "64"]
     with Cluster(
         servers=1,
@@ -86,8 +89,13 @@ def cluster() -> Iterator[tuple[Cluster, str, str]]:
         yield c, events, replay
 
 
-def _client(cluster: Cluster) -> StoreClient:
-    client = StoreClient(StoreClientConfig(master=cluster.master_endpoint, rpc_timeout=2.0))
+def _client(cluster: Cluster, tenant: str = "") -> StoreClient:
+    root = cluster_token(None, "", False)
+    assert root is not None
+    transfer = TransferConfig(token=tenant_token(root, tenant) if tenant else root)
+    client = StoreClient(
+        StoreClientConfig(master=cluster.master_endpoint, rpc_timeout=2.0), transfer
+    )
     client.start()
     return client
 
@@ -154,6 +162,34 @@ def test_stores_removals_evictions_restart_and_loss_are_published(
         client.close()
     assert sub.stats.decode_errors == 0
     assert sub.stats.skipped_events == 0
+
+
+def test_a_tenants_objects_are_never_published(cluster: tuple[Cluster, str, str]) -> None:
+    """The stream has one audience: a tenant's keys (its pool blocks too) stay off it, stored
+    or removed; the cluster's own keys are published around them."""
+    store, events, replay = cluster
+    index = Index()
+    sub = EventSubscriber("store", events, replay, index.on_batch, on_reset=index.on_reset)
+    ours = {KEYS.block_key(_hash(i).hex()): (_hash(i), 0) for i in range(2)}
+    theirs = [KEYS.block_key(_hash(50 + i).hex()) for i in range(3)] + ["app/secret"]
+    try:
+        sub.start()
+        wait_for(lambda: index.cleared == 1, "a master starts with AllBlocksCleared")
+        with _client(store, "acme") as tenant, _client(store) as own:
+            for key in theirs:
+                assert tenant.put(key, b"t" * 500) is Code.OK
+            for key in ours:
+                assert own.put(key, b"o" * 500) is Code.OK
+            wait_for(lambda: index.now() == set(ours.values()), "the cluster's puts announced")
+            for key in theirs:
+                assert tenant.remove(key) is Code.OK
+            last = next(iter(ours))
+            assert own.remove(last) is Code.OK
+            wait_for(lambda: index.now() == {ours[k] for k in ours if k != last}, "withdrawn")
+        published = [h for e in index.events if hasattr(e, "block_hashes") for h in e.block_hashes]
+        assert set(published) == {hashed for hashed, _ in ours.values()}
+    finally:
+        sub.close()
 
 
 HOSTILE = [

@@ -11,6 +11,10 @@ vLLM connector's pool events do. A key of kvconnect's vLLM pool scheme
 (bytes) and ``group_idx``; any other key (SGLang's, an application's) as its UTF-8 bytes. A
 ``BlockStored`` knows no tokens (``token_ids=[]``, no parent, ``block_size=0``).
 
+Tenants' objects are never published: the stream has one audience (whoever can reach the
+endpoint), and a tenant's keys are its own (docs/store.md, "Tenants"); a tenant's vLLM instances
+publish their pool's blocks through vLLM's own publisher, as every instance does.
+
 A master publishes ``AllBlocksCleared`` first, and again whenever a new HA term starts from an
 empty index. The service thread hands batches to :class:`KvEventPublisher` without blocking
 (a full queue drops the batch and counts it); its own thread sends them and answers replays.
@@ -49,6 +53,7 @@ from kvconnect.store.kvevents import (
     encode_seq,
     replay_answer,
 )
+from kvconnect.store.master import tenants
 from kvconnect.store.master.removals import MAX_REMOVALS
 from kvconnect.store.master.state import MasterState
 
@@ -326,7 +331,7 @@ class MasterEvents(Lifecycle):
         if watch is not None and watch.keys:
             after = state.exists(watch.keys)
             for key, was, now in zip(watch.keys, watch.before, after, strict=True):
-                if now and not was:
+                if now and not was and not key.startswith(tenants.SEPARATOR):
                     events.append(stored_event(key))
         if events:
             self.publisher.publish(events)
@@ -340,7 +345,7 @@ class MasterEvents(Lifecycle):
         keys: list[str] = []
         while True:
             reply = state.removals.since("", self._seen, MAX_REMOVALS)
-            keys += [removal.key for removal in reply.removed]
+            keys += [r.key for r in reply.removed if not r.key.startswith(tenants.SEPARATOR)]
             if reply.next == self._seen:
                 return keys
             self._seen = reply.next
