@@ -35,6 +35,8 @@ def test_reports_sum_per_peer_with_each_clients_reads_for_the_hit_share() -> Non
 def test_a_clients_new_report_replaces_its_last() -> None:
     reports = PeerReports()
     reports.record(0, _report("a", 1, _use("east", hits=1)), 0.0)
+    (east,) = reports.summary(0.5)
+    assert (east.clients, east.counts.hits, east.reads) == (1, 1, 2)
     reports.record(0, _report("a", 5, _use("east", hits=7)), 1.0)
     (east,) = reports.summary(1.0)
     assert (east.clients, east.counts.hits, east.reads) == (1, 7, 12)

@@ -35,6 +35,9 @@ class PeerReports:
         self._reports: collections.OrderedDict[tuple[int, str], tuple[float, m.PeerReport]] = (
             collections.OrderedDict()
         )
+        # Sums by tenant (None: all), until a report comes or goes: the master's stats snapshot
+        # asks every second, and a full table is 16k peer entries to add up.
+        self._sums: dict[int | None, list[m.PeerSummary]] = {}
 
     def record(self, tenant: int, report: m.PeerReport, now: float) -> m.Code | m.Error:
         """Keep ``report`` (of a client of ``tenant``) as that client's latest."""
@@ -44,6 +47,7 @@ class PeerReports:
         key = (tenant, report.client)
         self._reports.pop(key, None)
         self._reports[key] = (now, report)
+        self._sums.clear()
         self._expire(now)
         while len(self._reports) > self._capacity:
             self._reports.popitem(last=False)
@@ -53,12 +57,13 @@ class PeerReports:
         """Per peer (by name, in order of first appearance), the sums over the clients that
         reported it within the TTL; only ``tenant``'s clients when given."""
         self._expire(now)
-        reports = [
-            report
-            for (owner, _), (_, report) in self._reports.items()
-            if tenant is None or owner == tenant
-        ]
-        return _summed(reports)
+        if tenant not in self._sums:
+            self._sums[tenant] = _summed(
+                report
+                for (owner, _), (_, report) in self._reports.items()
+                if tenant is None or owner == tenant
+            )
+        return self._sums[tenant]
 
     def _expire(self, now: float) -> None:
         while self._reports:
@@ -66,6 +71,7 @@ class PeerReports:
             if now - at <= self._ttl:
                 return
             self._reports.popitem(last=False)
+            self._sums.clear()
 
 
 def _invalid(report: m.PeerReport) -> str:
