@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 PutHome = Callable[[str, bytearray], Code]
 """Stores one value in the home cluster (the home client's ``put``)."""
-GetHome = Callable[[str], "bytearray | None"]
+GetHome = Callable[[str], bytearray | None]
 """Reads one value from the home cluster only (the home client's ``get`` without peers)."""
 ReportHome = Callable[[m.PeerReport], None]
 """Sends a report to the home master (raises StoreError when it cannot)."""

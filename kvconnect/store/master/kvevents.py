@@ -289,11 +289,14 @@ class Watch:
 
 
 def _readable_candidates(request: m.Request) -> list[str]:
+    """The keys ``request`` may make readable, tenants' left out (never published)."""
     if isinstance(request, m.PutEnd):
-        return list(dict.fromkeys(request.keys))  # a multi-part put names its key per part
-    if isinstance(request, m.Mount | m.Report):
-        return list(dict.fromkeys(change.key for change in request.held if change.key))
-    return []
+        keys: Iterable[str] = request.keys  # a multi-part put names its key per part
+    elif isinstance(request, m.Mount | m.Report):
+        keys = (change.key for change in request.held if change.key)
+    else:
+        return []
+    return [key for key in dict.fromkeys(keys) if not tenants.of_a_tenant(key)]
 
 
 class MasterEvents(Lifecycle):
@@ -331,7 +334,7 @@ class MasterEvents(Lifecycle):
         if watch is not None and watch.keys:
             after = state.exists(watch.keys)
             for key, was, now in zip(watch.keys, watch.before, after, strict=True):
-                if now and not was and not key.startswith(tenants.SEPARATOR):
+                if now and not was:
                     events.append(stored_event(key))
         if events:
             self.publisher.publish(events)
@@ -345,7 +348,7 @@ class MasterEvents(Lifecycle):
         keys: list[str] = []
         while True:
             reply = state.removals.since("", self._seen, MAX_REMOVALS)
-            keys += [r.key for r in reply.removed if not r.key.startswith(tenants.SEPARATOR)]
+            keys += [r.key for r in reply.removed if not tenants.of_a_tenant(r.key)]
             if reply.next == self._seen:
                 return keys
             self._seen = reply.next

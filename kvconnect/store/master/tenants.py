@@ -47,7 +47,7 @@ class Tenants:
 
     def id_of_key(self, key: str) -> int:
         """The tenant a stored key belongs to (NONE for keys outside every tenant's prefix)."""
-        if not key.startswith(SEPARATOR):
+        if not of_a_tenant(key):
             return NONE
         end = key.find(SEPARATOR, 1)
         return NONE if end < 0 else self._ids.get(key[1:end], NONE)
@@ -106,6 +106,11 @@ def within(room: int, sizes: Sequence[int]) -> list[bool]:
         if size <= room:
             room -= size
     return fits
+
+
+def of_a_tenant(key: str) -> bool:
+    """Whether stored key ``key`` lies in a tenant's namespace."""
+    return key.startswith(SEPARATOR)
 
 
 def prefix(tenant: str) -> str:
