@@ -79,7 +79,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     sub.connect(f"tcp://127.0.0.1:{port}")
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
     # 36 blocks of store; eviction above half of it: the fourth prompt of six blocks evicts,
-    # and the next prompt is sent once the master has (a full store would fail a save).
+    # and each prompt is sent once the store has room for it (a full store fails a save, and
+    # evicted space comes back only once its server acknowledged the release).
     master = ["--master-high-watermark", "0.5", "--master-evict-fraction", "0.25"]
     master += ["--master-lease-ttl", "1"]  # a read lease never holds a block past the test
     try:
@@ -137,6 +138,13 @@ def _wait(setup: Setup, condition: Callable[[], bool], message: str) -> None:
         ) from None
 
 
+def _room_for_a_prompt(cluster: Cluster) -> bool:
+    """Whether the store can place a prompt's six blocks now (space neither stored nor in
+    transit back from an eviction)."""
+    free = sum(s.capacity - s.used - s.in_transit for s in cluster.stats().segments)
+    return free >= 6 * BLOCK_BYTES
+
+
 def test_pool_events_and_histograms(setup: Setup) -> None:
     server, events = setup.server, setup.events
     # The SUB socket connected while the engine started (before /health).
@@ -157,12 +165,11 @@ def test_pool_events_and_histograms(setup: Setup) -> None:
     # More prompts until the store evicts: each evicted block is withdrawn.
     prompts = 1
     while not events.removed and prompts < 8:
+        wait_for(lambda: _room_for_a_prompt(setup.cluster), "no room for a prompt", timeout=30)
         complete(server.url, tiny_llama.prompt(41 + prompts, 200))
         prompts += 1
         announced = 6 * prompts
         _wait(setup, lambda n=announced: len(events.stored) >= n, "a save was not announced")
-        if announced > 18:  # above the high watermark: the master evicts before more saves
-            wait_for(lambda: setup.cluster.stats().evictions > 0, "no eviction", timeout=30)
     _wait(setup, lambda: bool(events.removed), "no BlockRemoved of the pool")
     assert setup.cluster.stats().evictions > 0
     announced = {e.block_hashes[0] for e in events.stored}
