@@ -7,8 +7,6 @@ the router; the instance killed last runs out the module."""
 
 from __future__ import annotations
 
-import importlib.metadata
-import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,17 +26,13 @@ from kvconnect.bench.vllm_servers import (
     pd_fleet,
     streamed,
 )
+from tests.support.vllm_cpu import require_vllm_cpu
 from tests.support.waiting import wait_for
 from tests.vllm.servers import text
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-try:
-    importlib.metadata.version("vllm-cpu")
-except importlib.metadata.PackageNotFoundError:
-    if os.environ.get("KVCONNECT_REQUIRE_VLLM") == "1":
-        raise RuntimeError("KVCONNECT_REQUIRE_VLLM=1 but vllm-cpu is not installed") from None
-    pytest.skip("needs vllm-cpu (a vLLM that runs models on CPU)", allow_module_level=True)
+require_vllm_cpu()
 
 STARTUP = 600.0  # three servers starting on two busy cores
 BLOCK = 32  # the servers' --block-size

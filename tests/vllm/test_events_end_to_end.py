@@ -5,7 +5,6 @@ decoded with vLLM's own classes."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -21,14 +20,12 @@ from kvconnect.bench import tiny_llama
 from kvconnect.bench.tiny_llama import Shape, write_tiny_llama
 from kvconnect.bench.vllm_servers import Server, complete, cpu_groups
 from kvconnect.store.launch import Cluster, free_port
+from tests.support.vllm_cpu import require_vllm_cpu
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-try:
-    importlib.metadata.version("vllm-cpu")
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip("needs vllm-cpu (a vLLM that runs models on CPU)", allow_module_level=True)
+require_vllm_cpu()
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 

@@ -5,7 +5,6 @@ keeps serving the weights to later instances."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from kvconnect.bench.etcd import EtcdServer, etcd_available
 from kvconnect.bench.tiny_llama import write_tiny_llama
 from kvconnect.bench.vllm_servers import Server, complete, cpu_groups
 from kvconnect.p2p import P2PConfig, P2PNode
+from tests.support.vllm_cpu import require_vllm_cpu
 from tests.support.waiting import wait_for
 
 pytestmark = [
@@ -27,10 +27,7 @@ pytestmark = [
     pytest.mark.skipif(not etcd_available(), reason="needs etcd"),
 ]
 
-try:
-    importlib.metadata.version("vllm-cpu")
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip("needs vllm-cpu (a vLLM that runs models on CPU)", allow_module_level=True)
+require_vllm_cpu()
 
 ROOT = Path(__file__).resolve().parents[2]
 
