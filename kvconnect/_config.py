@@ -451,6 +451,11 @@ def _sections(name: str, value: Any, section: type[Section]) -> tuple[Section, .
     return tuple(out)
 
 
+def parse_size(text: str) -> int:
+    """``4G``, ``512M``, ``64K``, a number: bytes (ConfigError otherwise)."""
+    return int(_coerce_number("size", text, int))
+
+
 def _coerce_bool(name: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import pytest
 
-from kvconnect._config import Composed, Route, embedded_default, layered
+from kvconnect._config import Composed, Route, embedded_default, layered, parse_size
 from kvconnect.errors import ConfigError
 from kvconnect.store.config import StoreClientConfig
 from kvconnect.transfer import TransferConfig
@@ -114,3 +114,16 @@ def test_an_embedding_section_refuses_what_it_cannot_place() -> None:
         _Engine.from_mapping({"streams": 0})
     with pytest.raises(ConfigError, match="unknown environment variable KVCONNECT_ENGINE_STORE"):
         _Engine.from_layers(environ={"KVCONNECT_ENGINE_STORE": "{}"})
+
+
+@pytest.mark.parametrize(
+    ("text", "size"), [("64K", 65536), ("2g", 2 << 30), (" 512M ", 512 << 20), ("100", 100)]
+)
+def test_sizes_parse_with_binary_suffixes(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "M", "1.5G", "ten", "4Q"])
+def test_a_malformed_size_is_a_config_error(text: str) -> None:
+    with pytest.raises(ConfigError, match="size must be an integer"):
+        parse_size(text)

@@ -29,12 +29,13 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvconnect._config import parse_size
 from kvconnect.bench.baselines import direct_io
 from kvconnect.bench.baselines.mooncake_engine import find_mooncake_python
 from kvconnect.bench.baselines.mooncake_store import MooncakeStoreBaseline
@@ -70,9 +71,8 @@ KiB, MiB = 1 << 10, 1 << 20
 OBJECT_SIZES = (64 * KiB, 1 * MiB, 4 * MiB)
 
 
-def run(args: argparse.Namespace, parse_size: Callable[[str], int]) -> dict[str, Any]:
-    """Run the chosen disk phases (``parse_size``: "1G" → bytes); print tables; return the
-    report (the caller writes it)."""
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the chosen disk phases; print tables; return the report (the caller writes it)."""
     phases = [DiskPhase(p) for p in args.disk_phases.split(",") if p]
     rounds = 1 if args.quick else args.rounds
     report: dict[str, Any] = {"benchmark": "store --tier disk", "baseline": direct_io.tool()}

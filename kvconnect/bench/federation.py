@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvconnect._config import parse_size
 from kvconnect.bench.disk_report import percentile, ratio, spread
-from kvconnect.bench.store import parse_size
 from kvconnect.store.client import StoreClient
 from kvconnect.store.config import PeerConfig, StoreClientConfig
 from kvconnect.store.launch import Cluster

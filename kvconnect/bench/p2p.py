@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvconnect._config import parse_size
 from kvconnect.bench.etcd import EtcdServer, etcd_available
 from kvconnect.bench.netns import Node, Star, unavailable
-from kvconnect.bench.store import parse_size
 from kvconnect.store.launch import Process
 
 _CLI = [sys.executable, "-m", "kvconnect.cli", "p2p"]

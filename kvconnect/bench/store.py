@@ -36,14 +36,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvconnect._config import cluster_token
+from kvconnect._config import cluster_token, parse_size
 from kvconnect.bench import disk_report, master_load, usage
 from kvconnect.bench.baselines.mooncake_engine import find_mooncake_python
 from kvconnect.bench.baselines.mooncake_store import MooncakeStoreBaseline
 from kvconnect.bench.store_throughput import print_throughput, throughput_phase
 from kvconnect.store import messages as m
 from kvconnect.store.client import StoreClient
-from kvconnect.store.config import StoreClientConfig, StoreServerConfig
+from kvconnect.store.config import StoreClientConfig
 from kvconnect.store.launch import Cluster, Process, free_port
 from kvconnect.store.messages import Code
 from kvconnect.store.rpc import RpcClient
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tier == "disk":
         from kvconnect.bench import disk  # the disk tier's code loads only for --tier disk
 
-        Path(args.out).write_text(json.dumps(disk.run(args, parse_size), indent=2))
+        Path(args.out).write_text(json.dumps(disk.run(args), indent=2))
         print(f"\nresults written to {args.out}")
         return 0
     mooncake = find_mooncake_python(args.mooncake_python)
@@ -318,11 +318,6 @@ def _label(command: dict[str, Any]) -> str:
     size = command.get("size")
     text = command["op"] if size is None else f"{command['op']} {_size(size)}"
     return text + (f" x{command['batch']}" if "batch" in command and size else "")
-
-
-def parse_size(text: str) -> int:
-    """``4G``, ``512M``, a number: bytes (ConfigError otherwise)."""
-    return StoreServerConfig.from_mapping({"size": text}).size
 
 
 def _size(nbytes: int) -> str:

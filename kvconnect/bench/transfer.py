@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kvconnect._config import parse_size
 from kvconnect.bench.baselines import Baseline
 from kvconnect.bench.baselines.memcpy import MemcpyBaseline
 from kvconnect.bench.baselines.mooncake_engine import MooncakeBaseline, find_mooncake_python
@@ -63,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, default=10, help="batches per run")
     parser.add_argument("--native", type=NativeMode, choices=list(NativeMode), default="auto")
     parser.add_argument("--streams", type=int, help="TCP streams per peer (config default)")
-    parser.add_argument("--slice-bytes", type=_parse_size, help="slice size (config default)")
+    parser.add_argument("--slice-bytes", type=parse_size, help="slice size (config default)")
     parser.add_argument(
         "--baselines",
         default="auto",
@@ -337,19 +338,11 @@ def _split(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def _parse_size(text: str) -> int:
-    units = {"K": KiB, "M": MiB, "G": MiB * 1024}
-    text = text.strip().upper()
-    if text and text[-1] in units:
-        return int(text[:-1]) * units[text[-1]]
-    return int(text)
-
-
 def _parse_cases(text: str) -> list[tuple[int, int]]:
     cases = []
     for part in _split(text):
         block, _, count = part.partition(":")
-        cases.append((_parse_size(block), int(count or 1)))
+        cases.append((parse_size(block), int(count or 1)))
     return cases
 
 
