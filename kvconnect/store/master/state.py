@@ -22,6 +22,7 @@ from typing import cast
 import numpy as np
 
 from kvconnect.store.config import MasterConfig, Strategy
+from kvconnect.store.master import eviction
 from kvconnect.store.master.moves import Mover, TierCounters
 from kvconnect.store.master.objects import ObjectTable, Pending, Replica, State
 from kvconnect.store.master.removals import RemovalLog
@@ -649,7 +650,10 @@ class MasterState:
         first, until ``target`` bytes of that quota are free: a tenant over its quota makes
         room from its own objects only. Returns the bytes freed in that tier."""
         freed = 0
-        for slot in self._tenant_candidates(tenant, now, self.config.eviction_step, disk):
+        picked = eviction.tenant_candidates(
+            self.objects, self.segments, self._rng, tenant, now, self.config.eviction_step, disk
+        )
+        for slot in picked:
             if freed >= target:
                 break
             if not disk:
@@ -659,27 +663,6 @@ class MasterState:
             self._free(slot, now, RemovalReason.EVICTED)
             self.evictions += 1
         return freed
-
-    def _tenant_candidates(self, tenant: int, now: float, count: int, disk: bool) -> list[int]:
-        """Up to ``count`` of ``tenant``'s complete objects whose primary replica is on disk
-        (``disk``) or in memory that may go (no lease, no move), oldest access first: from a
-        random sample, or the whole table when the tenant is too rare to be in one (or the
-        table is no larger than a sample)."""
-        n, size = self.objects.capacity, max(256, count * 16)
-        sample = self._rng.integers(0, n, size=size) if n > size else np.arange(0)
-        tiers = np.frombuffer(self.segments.disk, dtype=np.uint8)
-        with self.objects.columns() as c:
-            slots = sample[c["tenant"][sample] == tenant]
-            if not len(slots):
-                slots = np.flatnonzero(c["tenant"] == tenant)
-            in_tier = tiers[c["segment"][slots]] == int(disk)
-            ok = in_tier & (c["state"][slots] == State.COMPLETE) & (c["lease"][slots] <= now)
-            pool = np.unique(slots[ok])
-            oldest = pool[np.argsort(c["access"][pool], kind="stable")][:count].tolist()
-            del sample, slots, in_tier, ok, pool
-        del tiers  # the view pins the bytearray: mounts append to it
-        moving = self.objects.moving
-        return [slot for slot in oldest if slot not in moving]
 
     def _evict_disk(self, segment: Segment, now: float) -> None:
         target = self._disk_targets.pop(segment.index, 0)
@@ -697,39 +680,14 @@ class MasterState:
 
     def _evict_step(self, now: float, count: int, target: int, disk: Segment | None) -> int:
         """Evict up to ``count`` objects from DRAM (``disk`` None) or from the disk segment
-        ``disk``, oldest access first among a random sample (the sampled-LRU of Redis),
-        stopping once ``target`` bytes of that tier's capacity are freed: bounded work per
-        step whatever the key count, and a round ends within one object of its target. Never
-        evicts a leased, pending or moving object; soft-pinned ones only when nothing else is
-        eligible. Candidates are the objects whose primary replica is in the tier (DRAM) or in
-        ``disk``. Returns the bytes of capacity freed."""
-        n = self.objects.capacity
-        if n == 0:
-            return 0
-        sample = self._rng.integers(0, n, size=min(n, max(256, count * 16)))
-        with self.objects.columns() as c:
-            where = c["segment"][sample]
-            if disk is None:
-                tiers = np.frombuffer(self.segments.disk, dtype=np.uint8)
-                in_tier = tiers[where] == 0
-                del tiers  # the view pins the bytearray: mounts append to it
-            else:
-                in_tier = where == disk.index
-            ok = in_tier & (c["state"][sample] == State.COMPLETE) & (c["lease"][sample] <= now)
-            eligible = sample[ok]
-            unpinned = eligible[c["pin"][eligible] <= now]
-            pool = unpinned if len(unpinned) else eligible
-            if len(self.tenants):  # the tenants over their share first, each oldest first
-                over = self.tenants.over_share(self.objects.tenant_memory)[c["tenant"][pool]]
-                order = np.lexsort((c["access"][pool], ~over))
-            else:
-                order = np.argsort(c["access"][pool], kind="stable")
-            oldest_first = pool[order].tolist()
-            del sample, where, in_tier, ok, eligible, unpinned, pool
-        moving = self.objects.moving
-        candidates = [slot for slot in dict.fromkeys(oldest_first) if slot not in moving]
+        ``disk`` (:func:`eviction.candidates`), stopping once ``target`` bytes of that tier's
+        capacity are freed: a round ends within one object of its target. Returns the bytes
+        of capacity freed."""
+        picked = eviction.candidates(
+            self.objects, self.segments, self.tenants, self._rng, now, count, disk
+        )
         freed = 0
-        for slot in candidates[:count]:  # the sample may repeat slots
+        for slot in picked:
             if freed >= target:
                 break
             if disk is None:
