@@ -7,6 +7,7 @@ the state). Metrics are read from a snapshot the same thread refreshes, never fr
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -374,81 +375,61 @@ class _StateCollector(Collector):
         yield in_transit
         yield capacity
         yield backlog
-        yield from _tier_metrics(stats.tiers)
-        yield from _tenant_metrics(stats.tenants)
-        yield from _peer_metrics(stats.peers)
+        yield from _labelled(_TIER_SERIES, "tier", ((t.tier.name.lower(), t) for t in stats.tiers))
+        yield from _labelled(_TENANT_SERIES, "tenant", ((t.name, t) for t in stats.tenants))
+        yield from _labelled(_PEER_SERIES, "peer", ((p.peer, p) for p in stats.peers))
 
 
-_TIER_GAUGES = (
-    ("capacity", "kvconnect_tier_capacity_bytes", "Capacity of the tier's live segments"),
-    ("used", "kvconnect_tier_used_bytes", "Bytes of stored objects, pending puts and moves"),
-    ("objects", "kvconnect_tier_objects", "Replicas held in the tier"),
+_Series = tuple[tuple[str, type[GaugeMetricFamily | CounterMetricFamily], str, str], ...]
+"""Families of one labelled table: (attribute, kind, metric name, help)."""
+_G, _C = GaugeMetricFamily, CounterMetricFamily
+
+_TIER_SERIES: _Series = (
+    ("capacity", _G, "kvconnect_tier_capacity_bytes", "Capacity of the tier's live segments"),
+    ("used", _G, "kvconnect_tier_used_bytes", "Bytes of stored objects, pending puts and moves"),
+    ("objects", _G, "kvconnect_tier_objects", "Replicas held in the tier"),
+    ("hits", _C, "kvconnect_tier_hits", "Reads answered with a replica of the tier first"),
+    ("demotions", _C, "kvconnect_tier_demotions", "Objects moved into the tier from DRAM"),
+    ("demotions_failed", _C, "kvconnect_tier_demotions_failed", "Demotions into the tier failed"),
+    ("promotions", _C, "kvconnect_tier_promotions", "Objects copied into the tier from disk"),
+    ("evictions", _C, "kvconnect_tier_evictions", "Objects the tier's eviction took out of it"),
+    ("lost", _C, "kvconnect_tier_lost", "Replicas of the tier lost (unreadable, segment gone)"),
 )
-_TIER_COUNTERS = (
-    ("hits", "kvconnect_tier_hits", "Reads answered with a replica of the tier first"),
-    ("demotions", "kvconnect_tier_demotions", "Objects moved into the tier from DRAM"),
-    ("demotions_failed", "kvconnect_tier_demotions_failed", "Demotions into the tier failed"),
-    ("promotions", "kvconnect_tier_promotions", "Objects copied into the tier from disk"),
-    ("evictions", "kvconnect_tier_evictions", "Objects the tier's eviction took out of it"),
-    ("lost", "kvconnect_tier_lost", "Replicas of the tier lost (unreadable, segment gone)"),
+_TENANT_SERIES: _Series = (
+    ("quota", _G, "kvconnect_tenant_quota_bytes", "Its memory quota (0: none)"),
+    ("disk_quota", _G, "kvconnect_tenant_disk_quota_bytes", "Its disk quota"),
+    ("share", _G, "kvconnect_tenant_share_bytes", "Its share of a full store"),
+    ("used", _G, "kvconnect_tenant_used_bytes", "Its bytes in memory, and puts"),
+    ("disk_used", _G, "kvconnect_tenant_disk_used_bytes", "Its bytes on disk"),
+    ("objects", _G, "kvconnect_tenant_objects", "Its objects and puts"),
+    ("evictions", _C, "kvconnect_tenant_evictions", "Its objects evicted"),
 )
-
-
-def _tier_metrics(tiers: list[m.TierStats]) -> Iterable[Any]:
-    """One family per TierStats field, labelled by tier (``dram``, ``disk``)."""
-    families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
-        (field, GaugeMetricFamily(name, text, labels=["tier"]))
-        for field, name, text in _TIER_GAUGES
-    ]
-    families += [
-        (field, CounterMetricFamily(name, text, labels=["tier"]))
-        for field, name, text in _TIER_COUNTERS
-    ]
-    for field, family in families:
-        for tier in tiers:
-            family.add_metric([tier.tier.name.lower()], getattr(tier, field))
-        yield family
-
-
-_TENANT_SERIES = (
-    ("quota", GaugeMetricFamily, "kvconnect_tenant_quota_bytes", "Its memory quota (0: none)"),
-    ("disk_quota", GaugeMetricFamily, "kvconnect_tenant_disk_quota_bytes", "Its disk quota"),
-    ("share", GaugeMetricFamily, "kvconnect_tenant_share_bytes", "Its share of a full store"),
-    ("used", GaugeMetricFamily, "kvconnect_tenant_used_bytes", "Its bytes in memory, and puts"),
-    ("disk_used", GaugeMetricFamily, "kvconnect_tenant_disk_used_bytes", "Its bytes on disk"),
-    ("objects", GaugeMetricFamily, "kvconnect_tenant_objects", "Its objects and puts"),
-    ("evictions", CounterMetricFamily, "kvconnect_tenant_evictions", "Its objects evicted"),
-)
-
-
-def _tenant_metrics(tenants: list[m.TenantStats]) -> Iterable[Any]:
-    """One family per TenantStats field, labelled by tenant."""
-    for field, kind, name, text in _TENANT_SERIES:
-        family = kind(name, text, labels=["tenant"])
-        for tenant in tenants:
-            family.add_metric([tenant.name], getattr(tenant, field))
-        yield family
-
-
-_PEER_SERIES = (
-    ("clients", "kvconnect_peer_clients", "Clients that reported using the peer cluster"),
-    ("down", "kvconnect_peer_clients_down", "Of them, those whose breaker for it is open"),
-    ("asked", "kvconnect_peer_keys_asked", "Keys those clients looked up there"),
-    ("hits", "kvconnect_peer_keys_hit", "Keys those clients read from there"),
-    ("bytes_read", "kvconnect_peer_read_bytes", "Bytes those clients read from there"),
-    ("failures", "kvconnect_peer_failures", "Calls of those clients to it that failed"),
-    ("skipped", "kvconnect_peer_keys_skipped", "Keys not asked while their breaker was open"),
-    ("copied", "kvconnect_peer_keys_copied", "Keys copied between it and home"),
-    ("reads", "kvconnect_peer_client_reads", "Keys those clients read from anywhere"),
+# Sums over the clients that reported within the TTL (a client that goes takes its counts).
+_PEER_SERIES: _Series = (
+    ("clients", _G, "kvconnect_peer_clients", "Clients that reported using the peer cluster"),
+    ("down", _G, "kvconnect_peer_clients_down", "Of them, those whose breaker for it is open"),
+    ("counts.asked", _G, "kvconnect_peer_keys_asked", "Keys those clients looked up there"),
+    ("counts.hits", _G, "kvconnect_peer_keys_hit", "Keys those clients read from there"),
+    ("counts.bytes_read", _G, "kvconnect_peer_read_bytes", "Bytes those clients read from there"),
+    ("counts.failures", _G, "kvconnect_peer_failures", "Calls of those clients to it that failed"),
+    (
+        "counts.skipped",
+        _G,
+        "kvconnect_peer_keys_skipped",
+        "Keys not asked while their breaker was open",
+    ),
+    ("counts.copied", _G, "kvconnect_peer_keys_copied", "Keys copied between it and home"),
+    ("reads", _G, "kvconnect_peer_client_reads", "Keys those clients read from anywhere"),
 )
 
 
-def _peer_metrics(peers: list[m.PeerSummary]) -> Iterable[Any]:
-    """One gauge family per PeerSummary count, labelled by peer: sums over the clients that
-    reported within the TTL (a client that goes takes its counts with it)."""
-    for field, name, text in _PEER_SERIES:
-        family = GaugeMetricFamily(name, text, labels=["peer"])
-        for peer in peers:
-            owner = peer if field in ("clients", "down", "reads") else peer.counts
-            family.add_metric([peer.peer], getattr(owner, field))
+def _labelled(series: _Series, label: str, rows: Iterable[tuple[str, Any]]) -> Iterable[Any]:
+    """One family per entry of ``series``, a sample per (label value, row) of ``rows`` (an
+    attribute may be dotted: ``counts.hits``)."""
+    rows = list(rows)
+    for field, kind, name, text in series:
+        family = kind(name, text, labels=[label])
+        get = operator.attrgetter(field)
+        for value, row in rows:
+            family.add_metric([value], get(row))
         yield family
