@@ -216,7 +216,7 @@ class ClientChannel:
 
     Every call takes a ``deadline`` (``time.monotonic()``); TimeoutError after it, OSError
     when the connection ends, ProtocolError on a frame that does not open (after any of them
-    the channel is unusable: close it). :meth:`close` from another thread wakes a blocked call.
+    the channel is unusable: close it). :meth:`wake` from another thread fails a call.
     A receive polls for the master's reply for ``poll_window`` seconds before it sleeps
     (:mod:`kvconnect.transfer.datapath.polling`).
     """
@@ -278,8 +278,14 @@ class ClientChannel:
         (e.g. it restarted) or broke the protocol. Never blocks."""
         return bool(self._poll.poll(0))
 
+    def wake(self) -> None:
+        """Make a call on this channel fail at once, whether it waits already or is about to
+        (from any thread); the caller then closes it. The descriptor stays open meanwhile: a
+        caller about to wait on it must never wait on a number another socket now holds."""
+        wire.shutdown_quietly(self._sock)
+
     def close(self) -> None:
-        """Wake a blocked call (it fails) and release the socket. Idempotent."""
+        """Release the socket (by the thread that uses it, or once none does). Idempotent."""
         wire.shutdown_quietly(self._sock)
         self._sock.close()
 

@@ -104,7 +104,8 @@ def run_status(
     print(
         f"master {endpoint}{term}: {reply.keys} keys, {reply.pending} pending puts, "
         f"{reply.bytes_stored} bytes stored, {reply.evictions} evictions; "
-        f"{reply.refused} connections refused (no cluster token), {reply.dropped} messages dropped"
+        f"{reply.connections} client connections, {reply.refused} refused (no cluster token), "
+        f"{reply.dropped} messages dropped"
     )
     _print_tiers(reply.tiers)
     if reply.tenants:

@@ -369,6 +369,7 @@ class StatsReply(msgspec.Struct, gc=False, tag="stats"):
     term: int = 0  # with HA: the leader's term (create revision of its etcd key); 0: standby
     refused: int = 0  # connections refused for want of the cluster token
     dropped: int = 0  # messages dropped unanswered (malformed, too deep, reply not sendable)
+    connections: int = 0  # client connections open at the master
     tiers: list[TierStats] = []
     tenants: list[TenantStats] = []
     peers: list[PeerSummary] = []

@@ -5,9 +5,11 @@ background work between rounds in bounded steps, so state needs no locks. Whatev
 message holds, it costs only that message: a message that cannot be decoded or answered is
 dropped and counted, and a frame over ``max_message_bytes`` (or one that fails to open)
 disconnects its sender. Connections still in their handshake are bounded in number and time,
-so idle or dripping sockets cannot crowd out clients. Clients get one connection per thread;
-a call waits at most its timeout, and a call that times out closes its connection, so no late
-reply can be mistaken for the next call's.
+so idle or dripping sockets cannot crowd out clients. A client keeps its idle connections in
+a small pool that any thread takes from (threads come and go: a connection per thread would
+leak one per thread and make every new thread's first call pay for the handshake); a call
+waits at most its timeout, and a call that times out closes its connection, so no late reply
+can be mistaken for the next call's.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ _READ = 1 << 18  # bytes read from one connection per round
 _OUTPUT_HIGH = 1 << 20  # a connection whose replies pile up is not read until they drain
 _REPLY_LIMIT = 1 << 30  # the largest reply a client accepts
 _RETRY = 0.05  # between connection attempts to a master that refuses them
+_IDLE_CONNECTIONS = 8  # a client's idle connections kept for its next calls (LIFO)
 
 
 @dataclass(eq=False, slots=True)
@@ -122,6 +125,11 @@ class RpcServer:
         self._throttle = Throttle()
         self._refusals = Throttle()
         self.crashed: BaseException | None = None
+
+    @property
+    def connections(self) -> int:
+        """Open client connections, past their handshake or in it."""
+        return len(self._connections)
 
     def bind(self) -> str:
         """Bind; returns the endpoint actually bound (resolves port 0 / ``*``)."""
@@ -373,7 +381,7 @@ def _version_error(version: int) -> m.Error:
 
 
 class RpcClient:
-    """Calls the master; thread-safe (a connection per calling thread).
+    """Calls the master; thread-safe (a call takes an idle connection or opens one).
 
     ``target`` is a ``tcp://host:port`` endpoint, or ``etcd://…``: then the current HA leader
     is looked up in etcd, and looked up again (one retry within the timeout) when the master
@@ -394,8 +402,8 @@ class RpcClient:
             Etcd(target, timeout=min(timeout, 2.0)) if target.startswith("etcd://") else None
         )
         self._endpoint: str | None = None if self._etcd is not None else target
-        self._local = threading.local()
-        self._channels: set[ClientChannel] = set()
+        self._channels: set[ClientChannel] = set()  # every open connection, idle or in a call
+        self._idle: list[tuple[str, ClientChannel]] = []  # (endpoint, connection), newest last
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
@@ -417,15 +425,31 @@ class RpcClient:
             return self._call_at(self._current(), request, deadline)
         return reply
 
+    def connect(self, timeout: float | None = None) -> None:
+        """Open a connection to the master for the next call to take, unless one is idle: its
+        cost (TCP, handshake) then falls outside that call's timeout. MasterUnavailable when
+        none opens in time."""
+        deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
+        endpoint = self._current()
+        channel = self._channel(endpoint, deadline)
+        if channel is None:
+            raise MasterUnavailable(f"master {endpoint} is not reachable")
+        self._put_back(endpoint, channel)
+
     def close(self) -> None:
-        """Close every connection (calls blocked on one fail with ClosedError). Idempotent."""
+        """Close the idle connections and fail the calls in progress (ClosedError; each
+        closes its own). Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            channels, self._channels = self._channels, set()
-        for channel in channels:
+            idle = [channel for _endpoint, channel in self._idle]
+            busy = self._channels.difference(idle)
+            self._channels, self._idle = set(), []
+        for channel in idle:
             channel.close()
+        for channel in busy:
+            channel.wake()
         if self._etcd is not None:
             self._etcd.close()
 
@@ -484,6 +508,7 @@ class RpcClient:
                 reply = _reply_decoder.decode(data)
                 if reply.request_id != request_id:
                     raise ProtocolError(f"a reply to request {reply.request_id}")
+                self._put_back(endpoint, channel)
                 return reply.body
         except TimeoutError:
             self._drop(channel)
@@ -498,13 +523,12 @@ class RpcClient:
             raise MasterUnavailable(f"master {endpoint} failed during {what}: {exc}") from exc
 
     def _channel(self, endpoint: str, deadline: float) -> ClientChannel | None:
-        """This thread's connection to ``endpoint``, connecting (and retrying while nothing
-        accepts) until ``deadline``: None if no connection by then."""
-        channel: ClientChannel | None = getattr(self._local, "channel", None)
-        if channel is not None:
-            if self._local.endpoint == endpoint and not channel.stale():
+        """An idle connection to ``endpoint`` (now this caller's), or a new one, connecting
+        (and retrying while nothing accepts) until ``deadline``: None if none by then."""
+        while (channel := self._take_idle(endpoint)) is not None:
+            if not channel.stale():
                 return channel
-            self._drop(channel)  # the leader moved, or the master ended the connection
+            self._drop(channel)  # the master ended it while it was idle (e.g. a restart)
         while True:
             self._ensure_open()
             try:
@@ -528,9 +552,33 @@ class RpcClient:
                 channel.close()
                 raise ClosedError("store client is closed")
             self._channels.add(channel)
-        self._local.channel = channel
-        self._local.endpoint = endpoint
         return channel
+
+    def _take_idle(self, endpoint: str) -> ClientChannel | None:
+        """The newest idle connection to ``endpoint``; idle ones to another endpoint (a
+        former leader) are closed on the way."""
+        stale: list[ClientChannel] = []
+        found: ClientChannel | None = None
+        with self._lock:
+            self._ensure_open()
+            while self._idle and found is None:
+                at, channel = self._idle.pop()
+                if at == endpoint:
+                    found = channel
+                else:
+                    stale.append(channel)
+        for channel in stale:
+            self._drop(channel)
+        return found
+
+    def _put_back(self, endpoint: str, channel: ClientChannel) -> None:
+        """Keep a connection whose call ended cleanly for the next call (closed past
+        :data:`_IDLE_CONNECTIONS`, or once the client is closed)."""
+        with self._lock:
+            if channel in self._channels and len(self._idle) < _IDLE_CONNECTIONS:
+                self._idle.append((endpoint, channel))
+                return
+        self._drop(channel)
 
     def _ensure_open(self) -> None:
         if self._closed:
@@ -540,7 +588,6 @@ class RpcClient:
         with self._lock:
             self._channels.discard(channel)
         channel.close()
-        self._local.channel = None
 
     def _check_leader(self, endpoint: str) -> None:
         """Raise ``_LeaderMoved`` if etcd names a leader other than ``endpoint`` (a lookup that

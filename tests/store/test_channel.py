@@ -211,8 +211,43 @@ def test_calls_from_many_threads_get_their_own_answers(master: _Master) -> None:
         thread.start()
     for thread in threads:
         thread.join(60)
-    rpc.close()
     assert errors == []
+    assert master.server.connections <= len(threads)  # at most one per call at a time
+    rpc.close()
+    wait_for(lambda: master.server.connections == 0, "the client's connections closed")
+
+
+def _call_on_a_new_thread(rpc: RpcClient, request: m.Request) -> m.Reply:
+    replies: list[m.Reply] = []
+    thread = threading.Thread(target=lambda: replies.append(rpc.call(request)))
+    thread.start()
+    thread.join(10)
+    (reply,) = replies
+    return reply
+
+
+def test_threads_that_come_and_go_share_one_idle_connection(master: _Master) -> None:
+    """A thread that ends leaves its connection to the next caller: short-lived threads
+    (vLLM's lanes end after idling) neither leak connections nor each pay a handshake."""
+    rpc = RpcClient(master.endpoint, 5.0, token=TOKEN)
+    for n in range(20):
+        reply = _call_on_a_new_thread(rpc, m.Exists([f"yes-{n}", f"no-{n}"]))
+        assert reply == m.ExistsReply([True, False])
+    assert master.server.connections == 1
+    rpc.close()
+    wait_for(lambda: master.server.connections == 0, "the client's connection closed")
+
+
+def test_connect_opens_the_connection_the_next_call_takes(master: _Master) -> None:
+    rpc = RpcClient(master.endpoint, 5.0, token=TOKEN)
+    rpc.connect()
+    assert master.server.connections == 1  # handshake done: the master holds it
+    assert _call_on_a_new_thread(rpc, m.Exists(["yes"])) == m.ExistsReply([True])
+    rpc.connect()  # one is idle: nothing more opens
+    assert master.server.connections == 1
+    rpc.close()
+    with pytest.raises(ClosedError):
+        rpc.connect()
 
 
 def test_a_wrong_or_missing_token_is_a_clear_error(master: _Master) -> None:
@@ -254,6 +289,40 @@ def test_close_wakes_a_blocked_call(master: _Master) -> None:
     assert isinstance(failures[0], ClosedError)
 
 
+def test_close_fails_a_call_about_to_wait_for_its_reply(
+    master: _Master, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close that lands between a call's send and its wait must fail the call too (the
+    descriptor it is about to wait on stays valid until the call lets go of it)."""
+    sent, closed = threading.Event(), threading.Event()
+    receive = ch.ClientChannel.receive
+
+    def paused(channel: ch.ClientChannel, deadline: float) -> bytes:
+        sent.set()
+        closed.wait(10)
+        return receive(channel, deadline)
+
+    monkeypatch.setattr(ch.ClientChannel, "receive", paused)
+    rpc = RpcClient(master.endpoint, 30.0, token=TOKEN)
+    failures: list[BaseException] = []
+
+    def caller() -> None:
+        try:
+            rpc.call(m.Exists(["yes"]))
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    assert sent.wait(10)
+    rpc.close()
+    closed.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert [type(exc) for exc in failures] == [ClosedError]
+    wait_for(lambda: master.server.connections == 0, "the caller closed its connection")
+
+
 def test_a_restarted_master_is_reached_on_the_next_call() -> None:
     first = _Master(TOKEN)
     rpc = RpcClient(first.endpoint, 5.0, token=TOKEN)
@@ -275,6 +344,8 @@ def test_a_master_that_is_not_up_yet_is_waited_for_within_the_timeout() -> None:
     rpc = RpcClient(f"tcp://127.0.0.1:{port}", 0.3, token=TOKEN)
     with pytest.raises(MasterUnavailable, match="not reachable"):
         rpc.call(m.Exists([]))
+    with pytest.raises(MasterUnavailable, match="not reachable"):
+        rpc.connect()
     replies: list[m.Reply] = []
     caller = threading.Thread(target=lambda: replies.append(rpc.call(m.Exists(["yes"]), 30)))
     caller.start()  # refused until the master below binds

@@ -303,6 +303,7 @@ class MasterService:
             term=self._term if self._serving() else 0,
             refused=self._server.refused,
             dropped=self._server.malformed,
+            connections=self._server.connections,
             tiers=self.state.tier_stats(),
             tenants=self.state.tenant_stats(),
             peers=self.peer_reports.summary(self.now()),
@@ -342,6 +343,9 @@ class _StateCollector(Collector):
             "kvconnect_master_refused_connections",
             "Connections refused for want of the cluster token",
             value=stats.refused,
+        )
+        yield GaugeMetricFamily(
+            "kvconnect_master_connections", "Client connections open", value=stats.connections
         )
         yield CounterMetricFamily(
             "kvconnect_master_dropped_messages",
