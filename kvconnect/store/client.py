@@ -208,7 +208,8 @@ class StoreClient(Lifecycle):
     # ---------------------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        """Start the transfer engine (if owned). Does not contact the master."""
+        """Start the transfer engine (if owned) and the peers' (connected to in the
+        background). Does not contact the home master. Idempotent."""
         if self._own_engine:
             self.engine.start()
         self._host_id = self.engine.segment.host_id
@@ -222,6 +223,19 @@ class StoreClient(Lifecycle):
         self._rpc.close()
         if self._own_engine:
             self.engine.close()
+
+    def connect(self, timeout: float | None = None) -> None:
+        """Open a connection to the master ahead of the next call (within ``timeout``, by
+        default ``rpc_timeout``), so that call's timeout is not spent on the handshake.
+        Raises like any call (MasterUnavailable, CircuitOpen); the breaker counts the
+        outcome."""
+        self._admit(self._clock())
+        try:
+            self._rpc.connect(timeout)
+        except MasterUnavailable:
+            self._breaker.failure(self._clock())
+            raise
+        self._breaker.success()
 
     @property
     def breaker(self) -> CircuitBreaker:
@@ -702,8 +716,7 @@ class StoreClient(Lifecycle):
         """One RPC to the master. Raises MasterUnavailable, CircuitOpen, or a StoreError
         carrying the code the master refused the request with."""
         now = self._clock()
-        if not self._breaker.allow(now):
-            raise CircuitOpen("the store failed repeatedly; failing fast during the cool-down")
+        self._admit(now)
         timeout = self.config.rpc_timeout
         if deadline is not None:
             timeout = min(timeout, max(0.0, deadline - now))
@@ -722,6 +735,11 @@ class StoreClient(Lifecycle):
             raise _Refused(request, reply)
         self._breaker.success()
         return reply
+
+    def _admit(self, now: float) -> None:
+        """Raise CircuitOpen unless the breaker lets a call to the master through."""
+        if not self._breaker.allow(now):
+            raise CircuitOpen("the store failed repeatedly; failing fast during the cool-down")
 
     def _transfer(
         self, op: TransferOp, batches: list[_Batch], count: int, cancel: Cancel | None

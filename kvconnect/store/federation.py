@@ -13,7 +13,8 @@ asked for again for ``negative_ttl``. Home calls never wait on a peer: peers are
 about keys home did not have, after home answered. Writes stay home; with ``copy_home`` a key
 read from a peer is copied home in the background, with ``copy_writes`` a key written home is
 copied to the peer. The same background thread reports the peers' use to the home master
-every ``peer_report_interval`` (``kvconnect status``).
+every ``peer_report_interval`` (``kvconnect status``); it first opens a connection to each
+peer, so no caller's short peer timeout is spent on a handshake.
 """
 
 from __future__ import annotations
@@ -179,7 +180,9 @@ class Federation(Lifecycle):
 
     def start(self) -> None:
         """Start the peers' engines, the prober/reporter thread and (if a peer takes copies)
-        the copier."""
+        the copier. Idempotent (``with client:`` on a started client starts it again)."""
+        if self._threads:
+            return
         for peer in self._peers:
             peer.client.start()
         self._spawn(self._watch, "kvconnect-peer-watch")
@@ -364,7 +367,9 @@ class Federation(Lifecycle):
         self._threads.append(thread)
 
     def _watch(self) -> None:
-        """Probe the peers that are down and report to the home master, until closed."""
+        """Connect to the peers, then probe those that are down and report to the home
+        master, until closed."""
+        self._connect()
         interval = min(peer.config.probe_interval for peer in self._peers) / 2
         if self._report_interval:
             interval = min(interval, self._report_interval)
@@ -377,6 +382,19 @@ class Federation(Lifecycle):
                     self._report_home(self.report())
                 except StoreError as exc:
                     log.debug("peer report not taken by the home master: %s", exc)
+
+    def _connect(self) -> None:
+        """Open a connection to each peer's master before a caller needs one: a caller's
+        ``rpc_timeout`` then covers its request, not a handshake too. A peer that accepts
+        none within its probe interval is down from the start (callers skip it until a probe
+        finds it back)."""
+        for peer in self._peers:
+            if self._stop.is_set():
+                return
+            try:
+                peer.client.connect(peer.config.probe_interval)
+            except StoreError as exc:
+                self._failed(peer, exc)
 
     def _probe(self) -> None:
         """Ask each peer whose breaker is open whether it answers again (its client lets

@@ -10,6 +10,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -185,14 +186,35 @@ def test_a_peer_that_refuses_our_token_is_skipped_and_home_still_serves(
     _fill(peer, _values("p", 3, 60))
     wrong = _peer(peer, token_file=tokens[0])  # home's token, not the peer's
     with _client(home, wrong) as client:
-        assert client.batch_exists([*at_home, "p0"]) == [True, True, True, False]
+        # refused as the client started (its first connection): down before any call
+        wait_for(lambda: _status(client)["failures"] == 1, "the peer's refusal at start")
         assert _status(client)["breaker"] is not BreakerState.CLOSED
+        assert client.batch_exists([*at_home, "p0"]) == [True, True, True, False]
         assert client.batch_exists(["p1"]) == [False]
         status = _status(client)
-        assert status["failures"] == 1
-        assert status["skipped"] == 1
+        assert (status["asked"], status["failures"], status["skipped"]) == (0, 1, 2)
         for key, value in at_home.items():
             assert client.get(key) == value
+
+
+def test_each_peer_is_connected_before_the_first_call(clusters: tuple[Cluster, Cluster]) -> None:
+    """The peer's short rpc_timeout covers a caller's request, not a handshake too: the
+    client connects as it starts, and callers on threads of their own take that connection."""
+    home, peer = clusters
+    values = _values("w", 2, 40)
+    _fill(peer, values)
+    before = peer.stats().connections  # its store server's, and this stats call's own
+    with _client(home, _peer(peer, probe_interval=60.0)) as client:
+        wait_for(lambda: peer.stats().connections == before + 1, "the connection at start")
+        found: list[list[bool]] = []
+        for key in [*values, "nowhere"]:  # each call on a thread that ends, as vLLM's lanes do
+            caller = threading.Thread(target=lambda k=key: found.append(client.batch_exists([k])))
+            caller.start()
+            caller.join(10)
+        assert found == [[True], [True], [False]]
+        assert peer.stats().connections == before + 1
+        assert (_status(client)["asked"], _status(client)["failures"]) == (3, 0)
+    wait_for(lambda: peer.stats().connections == before, "the client's connection closed")
 
 
 @pytest.mark.parametrize("fault", ["stopped", "killed"])
@@ -324,7 +346,9 @@ def test_status_shows_the_peers_clients_report_breakers_and_hit_shares(
     ):
         for key, value in {**at_home, **at_peer}.items():
             assert reader.get(key) == value
-        assert cut_off.batch_exists(["p0"]) == [False]  # the attempt that opens its breaker
+        # its connection at start failed (its breaker open): the call skips the dead peer
+        wait_for(lambda: _status(cut_off)["failures"] == 1, "the dead peer's failure at start")
+        assert cut_off.batch_exists(["p0"]) == [False]
 
         def reported() -> dict[str, PeerSummary]:
             return {p.peer: p for p in home.stats().peers}
@@ -340,6 +364,7 @@ def test_status_shows_the_peers_clients_report_breakers_and_hit_shares(
         assert east.reads == 3 + 5  # three keys read from home, five from the peer
         assert east.counts.bytes_read == sum(map(len, at_peer.values()))
         assert (west.clients, west.down, west.counts.failures, west.counts.hits) == (1, 1, 1, 0)
+        assert (west.counts.asked, west.counts.skipped) == (0, 1)
         command = [sys.executable, "-m", "kvconnect.cli", "status"]
         command += ["--master", home.master_endpoint, "--token-file", home.token_file]
         out = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)

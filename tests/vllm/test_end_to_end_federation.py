@@ -94,6 +94,12 @@ def test_a_prefix_in_a_peer_cluster_is_loaded_by_a_tenant_of_another(setup: Setu
     saved = setup.east.stats().keys - probes  # the block objects
     assert saved > 0
 
+    # Both of the reader's clients (the scheduler's lookups, the worker's loads) connected to
+    # east as they started and report it up.
+    def east_up() -> bool:
+        return [(p.peer, p.clients, p.down) for p in setup.west.stats().peers] == [("east", 2, 0)]
+
+    wait_for(east_up, "the reader's clients reporting east up")
     second = text(complete(setup.reader.url, prompt))
     assert second == first
     assert wait_stats(setup.reader, "pool_bytes_loaded", 0) == blocks  # all from east
