@@ -78,6 +78,14 @@ def test_a_peer_that_hangs_up_ends_the_wait(
     assert a.recv(1) == b""
 
 
+def test_a_closed_sockets_descriptor_fails_at_once(wait: object) -> None:
+    a, b = socket.socketpair()
+    a.close()
+    b.close()
+    with pytest.raises(OSError, match="not an open descriptor"):  # not a 30 s sleep
+        polling.wait_readable(a.fileno(), 30.0, 30.0)
+
+
 def test_the_extension_refuses_negative_and_nan_windows() -> None:
     native = pytest.importorskip("kvconnect._native")
     for spin, timeout in ((-1.0, 1.0), (0.0, -1.0), (float("nan"), 1.0)):

@@ -14,6 +14,7 @@ threads go on; without it every wait sleeps at once.
 
 from __future__ import annotations
 
+import errno
 import select
 from collections.abc import Callable
 
@@ -32,7 +33,10 @@ _native_wait = _native_poll()
 def wait_readable(fd: int, window: float, timeout: float) -> bool:
     """Whether ``fd`` became readable within ``timeout`` seconds (hung up or failed counts: the
     caller's read tells which), polling for the first ``window`` of them. Blocks the calling
-    thread, without the GIL; raises OSError if the descriptor cannot be polled."""
+    thread, without the GIL; raises OSError if the descriptor cannot be polled (-1, a closed
+    socket's: poll() would skip it and sleep the whole timeout)."""
+    if fd < 0:
+        raise OSError(errno.EBADF, "not an open descriptor")
     timeout = max(0.0, timeout)
     if _native_wait is not None:
         return _native_wait(fd, max(0.0, window), timeout)
