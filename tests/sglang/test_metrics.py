@@ -214,7 +214,8 @@ def test_peer_series_count_lookups_and_hits_per_peer(cluster: Cluster, tmp_path:
         assert h.backup(writer, source, tokens) == len(tokens)
     finally:
         writer.detach_storage_backend()
-    peer = {"name": "group-b", "master": cluster.master_endpoint}
+    # the counts, not the peer's timeout (test_federation): room for a loaded machine
+    peer = {"name": "group-b", "master": cluster.master_endpoint, "rpc_timeout": 2.0}
     with Cluster(servers=1, server_size=8 << 20, token_file=str(token)) as home:
         settings = {"token_file": str(token), "store": {"peers": [peer]}}
         pool = h.mha_pool()

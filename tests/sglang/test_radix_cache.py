@@ -408,6 +408,7 @@ def test_a_reader_of_another_group_prefetches_through_federation(
                 "name": "group-b",
                 "master": peer.master_endpoint,
                 "token_file": str(tokens_b),
+                "rpc_timeout": 2.0,  # the data path, not the peer's timeout (test_federation)
             }
             reader.attach(
                 {
