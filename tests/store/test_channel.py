@@ -308,18 +308,20 @@ def test_close_fails_a_call_about_to_wait_for_its_reply(
 
     def caller() -> None:
         try:
-            rpc.call(m.Exists(["yes"]))
+            rpc.call(m.Remove(["k"], False))  # answered only once released: no reply waits
         except BaseException as exc:
             failures.append(exc)
 
     thread = threading.Thread(target=caller)
     thread.start()
     assert sent.wait(10)
+    assert master.entered.wait(10)
     rpc.close()
     closed.set()
     thread.join(10)
     assert not thread.is_alive()
     assert [type(exc) for exc in failures] == [ClosedError]
+    master.release.set()  # the master's loop goes on (and sees the connection gone)
     wait_for(lambda: master.server.connections == 0, "the caller closed its connection")
 
 
