@@ -198,7 +198,7 @@ class StoreClient(Lifecycle):
                 self.engine.config,
                 make_client=lambda peer, engine: StoreClient(peer, engine, clock=clock),
                 home_owns=self.engine.owns,
-                put_home=self.put,
+                put_home=lambda key, value: self.put(key, value, peers=False),
                 get_home=lambda key: self.get(key, peers=False),
                 report_home=self._report,
                 client_id=self.client_id,
@@ -327,17 +327,25 @@ class StoreClient(Lifecycle):
     # ---------------------------------------------------------------------------------- put
 
     def put(
-        self, key: str, value: bytes | bytearray | memoryview, *, timeout: float | None = None
+        self,
+        key: str,
+        value: bytes | bytearray | memoryview,
+        *,
+        timeout: float | None = None,
+        peers: bool = True,
     ) -> Code:
         """Store ``value`` under ``key`` (a copy-free registration of ``value`` for the call).
         An invalid key or an empty value is INVALID. While the result is UNSETTLED a transport
         thread may still read ``value``: the registration (which keeps it alive) ends once it
-        lets go; the caller must not modify a mutable ``value`` before then."""
+        lets go; the caller must not modify a mutable ``value`` before then. ``peers``: as in
+        :meth:`batch_put_from`."""
         if not check_key(key) or not len(value):
             return Code.INVALID
 
         def put_into(region: MemoryRegion) -> BatchResult:
-            return self.batch_put_from([key], region, [0], [region.length], timeout=timeout)
+            return self.batch_put_from(
+                [key], region, [0], [region.length], timeout=timeout, peers=peers
+            )
 
         return self._with_region(value, put_into).codes[0]
 
@@ -349,9 +357,11 @@ class StoreClient(Lifecycle):
         sizes: Sequence[int],
         *,
         timeout: float | None = None,
+        peers: bool = True,
     ) -> BatchResult:
         """Store ``region[offsets[i] : offsets[i] + sizes[i]]`` under ``keys[i]`` (``region``:
-        one registered region, or one per key).
+        one registered region, or one per key). Copied to the ``copy_writes`` peers unless
+        ``peers`` is False (federation).
 
         Keys already stored are skipped (EXISTS). A key that cannot be written in time is
         revoked at the master (its space is quarantined) and reported TIMEOUT or FAILED; one
@@ -360,7 +370,7 @@ class StoreClient(Lifecycle):
         """
         keys = b.plain_keys(keys)
         ranges = b.check_ranges(keys, region, offsets, sizes, self.engine.owns)
-        return self._put(keys, ranges, None, timeout)
+        return self._put(keys, ranges, None, timeout, peers=peers)
 
     def batch_put_part_from(
         self,
@@ -409,7 +419,13 @@ class StoreClient(Lifecycle):
         return self._put(keys, ranges, info, timeout)
 
     def _put(
-        self, keys: list[str], ranges: b.Ranges, part: b.Part | None, timeout: float | None
+        self,
+        keys: list[str],
+        ranges: b.Ranges,
+        part: b.Part | None,
+        timeout: float | None,
+        *,
+        peers: bool = True,
     ) -> BatchResult:
         deadline = self._clock() + (self.config.io_timeout if timeout is None else timeout)
         picked = b.valid_keys(keys)
@@ -423,7 +439,7 @@ class StoreClient(Lifecycle):
                 for run in b.runs(picked, MASTER_RUN)
             ]
             result = b.spread(b.joined(results), picked, len(keys))
-        if self._federation is not None:
+        if peers and self._federation is not None:
             self._federation.written(
                 [k for k, code in zip(keys, result.codes, strict=True) if code is Code.OK]
             )

@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # the client builds its federation: no import at run time
 log = logging.getLogger(__name__)
 
 PutHome = Callable[[str, bytearray], Code]
-"""Stores one value in the home cluster (the home client's ``put``)."""
+"""Stores one value in the home cluster (the home client's ``put``, copied to no peer)."""
 GetHome = Callable[[str], bytearray | None]
 """Reads one value from the home cluster only (the home client's ``get`` without peers)."""
 ReportHome = Callable[[m.PeerReport], None]
@@ -175,7 +175,6 @@ class Federation(Lifecycle):
         self._wake = threading.Condition()
         self._copies: collections.deque[tuple[_Peer, str, Way]] = collections.deque()
         self._queued: set[tuple[str, str, Way]] = set()
-        self._copying = threading.local()  # set on the copier thread while it writes home
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -217,9 +216,8 @@ class Federation(Lifecycle):
                 self._home_hits += count
 
     def written(self, keys: Sequence[str]) -> None:
-        """``keys`` were written home: queue their copies to the peers with ``copy_writes``
-        (not for the copier's own writes home: those came from a peer)."""
-        if keys and not getattr(self._copying, "home", False):
+        """``keys`` were written home: queue their copies to the peers with ``copy_writes``."""
+        if keys:
             for peer in self._peers:
                 if peer.config.copy_writes:
                     self._enqueue(peer, keys, Way.OUT)
@@ -422,16 +420,15 @@ class Federation(Lifecycle):
                 self._queued.discard((peer.config.name, key, way))
             if way is Way.HOME:
                 value = peer.client.get(key)
-                self._copying.home = True
-                try:
-                    code = None if value is None else self._put_home(key, value)
-                finally:
-                    self._copying.home = False
+                code = None if value is None else self._put_home(key, value)
             else:
                 value = self._get_home(key)
                 code = None if value is None else peer.client.put(key, value)
             if code in (Code.OK, Code.EXISTS):
                 peer.count(copied=1)
+            else:  # dropped: the next read of it from the peer queues it again
+                why = "not read" if code is None else code.name
+                log.debug("copy of %s (peer %s, %s) failed: %s", key, peer.config.name, way, why)
 
 
 def _peer_configs(

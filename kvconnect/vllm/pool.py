@@ -15,7 +15,8 @@ layout, every layer's shape).
 vLLM seeds its block hashes (``NONE_HASH``: ``PYTHONHASHSEED``, or a random seed per process
 with the non-cryptographic hash algorithms) and lets each instance pick its hash algorithm;
 instances that disagree never hit each other's blocks. The fleet probe — an object holding
-the hash of a fixed block under the fleet's keys — makes that an ERROR instead.
+the hash of a fixed block under the fleet's keys, in the home cluster only (a peer
+cluster's fleet is another fleet) — makes that an ERROR instead.
 """
 
 from __future__ import annotations
@@ -204,8 +205,10 @@ class StorePoolIndex:
 
 
 def _probe_fleet(client: StoreClient, key: str, mine: bytes) -> tuple[Verdict, str]:
-    """The verdict, and why the store could not tell (UNKNOWN)."""
-    stored = client.put(key, mine)
+    """The verdict, and why the store could not tell (UNKNOWN). The probe is the home
+    cluster's fleet's: never read from or copied to a peer cluster (federation), whose fleet
+    may hash otherwise and whose probe would then refuse or admit this one wrongly."""
+    stored = client.put(key, mine, peers=False)
     if stored is Code.BUSY:  # a fleet starting together: another instance is writing it now
         log.debug("kvconnect pool: another instance is writing the fleet probe; reading theirs")
         theirs = _read_when_written(client, key)
@@ -214,7 +217,7 @@ def _probe_fleet(client: StoreClient, key: str, mine: bytes) -> tuple[Verdict, s
     elif stored not in (Code.OK, Code.EXISTS):  # the store is down
         return Verdict.UNKNOWN, f"storing the probe: {stored.name}"
     else:
-        theirs = client.get(key)
+        theirs = client.get(key, peers=False)
         if theirs is None:
             return Verdict.UNKNOWN, "reading the probe back failed"
     if bytes(theirs) == mine:
@@ -236,7 +239,7 @@ def _read_when_written(client: StoreClient, key: str) -> bytearray | None:
     deadline = time.monotonic() + client.config.io_timeout
     pause = _FIRST_READ_PAUSE
     while True:
-        theirs = client.get(key)
+        theirs = client.get(key, peers=False)
         if theirs is not None or time.monotonic() + pause > deadline:
             return theirs
         time.sleep(pause)

@@ -7,15 +7,23 @@ import time
 from collections.abc import Callable
 
 
-def wait_for(condition: Callable[[], bool], message: str, timeout: float = 10.0) -> None:
-    """Poll ``condition`` until true; fail with ``message`` after ``timeout`` seconds.
+def wait_for(
+    condition: Callable[[], bool],
+    message: str,
+    timeout: float = 10.0,
+    *,
+    detail: Callable[[], str] | None = None,
+) -> None:
+    """Poll ``condition`` until true; fail with ``message`` after ``timeout`` seconds, and
+    then with what ``detail`` tells (the state seen last, for a failure far from its logs).
 
     For state another process or thread updates after the event the test observed (a
     listener counts a refusal after sending it).
     """
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, message
+        if time.monotonic() >= deadline:
+            raise AssertionError(message if detail is None else f"{message}\n{detail()}")
         time.sleep(0.01)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +89,18 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
                 server.stop()
 
 
+def _seen(setup: Setup) -> Callable[[], str]:
+    """What west's master and the reader's log (kvconnect's lines) show: CI keeps no logs."""
+
+    def seen() -> str:
+        stats = setup.west.stats()
+        log = setup.reader.log.read_text(errors="replace").splitlines()
+        lines = [line for line in log if "[kvconnect." in line and "] step: " not in line]
+        return "\n".join([f"west: {stats.peers} {stats.tenants}", *lines[-15:]])
+
+    return seen
+
+
 def test_a_prefix_in_a_peer_cluster_is_loaded_by_a_tenant_of_another(setup: Setup) -> None:
     prompt = tiny_llama.prompt(11, 200)  # 6 full blocks and 8 tokens
     blocks = 6 * BLOCK_BYTES
@@ -103,7 +115,7 @@ def test_a_prefix_in_a_peer_cluster_is_loaded_by_a_tenant_of_another(setup: Setu
     def east_up() -> bool:
         return [(p.peer, p.clients, p.down) for p in setup.west.stats().peers] == [("east", 2, 0)]
 
-    wait_for(east_up, "the reader's clients reporting east up")
+    wait_for(east_up, "the reader's clients reporting east up", detail=_seen(setup))
     second = text(complete(setup.reader.url, prompt))
     assert second == first
     assert wait_stats(setup.reader, "pool_bytes_loaded", 0) == blocks  # all from east
@@ -114,7 +126,11 @@ def test_a_prefix_in_a_peer_cluster_is_loaded_by_a_tenant_of_another(setup: Setu
         (team,) = setup.west.stats().tenants
         return team.objects
 
-    wait_for(lambda: team_objects() == 1 + saved, "east's blocks copied into west")
+    wait_for(
+        lambda: team_objects() == 1 + saved,
+        "east's blocks copied into west",
+        detail=_seen(setup),
+    )
     assert setup.west.stats().keys == 1 + saved
     assert setup.east.stats().keys == probes + saved
 
@@ -123,7 +139,7 @@ def test_a_prefix_in_a_peer_cluster_is_loaded_by_a_tenant_of_another(setup: Setu
         peers = setup.west.stats().peers
         return bool(peers) and peers[0].counts.copied == saved
 
-    wait_for(reported, "the reader's peer report")
+    wait_for(reported, f"the reader's peer report ({saved} copied)", detail=_seen(setup))
     (east,) = setup.west.stats().peers
     # two clients: the scheduler's (lookups) and the worker's (loads and saves)
     assert (east.peer, east.clients, east.down) == ("east", 2, 0)

@@ -1,9 +1,9 @@
 """The pool's key scheme and fleet probe (kvconnect/vllm/pool.py) against a real master and
 store server, every environment: instances that hash blocks alike agree, one that does not is
 refused with one ERROR, a store that cannot answer leaves the question open (one WARNING saying
-why), an instance finding another writing the probe reads theirs, the probe waits for vLLM's
-seeded hashes and settles in the background before any lookup, and ranks whose KV formats
-differ get no key scheme."""
+why), an instance finding another writing the probe reads theirs, the probe is the home
+cluster's alone (federation), the probe waits for vLLM's seeded hashes and settles in the
+background before any lookup, and ranks whose KV formats differ get no key scheme."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from contextlib import closing
 import pytest
 
 from kvconnect.store.client import StoreClient
-from kvconnect.store.config import StoreClientConfig
+from kvconnect.store.config import PeerConfig, StoreClientConfig
 from kvconnect.store.launch import Cluster
 from kvconnect.store.messages import Code
 from kvconnect.vllm.groups import FULL_ONLY
@@ -87,11 +87,55 @@ def test_an_instance_finding_another_writing_the_probe_reads_theirs(
     and the first requests saved nothing)."""
     index = _index(client, b"seed-ab", "together")
     assert index.keys is not None
-    key, theirs = index.keys.probe_key, b"seed-ab"
-    region = client.register(bytearray(theirs))
+    _agrees_once_written(index, client, index.keys.probe_key, caplog)
 
-    def write(part: int) -> None:  # the other instance's put, in two parts: pending in between
-        result = client.batch_put_part_from(
+
+def test_the_fleet_probe_is_the_home_clusters_only(
+    cluster: Cluster, client: StoreClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Federation: a peer cluster's fleet is another fleet, which may hash otherwise. With
+    home's probe being written and a peer holding another hash under its key, the verdict
+    waits for home's (it used to read the peer's: a refusal, or with a like hash a peer hit
+    and a copy home); a probe stored home is not copied to a ``copy_writes`` peer."""
+    with Cluster(servers=1, server_size=8 << 20) as east:
+        peer = PeerConfig(
+            name="east", master=east.master_endpoint, copy_home=True, copy_writes=True
+        )
+        federated = StoreClient(StoreClientConfig(master=cluster.master_endpoint, peers=(peer,)))
+        there = StoreClient(StoreClientConfig(master=east.master_endpoint))
+        with federated, there:
+            together = _index(federated, b"seed-ab", "federated")
+            assert together.keys is not None
+            key = together.keys.probe_key
+            assert there.put(key, b"seed-zz") is Code.OK  # east's fleet hashes otherwise
+            _agrees_once_written(together, client, key, caplog)
+
+            alone = _index(federated, b"seed-ab", "federated-alone")
+            assert alone.check_fleet()
+            assert alone.keys is not None
+            assert federated.put("written-home", b"copied") is Code.OK  # queued after the probe
+
+            def copied_out() -> bool:  # counted once the peer's master took it
+                copied = federated.peers()[0].counts.copied
+                return copied > 0 and there.get("written-home") is not None
+
+            wait_for(copied_out, "no copy to the peer")
+            assert bytes(there.get("written-home") or b"") == b"copied"
+            assert there.get(alone.keys.probe_key) is None, "the probe was copied to the peer"
+            assert bytes(there.get(key) or b"") == b"seed-zz"
+            (counts,) = (p.counts for p in federated.peers())
+            assert (counts.asked, counts.hits, counts.copied) == (0, 0, 1)
+
+
+def _agrees_once_written(
+    index: StorePoolIndex, writer: StoreClient, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``writer`` (another instance) writes ``index``'s own probe in two parts; between them
+    ``index``'s check finds the put under way (BUSY), waits, and agrees once it is in."""
+    region = writer.register(bytearray(b"seed-ab"))
+
+    def write(part: int) -> None:
+        result = writer.batch_put_part_from(
             [key],
             region,
             [4 * part],
@@ -108,7 +152,7 @@ def test_an_instance_finding_another_writing_the_probe_reads_theirs(
         agreed = pool.submit(index.check_fleet)
         wait_for(lambda: "another instance is writing" in caplog.text, "the probe never waited")
         write(1)
-        assert agreed.result(timeout=10), "the verdict stayed open while another probe was written"
+        assert agreed.result(timeout=10), "no agreement once the probe was written"
     assert index.verdict is Verdict.AGREE
     assert "got no answer" not in caplog.text
 
