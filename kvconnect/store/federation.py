@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvconnect.errors import RegionBusy, StoreError
+from kvconnect.errors import KVConnectError, RegionBusy, StoreError
 from kvconnect.lifecycle import Lifecycle
 from kvconnect.store import messages as m
 from kvconnect.store.batching import BatchResult, Ranges, Span
@@ -57,6 +57,10 @@ class Way(enum.Enum):
     HOME = "home"  # a key read from the peer, into the home cluster
     OUT = "out"  # a key written home, into the peer
 
+
+_COPY_TRIES = 2
+"""Attempts at one background copy: a failed one (its write not confirmed in time, a store
+full for a moment) is tried again after the copies queued behind it."""
 
 _SETTLED_FAILURES = (Code.FAILED, Code.TIMEOUT, Code.UNAVAILABLE, Code.STALE, Code.NOT_FOUND)
 """A peer's codes after which the key may still be read from the next peer (its buffer is
@@ -173,7 +177,7 @@ class Federation(Lifecycle):
         self._home_hits = 0  # keys read from home by the calls that federate
         self._stop = threading.Event()
         self._wake = threading.Condition()
-        self._copies: collections.deque[tuple[_Peer, str, Way]] = collections.deque()
+        self._copies: collections.deque[tuple[_Peer, str, Way, int]] = collections.deque()
         self._queued: set[tuple[str, str, Way]] = set()
         self._threads: list[threading.Thread] = []
 
@@ -341,14 +345,15 @@ class Federation(Lifecycle):
         if peer.config.copy_home and keys:
             self._enqueue(peer, keys, Way.HOME)
 
-    def _enqueue(self, peer: _Peer, keys: Sequence[str], way: Way) -> None:
+    def _enqueue(self, peer: _Peer, keys: Sequence[str], way: Way, tried: int = 0) -> None:
+        """Queue copies of ``keys`` (``tried``: attempts at them so far)."""
         with self._wake:
             for key in keys:
                 if len(self._copies) >= peer.config.copy_queue:
                     break
                 if (peer.config.name, key, way) not in self._queued:
                     self._queued.add((peer.config.name, key, way))
-                    self._copies.append((peer, key, way))
+                    self._copies.append((peer, key, way, tried))
             self._wake.notify()
 
     def _failed(self, peer: _Peer, exc: StoreError) -> None:
@@ -409,26 +414,40 @@ class Federation(Lifecycle):
 
     def _copy(self) -> None:
         """Copy keys read from peers into the home cluster and keys written home into peers,
-        one at a time."""
+        one at a time, in order; a failed copy goes once more to the back of the queue."""
         while True:
             with self._wake:
                 while not self._copies and not self._stop.is_set():
                     self._wake.wait()
                 if self._stop.is_set():
                     return
-                peer, key, way = self._copies.popleft()
+                peer, key, way, tried = self._copies.popleft()
                 self._queued.discard((peer.config.name, key, way))
+            why = self._copy_one(peer, key, way)
+            if not why:
+                peer.count(copied=1)
+            elif tried + 1 < _COPY_TRIES:
+                self._enqueue(peer, [key], way, tried + 1)
+            else:  # dropped: the next read of it from the peer queues it again
+                name = peer.config.name
+                log.debug("copy of %s (peer %s, %s) failed: %s", key, name, way.value, why)
+
+    def _copy_one(self, peer: _Peer, key: str, way: Way) -> str:
+        """Read ``key`` where it is and write it where it goes: '' when it is there now, else
+        why not."""
+        try:
             if way is Way.HOME:
                 value = peer.client.get(key)
                 code = None if value is None else self._put_home(key, value)
             else:
                 value = self._get_home(key)
                 code = None if value is None else peer.client.put(key, value)
-            if code in (Code.OK, Code.EXISTS):
-                peer.count(copied=1)
-            else:  # dropped: the next read of it from the peer queues it again
-                why = "not read" if code is None else code.name
-                log.debug("copy of %s (peer %s, %s) failed: %s", key, peer.config.name, way, why)
+        except KVConnectError as exc:  # e.g. a registration refused: the copy fails, not the copier
+            return f"{type(exc).__name__}: {exc}"
+        if code is None:
+            return "not read"
+        # EXISTS: there already (also a retried write that was stored, unconfirmed in time)
+        return "" if code in (Code.OK, Code.EXISTS) else code.name
 
 
 def _peer_configs(

@@ -4,29 +4,35 @@ that is stopped, killed or refuses our token costs one bounded attempt, never ho
 
 from __future__ import annotations
 
+import collections
 import gc
 import json
+import logging
 import secrets
 import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import numpy as np
 import pytest
 
 from kvconnect.bench.etcd import EtcdServer, etcd_available
-from kvconnect.errors import ConfigError
+from kvconnect.errors import ConfigError, RegistrationError
 from kvconnect.store.batching import Span
 from kvconnect.store.client import StoreClient
 from kvconnect.store.config import PeerConfig, StoreClientConfig
+from kvconnect.store.federation import Federation
 from kvconnect.store.launch import Cluster, Process, free_port
 from kvconnect.store.messages import Code, PeerSummary
-from kvconnect.store.resilience import BreakerState
+from kvconnect.store.resilience import BreakerState, CircuitBreaker
 from kvconnect.testing.peer import pattern
 from kvconnect.transfer import TransferConfig
 from tests.support.ha import leader_of, leader_stats
@@ -175,6 +181,69 @@ def test_a_peer_hit_is_copied_home_in_the_background(clusters: tuple[Cluster, Cl
         wait_for(lambda: _status(client)["copied"] == 3, "peer hits copied home")
         for key, value in values.items():
             assert plain.get(key) == value
+
+
+class _ScriptedPeer:
+    """A peer cluster's client that has every key (its value: the key's bytes); key "d" can
+    be read once, then its buffer cannot be registered."""
+
+    breaker = CircuitBreaker(1, 1.0)
+
+    def __init__(self) -> None:
+        self.reads: collections.Counter[str] = collections.Counter()
+
+    def start(self) -> None: ...
+    def connect(self, timeout: float) -> None: ...
+    def close(self) -> None: ...
+
+    def get(self, key: str, *, timeout: float | None = None) -> bytearray:
+        self.reads[key] += 1
+        if key == "d" and self.reads[key] > 1:
+            raise RegistrationError("no room to register the buffer")
+        return bytearray(key.encode())
+
+
+def test_a_failed_copy_is_tried_once_more_after_the_copies_behind_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A copy home whose write failed is tried again after those queued behind it: counted
+    when the retry finds the key stored (EXISTS: the first write was stored but not confirmed
+    in time), dropped with one debug line when it fails again — a copy that raises too, and
+    the copier goes on. (Logic only: a scripted peer and home; the copies' data path is the
+    real one in the tests above.)"""
+    answers = {"a": [Code.TIMEOUT, Code.EXISTS], "b": [Code.OK], "c": [Code.BUSY, Code.BUSY]}
+    writes: list[tuple[str, bytes]] = []
+
+    def put_home(key: str, value: bytearray) -> Code:
+        writes.append((key, bytes(value)))
+        return answers[key].pop(0)
+
+    peer = PeerConfig(name="east", master="tcp://127.0.0.1:1", insecure=True, copy_home=True)
+    federation = Federation(
+        StoreClientConfig(master="tcp://127.0.0.1:2", peers=(peer,), peer_report_interval=0),
+        TransferConfig(insecure=True),
+        make_client=lambda *_: cast("StoreClient", _ScriptedPeer()),
+        home_owns=lambda _: True,
+        put_home=put_home,
+        get_home=lambda _: None,
+        report_home=lambda _: None,
+        client_id="test",
+        clock=time.monotonic,
+    )
+    for key in [*answers, "d"]:  # every hit queued before the copier starts: a fixed order
+        assert federation.get(key, time.monotonic() + 5) == key.encode()
+    with caplog.at_level(logging.DEBUG, logger="kvconnect"), closing(federation):
+        federation.start()
+        wait_for(lambda: "copy of d" in caplog.text, "the second failure of d never logged")
+    assert [key for key, _ in writes] == ["a", "b", "c", "a", "c"]
+    assert all(value == key.encode() for key, value in writes)
+    (status,) = federation.status()
+    assert (status.counts.hits, status.counts.copied) == (4, 2)
+    dropped = [r.getMessage() for r in caplog.records if "copy of" in r.getMessage()]
+    assert len(dropped) == 2
+    assert "copy of c" in dropped[0]
+    assert dropped[0].endswith("failed: BUSY")
+    assert dropped[1].endswith("failed: RegistrationError: no room to register the buffer")
 
 
 def test_a_peer_that_refuses_our_token_is_skipped_and_home_still_serves(
